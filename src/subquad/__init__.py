@@ -1,0 +1,32 @@
+"""subquad: sub-quadratic attention for PyTorch, behind one SDPA-style API.
+
+    import subquad
+    out = subquad.attention(q, k, v, mechanism="full", is_causal=True)
+
+``subquad list`` (or ``subquad.mechanism_names()``) shows every mechanism and its options.
+"""
+
+from subquad.registry import (
+    Config,
+    Mechanism,
+    attention,
+    get_mechanism,
+    make_config,
+    mechanism_names,
+    option,
+    register,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "Mechanism",
+    "__version__",
+    "attention",
+    "get_mechanism",
+    "make_config",
+    "mechanism_names",
+    "option",
+    "register",
+]

@@ -1,0 +1,191 @@
+"""Full softmax attention: the reference, the test oracle and the baseline of every benchmark ratio.
+
+    Attention(Q, K, V) = softmax(Q Kᵀ · scale + mask) V        (Vaswani et al. 2017, eq. 1)
+
+Two backends compute it. ``sdpa`` calls torch's fused ``scaled_dot_product_attention``, which
+never materialises the (L, S) score matrix when no dense mask is needed. ``eager`` is the plain
+matmul-softmax-matmul, with the softmax in at least fp32; it is the readable reference, and the
+one to use for double backward (torch's fused CPU kernel has no second derivative). ``auto``
+takes ``sdpa``. Tests prove the two agree.
+
+Queries that see no key (every key padded, or causal with L > S) return zeros: their mask row is
+lifted before the softmax, so no NaN enters the forward or the backward, and the row is zeroed
+after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from subquad._validate import AttentionShape, check_attention_inputs
+from subquad.masks import contract_mask, visible_queries
+from subquad.registry import Config, Mechanism, option
+
+__all__ = ["FullConfig", "attention_weights", "full_attention"]
+
+
+@dataclass(frozen=True)
+class FullConfig(Config):
+    mechanism = "full"
+    backend: str = option(
+        "auto",
+        "sdpa: torch's fused kernel; eager: matmul-softmax-matmul (double backward); auto: sdpa",
+        choices=("auto", "sdpa", "eager"),
+    )
+
+
+def full_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    attn_mask: Tensor | None = None,
+    config: FullConfig | None = None,
+    state: None = None,
+) -> Tensor:
+    """Exact softmax attention under the contract's masks and an optional dense ``attn_mask``.
+
+    Args:
+        q, k, v: ``(B, H, L, D)``, ``(B, H, S, D)``, ``(B, H, S, Dv)``.
+        key_padding_mask: bool ``(B, S)``, True marks a real token.
+        is_causal: query ``i`` sees keys ``j <= i + S - L``.
+        scale: default ``D ** -0.5``.
+        attn_mask: broadcastable to ``(B, H, L, S)``; bool (True = may attend) or additive float.
+        config: ``FullConfig``.
+
+    Returns:
+        ``(B, H, L, Dv)``; zero rows for queries that see no key.
+    """
+    config = config or FullConfig()
+    shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
+    if attn_mask is not None:
+        attn_mask = _check_attn_mask(attn_mask, shape, q)
+    if attn_mask is None and key_padding_mask is None and (not is_causal or shape.queries == shape.keys):
+        mask, visible = None, None  # the fused kernel's own causal flag applies (L == S)
+    else:
+        mask, visible = _merged_mask(shape, key_padding_mask, is_causal, attn_mask, q)
+        is_causal = False
+    if config.backend == "eager":
+        if is_causal:
+            mask, _ = _merged_mask(shape, None, True, None, q)
+        out = _eager(q, k, v, mask, shape.scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=shape.scale)
+    return out if visible is None else out.masked_fill(~visible, 0.0)
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    attn_mask: Tensor | None = None,
+) -> Tensor:
+    """The dense attention matrix ``(B, H, L, S)`` of ``full_attention``, in fp32 or wider.
+
+    Rows of queries that see no key are zero. O(L·S) memory: for tests and analysis.
+    """
+    shape = check_attention_inputs(q, k, k, key_padding_mask, is_causal, scale)
+    if attn_mask is not None:
+        attn_mask = _check_attn_mask(attn_mask, shape, q)
+    mask, visible = _merged_mask(shape, key_padding_mask, is_causal, attn_mask, q)
+    weights = _softmax_weights(q, k, mask, shape.scale)
+    return weights if visible is None else weights.masked_fill(~visible, 0.0)
+
+
+def _softmax_weights(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    compute = torch.promote_types(q.dtype, torch.float32)  # softmax statistics in >= fp32
+    scores = torch.matmul(q.to(compute), k.to(compute).transpose(-2, -1)) * scale  # (B, H, L, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1)
+
+
+def _eager(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    weights = _softmax_weights(q, k, mask, scale)  # (B, H, L, S)
+    return torch.matmul(weights, v.to(weights.dtype)).to(q.dtype)  # (B, H, L, Dv)
+
+
+def _merged_mask(
+    shape: AttentionShape,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    attn_mask: Tensor | None,
+    q: Tensor,
+) -> tuple[Tensor | None, Tensor | None]:
+    """One mask for the kernels, and which queries see any key.
+
+    Returns ``(mask, visible)``: ``mask`` is bool or additive, broadcastable to ``(B, H, L, S)``,
+    with the rows of queries that see no key lifted so the softmax stays finite; ``visible`` is
+    bool broadcastable to ``(B, H, L, 1)``, or None when every query sees a key.
+    """
+    L, S = shape.queries, shape.keys
+    allowed = contract_mask(L, S, key_padding_mask, is_causal, q.device)
+    additive = None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        allowed = attn_mask if allowed is None else allowed & attn_mask
+    elif attn_mask is not None:
+        additive = attn_mask
+    if attn_mask is None:
+        visible = visible_queries(L, S, key_padding_mask, is_causal)
+        visible = None if visible is None else visible[:, None, :, None]  # (B|1, 1, L, 1)
+    else:
+        reachable = allowed
+        if additive is not None:
+            finite = ~torch.isneginf(additive)
+            reachable = finite if reachable is None else reachable & finite
+        visible = reachable.any(dim=-1, keepdim=True)  # (B|1, H|1, L, 1)
+    if visible is not None and bool(visible.all()):
+        visible = None
+    if visible is not None:
+        allowed = None if allowed is None else allowed | ~visible
+        additive = None if additive is None else additive.masked_fill(~visible, 0.0)
+    if additive is None:
+        return allowed, visible
+    if allowed is not None:
+        additive = additive.masked_fill(~allowed, float("-inf"))
+    return additive, visible
+
+
+def _check_attn_mask(attn_mask: object, shape: AttentionShape, q: Tensor) -> Tensor:
+    full = (shape.batch, shape.heads, shape.queries, shape.keys)
+    if not isinstance(attn_mask, Tensor):
+        raise ValueError(
+            f"attn_mask must be a tensor broadcastable to {full}, got {type(attn_mask).__name__}"
+        )
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise ValueError(
+            f"attn_mask must be bool (True = may attend) or an additive float mask, got {attn_mask.dtype}"
+        )
+    if attn_mask.dim() > 4 or any(m not in (1, n) for m, n in zip(reversed(attn_mask.shape), reversed(full))):
+        raise ValueError(
+            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, L, S) = {full}"
+        )
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}; move it with .to()")
+    if attn_mask.is_floating_point():
+        if bool(torch.isnan(attn_mask).any() | torch.isposinf(attn_mask).any()):
+            raise ValueError("additive attn_mask contains NaN or +inf; use -inf for masked positions")
+        attn_mask = attn_mask.to(q.dtype)
+    while attn_mask.dim() < 4:
+        attn_mask = attn_mask.unsqueeze(0)
+    return attn_mask
+
+
+MECHANISM = Mechanism(
+    name="full",
+    fn=full_attention,
+    config=FullConfig,
+    summary="exact softmax attention; the oracle and the baseline of every ratio",
+    paper="Vaswani et al. 2017, eq. 1",
+    tensor_args=("attn_mask",),
+)

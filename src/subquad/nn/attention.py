@@ -1,0 +1,252 @@
+"""Multi-head attention layers over any registered mechanism, or several at once.
+
+A layer's heads form one or more ``HeadGroup``s, each running one mechanism with one config: the
+Routing Transformer's mix of local and routing heads is ``(HeadGroup("local", 4, ...),
+HeadGroup("routing", 4, ...))``. The layer owns everything a mechanism declares in its registry
+record: the projections, the persistent state module (``Mechanism.state``), the producer of extra
+tensors (``Mechanism.inputs``) and, for decoding, the cache (``Mechanism.decoder`` or ``KVCache``).
+A new mechanism therefore plugs in here without a change to this file.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+from torch import Tensor, nn
+
+from subquad.registry import Config, Mechanism, get_mechanism, make_config
+
+__all__ = ["AttentionSpec", "HeadGroup", "KVCache", "MultiheadAttention"]
+
+
+class HeadGroup:
+    """A group of heads that run one mechanism with one config.
+
+    Args:
+        mechanism: a registered mechanism name.
+        heads: how many of the layer's heads; ``None`` takes the heads no other group claims.
+        **options: the mechanism's config options, checked now against its dataclass.
+    """
+
+    def __init__(self, mechanism: str, heads: int | None = None, **options: Any) -> None:
+        if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+            raise ValueError(f"HeadGroup heads must be a positive int or None, got {heads!r}")
+        self.mechanism: Mechanism = get_mechanism(mechanism)
+        self.heads = heads
+        self.config: Config = make_config(self.mechanism, **options)
+
+    def with_heads(self, heads: int) -> HeadGroup:
+        """A copy of this group with ``heads`` heads."""
+        group = copy.copy(self)
+        group.heads = heads
+        return group
+
+    def __repr__(self) -> str:
+        return f"HeadGroup({self.mechanism.name!r}, heads={self.heads}, config={self.config})"
+
+
+# One layer's attention: a mechanism name, one group, or a split of the heads into groups.
+AttentionSpec = Union[str, HeadGroup, Sequence[HeadGroup]]
+
+
+def resolve_head_groups(spec: AttentionSpec, num_heads: int, options: dict[str, Any]) -> list[HeadGroup]:
+    """Turn a layer spec into head groups whose head counts are set and sum to ``num_heads``."""
+    if isinstance(spec, str):
+        return [HeadGroup(spec, num_heads, **options)]
+    if options:
+        raise ValueError(
+            f"options {sorted(options)} apply to a mechanism name only; put them in the HeadGroup instead"
+        )
+    groups = [spec] if isinstance(spec, HeadGroup) else list(spec)
+    if not groups or not all(isinstance(g, HeadGroup) for g in groups):
+        raise ValueError(
+            f"attention must be a mechanism name, a HeadGroup or a sequence of them, got {spec!r}"
+        )
+    open_groups = [g for g in groups if g.heads is None]
+    claimed = sum(g.heads for g in groups if g.heads is not None)
+    if len(open_groups) > 1:
+        raise ValueError("at most one HeadGroup may leave heads=None (it takes the remaining heads)")
+    if open_groups and claimed >= num_heads:
+        raise ValueError(f"head groups claim {claimed} of {num_heads} heads, leaving none for heads=None")
+    if not open_groups and claimed != num_heads:
+        counts = [g.heads for g in groups]
+        raise ValueError(
+            f"head groups {counts} cover {claimed} heads but the layer has num_heads={num_heads}"
+        )
+    return [g if g.heads is not None else g.with_heads(num_heads - claimed) for g in groups]
+
+
+class KVCache:
+    """Decoding cache that keeps every key and value seen so far.
+
+    Exact for any causal mechanism that accepts more keys than queries, since causal attention
+    aligns new queries to the last keys. Each new token costs attention over the whole prefix;
+    mechanisms with a recurrent form register a ``decoder`` with O(1) state instead.
+    """
+
+    def __init__(self, mechanism: Mechanism, config: Config, state: nn.Module | None) -> None:
+        if not mechanism.causal:
+            raise ValueError(f"{mechanism.name} has no causal form, so it cannot decode token by token")
+        self.mechanism, self.config, self.state = mechanism, config, state
+        self.keys: Tensor | None = None  # (B, H, capacity, D)
+        self.values: Tensor | None = None  # (B, H, capacity, Dv)
+        self.length = 0
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, **tensors: Tensor) -> Tensor:
+        """Append ``k``, ``v`` ``(B, H, T, D)`` and attend the ``T`` new queries causally."""
+        self.keys = _append(self.keys, self.length, k)
+        self.values = _append(self.values, self.length, v)
+        self.length += k.shape[2]
+        keys, values = self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        return self.mechanism(
+            q, keys, values, is_causal=True, config=self.config, state=self.state, **tensors
+        )
+
+
+def _append(buffer: Tensor | None, length: int, x: Tensor) -> Tensor:
+    """Write ``x`` after ``length`` entries on dim 2, doubling the capacity when it is full."""
+    needed = length + x.shape[2]
+    if buffer is None or needed > buffer.shape[2]:
+        capacity = max(needed, 2 * (0 if buffer is None else buffer.shape[2]), 16)
+        grown = x.new_empty(*x.shape[:2], capacity, x.shape[3])
+        if buffer is not None:
+            grown[:, :, :length] = buffer[:, :, :length]
+        buffer = grown
+    buffer[:, :, length:needed] = x
+    return buffer
+
+
+class MultiheadAttention(nn.Module):
+    """Batch-first multi-head attention whose heads run registered mechanisms.
+
+    Args:
+        embed_dim: model width E.
+        num_heads: H; E must divide by H.
+        mechanism: a mechanism name (with ``options``), a ``HeadGroup``, or a sequence of
+            ``HeadGroup`` that splits the heads between mechanisms.
+        kdim, vdim: widths of the key and value inputs for cross-attention (default E).
+        bias: whether the projections have biases.
+        seed: seeds the mechanisms' state modules (hash planes, initial centroids).
+        **options: the mechanism's config options when ``mechanism`` is a name.
+
+    Shape:
+        query ``(B, L, E)``; key ``(B, S, kdim)``; value ``(B, S, vdim)``; output ``(B, L, E)``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        mechanism: AttentionSpec = "full",
+        *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        seed: int = 0,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
+        self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.groups = resolve_head_groups(mechanism, num_heads, options)
+        self.states = nn.ModuleDict()
+        self.inputs = nn.ModuleDict()
+        for i, g in enumerate(self.groups):
+            if g.mechanism.state is not None:
+                self.states[str(i)] = g.mechanism.state(g.config, g.heads, self.head_dim, seed + i)
+            if g.mechanism.inputs is not None:
+                self.inputs[str(i)] = g.mechanism.inputs(g.config, embed_dim, g.heads)
+
+    def new_cache(self) -> list[Any]:
+        """A fresh decoding cache: one decoder per head group."""
+        caches = []
+        for i, g in enumerate(self.groups):
+            decoder = g.mechanism.decoder or KVCache
+            caches.append(
+                decoder(g.mechanism, g.config, self.states[str(i)] if str(i) in self.states else None)
+            )
+        return caches
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        cache: list[Any] | None = None,
+    ) -> Tensor:
+        """Attend ``query`` to ``key``/``value`` (to itself when they are None).
+
+        With ``cache`` (from ``new_cache``), ``query`` holds the next tokens of a causal
+        self-attention sequence; their keys and values are appended to the cache.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        self._check_inputs(query, key, value)
+        if cache is not None and (key is not query or key_padding_mask is not None or not is_causal):
+            raise ValueError("a decoding cache needs causal self-attention without key_padding_mask")
+        q = self._split_heads(self.q_proj(query))  # (B, H, L, Dh)
+        k = self._split_heads(self.k_proj(key))  # (B, H, S, Dh)
+        v = self._split_heads(self.v_proj(value))  # (B, H, S, Dh)
+        outputs, start = [], 0
+        for i, g in enumerate(self.groups):
+            heads = slice(start, start + g.heads)
+            start += g.heads
+            tensors = self.inputs[str(i)](query, key) if str(i) in self.inputs else {}
+            if cache is not None:
+                outputs.append(cache[i].step(q[:, heads], k[:, heads], v[:, heads], **tensors))
+                continue
+            state = self.states[str(i)] if str(i) in self.states else None
+            outputs.append(
+                g.mechanism(
+                    q[:, heads],
+                    k[:, heads],
+                    v[:, heads],
+                    key_padding_mask=key_padding_mask,
+                    is_causal=is_causal,
+                    config=g.config,
+                    state=state,
+                    **tensors,
+                )  # fmt: skip
+            )
+        out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]  # (B, H, L, Dh)
+        B, _, L, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))  # (B, L, E)
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        B, N, _ = x.shape
+        return x.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, N, Dh)
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        for name, x, width in (
+            ("query", query, self.embed_dim),
+            ("key", key, self.kdim),
+            ("value", value, self.vdim),
+        ):
+            if not isinstance(x, Tensor) or x.dim() != 3 or x.shape[-1] != width:
+                got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+                raise ValueError(f"{name} must be (B, N, {width}) (batch first), got {got}")
+        if not (query.shape[0] == key.shape[0] == value.shape[0]):
+            raise ValueError(
+                f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]}"
+            )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"key and value lengths differ: {key.shape[1]} and {value.shape[1]}")
+
+    def extra_repr(self) -> str:
+        groups = ", ".join(f"{g.mechanism.name}×{g.heads}" for g in self.groups)
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, heads=[{groups}]"

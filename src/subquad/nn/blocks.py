@@ -1,0 +1,70 @@
+"""Transformer blocks built on ``MultiheadAttention``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from subquad.nn.attention import AttentionSpec, MultiheadAttention
+
+__all__ = ["MLP", "TransformerBlock"]
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: Linear, GELU, Linear."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden, bias=bias)
+        self.proj = nn.Linear(hidden, dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(nn.functional.gelu(self.fc(x))))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm block: ``x + Attn(LN(x))`` then ``x + MLP(LN(x))``.
+
+    Args:
+        dim: model width.
+        num_heads: attention heads.
+        attention: a mechanism name (with ``options``), a ``HeadGroup`` or a split into groups.
+        mlp_ratio: MLP hidden width as a multiple of ``dim``.
+        dropout: on the attention and MLP outputs, before each residual sum.
+        seed: seeds the attention's state modules.
+        **options: the mechanism's options when ``attention`` is a name.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        attention: AttentionSpec = "full",
+        *,
+        mlp_ratio: float = 4.0,
+        dropout: float = 0.0,
+        bias: bool = True,
+        seed: int = 0,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = MultiheadAttention(dim, num_heads, attention, bias=bias, seed=seed, **options)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, int(mlp_ratio * dim), dropout, bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        cache: list[Any] | None = None,
+    ) -> Tensor:
+        h = self.norm1(x)
+        h = self.attn(h, key_padding_mask=key_padding_mask, is_causal=is_causal, cache=cache)
+        x = x + self.dropout(h)
+        return x + self.mlp(self.norm2(x))

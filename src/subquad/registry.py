@@ -1,0 +1,289 @@
+"""Mechanism registry: a name maps to its config dataclass, its function and its optional modules.
+
+Every mechanism is one record (``Mechanism``) built in its own file under ``mechanisms/`` and listed
+once in ``_BUILTIN_MODULES`` below. Options live in exactly one place, the mechanism's frozen config
+dataclass; the dispatcher, the layers and the command line all read them from there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from subquad._validate import SUPPORTED_DTYPES, check_dtype
+
+__all__ = [
+    "Config",
+    "Mechanism",
+    "attention",
+    "get_mechanism",
+    "make_config",
+    "mechanism_names",
+    "option",
+    "register",
+]
+
+# One line per built-in mechanism: the module that defines its ``MECHANISM`` record.
+_BUILTIN_MODULES = ("subquad.mechanisms.full",)
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[Any, ...] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+) -> Any:
+    """Declare a config field: its default, a help line, and the constraints ``Config`` enforces."""
+    metadata = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("option defaults must be immutable; use a tuple")
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Base class of mechanism configs: checks each field's type and declared constraints.
+
+    Subclasses are frozen dataclasses whose fields are declared with ``option``; cross-field rules
+    go in ``check``. Lists given for tuple fields are converted to tuples.
+    """
+
+    mechanism: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            value = _coerce(self._label(f.name), getattr(self, f.name), hints[f.name])
+            _check_constraints(self._label(f.name), value, f.metadata)
+            object.__setattr__(self, f.name, value)
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field validation; raise ValueError naming the values and the fix."""
+
+    def _label(self, name: str) -> str:
+        return f"{self.mechanism or type(self).__name__} option {name}"
+
+
+def _coerce(label: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp`` (int, float, bool, str, tuples, optionals)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(label, value, inner)
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise ValueError(f"{label} must be a tuple, got {value!r}")
+        return tuple(_coerce(label, item, args[0]) for item in value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{label} must be True or False, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{label} must be an int, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{label} must be a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{label} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"{label}: unsupported option type {tp!r}")
+
+
+def _check_constraints(label: str, value: Any, meta: typing.Mapping[str, Any]) -> None:
+    items = value if isinstance(value, tuple) else (value,)
+    for item in items:
+        if item is None:
+            continue
+        if meta.get("choices") is not None and item not in meta["choices"]:
+            valid = ", ".join(repr(c) for c in meta["choices"])
+            raise ValueError(f"{label} must be one of {valid}, got {item!r}")
+        for key, ok, word in (("ge", item.__ge__, ">="), ("gt", item.__gt__, ">"), ("le", item.__le__, "<=")):
+            bound = meta.get(key)
+            if bound is not None and not ok(bound):
+                raise ValueError(f"{label} must be {word} {bound}, got {item!r}")
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """One attention mechanism and what it supports.
+
+    Attributes:
+        name: the registry name, e.g. ``"full"``.
+        fn: ``fn(q, k, v, *, key_padding_mask, is_causal, scale, config, state, **tensors)``.
+        config: its frozen ``Config`` dataclass.
+        summary: one line for ``subquad list``.
+        paper: the paper and section it implements.
+        causal, cross: whether ``is_causal=True`` and L != S are supported.
+        dtypes: the floating dtypes it computes in.
+        tensor_args: extra tensor arguments ``fn`` takes (e.g. class logits), all optional for
+            ``fn`` unless ``inputs`` produces them in layers.
+        state: an ``nn.Module`` class built as ``state(config, num_heads, head_dim, seed)`` holding
+            what persists across calls (centroids, hash planes); passed to ``fn`` as ``state``.
+        inputs: an ``nn.Module`` class built as ``inputs(config, embed_dim, num_heads)`` that a layer
+            calls as ``inputs(query_x, key_x) -> dict`` to produce ``tensor_args`` from ``(B, N, E)``.
+        decoder: a class with O(1)-per-token recurrent decoding, built as
+            ``decoder(mechanism, config, state)`` with ``step(q, k, v, **tensors) -> out``; ``None``
+            means layers decode causal mechanisms with a growing key/value cache.
+    """
+
+    name: str
+    fn: Callable[..., Tensor]
+    config: type[Config]
+    summary: str
+    paper: str = ""
+    causal: bool = True
+    cross: bool = True
+    dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
+    tensor_args: tuple[str, ...] = ()
+    state: type[torch.nn.Module] | None = None
+    inputs: type[torch.nn.Module] | None = None
+    decoder: type | None = None
+
+    @property
+    def recurrent(self) -> bool:
+        return self.decoder is not None
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        key_padding_mask: Tensor | None = None,
+        is_causal: bool = False,
+        scale: float | None = None,
+        config: Config | None = None,
+        state: torch.nn.Module | None = None,
+        **tensors: Tensor,
+    ) -> Tensor:
+        """Check this mechanism's capabilities, then run it."""
+        if config is not None and not isinstance(config, self.config):
+            raise ValueError(f"{self.name} needs a {self.config.__name__}, got {type(config).__name__}")
+        unknown = sorted(set(tensors) - set(self.tensor_args))
+        if unknown:
+            raise ValueError(
+                f"{self.name} takes no tensor argument {unknown}; it takes {list(self.tensor_args)}"
+            )
+        if is_causal is True and not self.causal:
+            causal = ", ".join(n for n in mechanism_names() if get_mechanism(n).causal)
+            raise ValueError(f"{self.name} has no causal form; mechanisms with one: {causal}")
+        if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == k.dim() == 4:
+            if not self.cross and q.shape[2] != k.shape[2]:
+                raise ValueError(
+                    f"{self.name} needs as many queries as keys, got L={q.shape[2]} and S={k.shape[2]}"
+                )
+            check_dtype(q.dtype, self.dtypes)
+        return self.fn(
+            q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+            config=config, state=state, **tensors,
+        )  # fmt: skip
+
+
+_REGISTRY: dict[str, Mechanism] = {}
+_builtins_loaded = False
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for module in _BUILTIN_MODULES:
+            register(importlib.import_module(module).MECHANISM)
+
+
+def register(mechanism: Mechanism, *, replace: bool = False) -> Mechanism:
+    """Add a mechanism under its name; ``replace=True`` overrides an existing one."""
+    if not isinstance(mechanism, Mechanism):
+        raise ValueError(f"register needs a Mechanism, got {type(mechanism).__name__}")
+    if mechanism.name in _REGISTRY and not replace:
+        raise ValueError(f"a mechanism named {mechanism.name!r} exists; pass replace=True to override it")
+    _REGISTRY[mechanism.name] = mechanism
+    return mechanism
+
+
+def mechanism_names() -> list[str]:
+    """Registered mechanism names, built-ins first, in registration order."""
+    _load_builtins()
+    return list(_REGISTRY)
+
+
+def get_mechanism(name: str) -> Mechanism:
+    """The mechanism registered as ``name``; raises ValueError listing the available names."""
+    _load_builtins()
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown mechanism {name!r}; available: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def make_config(mechanism: str | Mechanism, **options: Any) -> Config:
+    """Build a mechanism's config from keyword options; unknown options raise, listing valid ones."""
+    mech = get_mechanism(mechanism) if isinstance(mechanism, str) else mechanism
+    valid = [f.name for f in fields(mech.config)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        listed = ", ".join(f"{f.name}={f.default!r}" for f in fields(mech.config) if f.default is not MISSING)
+        hint = "; a dense attn_mask is accepted by full only" if "attn_mask" in unknown else ""
+        raise ValueError(
+            f"unknown option(s) {unknown} for {mech.name}; valid options: {listed or 'none'}{hint}"
+        )
+    return mech.config(**options)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mechanism: str = "full",
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    config: Config | None = None,
+    state: torch.nn.Module | None = None,
+    **options: Any,
+) -> Tensor:
+    """Attention by mechanism name, as a drop-in for ``scaled_dot_product_attention``.
+
+    Args:
+        q: queries ``(B, H, L, D)``.
+        k: keys ``(B, H, S, D)``.
+        v: values ``(B, H, S, Dv)``.
+        mechanism: a registered name (``subquad list`` shows them).
+        key_padding_mask: bool ``(B, S)``, True marks a real token.
+        is_causal: strict causality; for L != S queries are aligned to the last keys.
+        scale: softmax scale, default ``D ** -0.5``.
+        config: a ready config; otherwise ``options`` build one.
+        state: the mechanism's persistent state module, if it has one.
+        **options: the mechanism's config options, and its extra tensor arguments by name.
+
+    Returns:
+        ``(B, H, L, Dv)``, in the dtype of ``q``.
+    """
+    mech = get_mechanism(mechanism)
+    tensors = {name: options.pop(name) for name in mech.tensor_args if name in options}
+    if config is not None and options:
+        raise ValueError(f"pass either config or options, not both (got options {sorted(options)})")
+    if config is None:
+        config = make_config(mech, **options)
+    return mech(
+        q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+        config=config, state=state, **tensors,
+    )  # fmt: skip
