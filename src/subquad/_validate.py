@@ -127,6 +127,4 @@ def _check_padding_mask(mask: object, B: int, S: int, device: torch.device) -> N
     if tuple(mask.shape) != (B, S):
         raise ValueError(f"key_padding_mask must have shape (B, S) = ({B}, {S}), got {tuple(mask.shape)}")
     if mask.device != device:
-        raise ValueError(
-            f"key_padding_mask is on {mask.device} but q, k, v are on {device}; move it with .to()"
-        )
+        raise ValueError(f"key_padding_mask is on {mask.device} but q, k, v are on {device}; move it with .to()")

@@ -75,9 +75,7 @@ def or_masks(*mask_mods: MaskMod) -> MaskMod:
     return mask_mod
 
 
-def dense_mask(
-    mask_mod: MaskMod, B: int, H: int, L: int, S: int, device: torch.device | str | None = None
-) -> Tensor:
+def dense_mask(mask_mod: MaskMod, B: int, H: int, L: int, S: int, device: torch.device | str | None = None) -> Tensor:
     """Materialise ``mask_mod`` as a bool tensor ``(B, H, L, S)``. O(B·H·L·S): for tests and oracles."""
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
     h = torch.arange(H, device=device).view(1, H, 1, 1)

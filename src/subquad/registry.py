@@ -179,22 +179,25 @@ class Mechanism:
             raise ValueError(f"{self.name} needs a {self.config.__name__}, got {type(config).__name__}")
         unknown = sorted(set(tensors) - set(self.tensor_args))
         if unknown:
-            raise ValueError(
-                f"{self.name} takes no tensor argument {unknown}; it takes {list(self.tensor_args)}"
-            )
+            raise ValueError(f"{self.name} takes no tensor argument {unknown}; it takes {list(self.tensor_args)}")
         if is_causal is True and not self.causal:
             causal = ", ".join(n for n in mechanism_names() if get_mechanism(n).causal)
             raise ValueError(f"{self.name} has no causal form; mechanisms with one: {causal}")
         if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == k.dim() == 4:
             if not self.cross and q.shape[2] != k.shape[2]:
-                raise ValueError(
-                    f"{self.name} needs as many queries as keys, got L={q.shape[2]} and S={k.shape[2]}"
-                )
+                raise ValueError(f"{self.name} needs as many queries as keys, got L={q.shape[2]} and S={k.shape[2]}")
             check_dtype(q.dtype, self.dtypes)
         return self.fn(
-            q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-            config=config, state=state, **tensors,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            scale=scale,
+            config=config,
+            state=state,
+            **tensors,
+        )
 
 
 _REGISTRY: dict[str, Mechanism] = {}
@@ -241,9 +244,7 @@ def make_config(mechanism: str | Mechanism, **options: Any) -> Config:
     if unknown:
         listed = ", ".join(f"{f.name}={f.default!r}" for f in fields(mech.config) if f.default is not MISSING)
         hint = "; a dense attn_mask is accepted by full only" if "attn_mask" in unknown else ""
-        raise ValueError(
-            f"unknown option(s) {unknown} for {mech.name}; valid options: {listed or 'none'}{hint}"
-        )
+        raise ValueError(f"unknown option(s) {unknown} for {mech.name}; valid options: {listed or 'none'}{hint}")
     return mech.config(**options)
 
 
@@ -284,6 +285,13 @@ def attention(
     if config is None:
         config = make_config(mech, **options)
     return mech(
-        q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-        config=config, state=state, **tensors,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        key_padding_mask=key_padding_mask,
+        is_causal=is_causal,
+        scale=scale,
+        config=config,
+        state=state,
+        **tensors,
+    )

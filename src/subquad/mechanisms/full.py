@@ -159,17 +159,13 @@ def _merged_mask(
 def _check_attn_mask(attn_mask: object, shape: AttentionShape, q: Tensor) -> Tensor:
     full = (shape.batch, shape.heads, shape.queries, shape.keys)
     if not isinstance(attn_mask, Tensor):
-        raise ValueError(
-            f"attn_mask must be a tensor broadcastable to {full}, got {type(attn_mask).__name__}"
-        )
+        raise ValueError(f"attn_mask must be a tensor broadcastable to {full}, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-        raise ValueError(
-            f"attn_mask must be bool (True = may attend) or an additive float mask, got {attn_mask.dtype}"
-        )
-    if attn_mask.dim() > 4 or any(m not in (1, n) for m, n in zip(reversed(attn_mask.shape), reversed(full))):
-        raise ValueError(
-            f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, L, S) = {full}"
-        )
+        raise ValueError(f"attn_mask must be bool (True = may attend) or an additive float mask, got {attn_mask.dtype}")
+    if attn_mask.dim() > 4 or any(
+        m not in (1, n) for m, n in zip(reversed(attn_mask.shape), reversed(full), strict=False)
+    ):
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, L, S) = {full}")
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}; move it with .to()")
     if attn_mask.is_floating_point():

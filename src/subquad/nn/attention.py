@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -49,7 +49,7 @@ class HeadGroup:
 
 
 # One layer's attention: a mechanism name, one group, or a split of the heads into groups.
-AttentionSpec = Union[str, HeadGroup, Sequence[HeadGroup]]
+AttentionSpec = str | HeadGroup | Sequence[HeadGroup]
 
 
 def resolve_head_groups(spec: AttentionSpec, num_heads: int, options: dict[str, Any]) -> list[HeadGroup]:
@@ -57,14 +57,10 @@ def resolve_head_groups(spec: AttentionSpec, num_heads: int, options: dict[str, 
     if isinstance(spec, str):
         return [HeadGroup(spec, num_heads, **options)]
     if options:
-        raise ValueError(
-            f"options {sorted(options)} apply to a mechanism name only; put them in the HeadGroup instead"
-        )
+        raise ValueError(f"options {sorted(options)} apply to a mechanism name only; put them in the HeadGroup instead")
     groups = [spec] if isinstance(spec, HeadGroup) else list(spec)
     if not groups or not all(isinstance(g, HeadGroup) for g in groups):
-        raise ValueError(
-            f"attention must be a mechanism name, a HeadGroup or a sequence of them, got {spec!r}"
-        )
+        raise ValueError(f"attention must be a mechanism name, a HeadGroup or a sequence of them, got {spec!r}")
     open_groups = [g for g in groups if g.heads is None]
     claimed = sum(g.heads for g in groups if g.heads is not None)
     if len(open_groups) > 1:
@@ -73,9 +69,7 @@ def resolve_head_groups(spec: AttentionSpec, num_heads: int, options: dict[str, 
         raise ValueError(f"head groups claim {claimed} of {num_heads} heads, leaving none for heads=None")
     if not open_groups and claimed != num_heads:
         counts = [g.heads for g in groups]
-        raise ValueError(
-            f"head groups {counts} cover {claimed} heads but the layer has num_heads={num_heads}"
-        )
+        raise ValueError(f"head groups {counts} cover {claimed} heads but the layer has num_heads={num_heads}")
     return [g if g.heads is not None else g.with_heads(num_heads - claimed) for g in groups]
 
 
@@ -101,9 +95,7 @@ class KVCache:
         self.values = _append(self.values, self.length, v)
         self.length += k.shape[2]
         keys, values = self.keys[:, :, : self.length], self.values[:, :, : self.length]
-        return self.mechanism(
-            q, keys, values, is_causal=True, config=self.config, state=self.state, **tensors
-        )
+        return self.mechanism(q, keys, values, is_causal=True, config=self.config, state=self.state, **tensors)
 
 
 def _append(buffer: Tensor | None, length: int, x: Tensor) -> Tensor:
@@ -174,9 +166,7 @@ class MultiheadAttention(nn.Module):
         caches = []
         for i, g in enumerate(self.groups):
             decoder = g.mechanism.decoder or KVCache
-            caches.append(
-                decoder(g.mechanism, g.config, self.states[str(i)] if str(i) in self.states else None)
-            )
+            caches.append(decoder(g.mechanism, g.config, self.states[str(i)] if str(i) in self.states else None))
         return caches
 
     def forward(
@@ -221,7 +211,7 @@ class MultiheadAttention(nn.Module):
                     config=g.config,
                     state=state,
                     **tensors,
-                )  # fmt: skip
+                )
             )
         out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]  # (B, H, L, Dh)
         B, _, L, _ = out.shape
@@ -241,9 +231,7 @@ class MultiheadAttention(nn.Module):
                 got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
                 raise ValueError(f"{name} must be (B, N, {width}) (batch first), got {got}")
         if not (query.shape[0] == key.shape[0] == value.shape[0]):
-            raise ValueError(
-                f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]}"
-            )
+            raise ValueError(f"batch sizes differ: query {query.shape[0]}, key {key.shape[0]}, value {value.shape[0]}")
         if key.shape[1] != value.shape[1]:
             raise ValueError(f"key and value lengths differ: {key.shape[1]} and {value.shape[1]}")
 

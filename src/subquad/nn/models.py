@@ -42,17 +42,11 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
         if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
-            got = (
-                f"{tuple(tokens.shape)} {tokens.dtype}"
-                if isinstance(tokens, Tensor)
-                else type(tokens).__name__
-            )
+            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be a (B, N) long tensor, got {got}")
         end = offset + tokens.shape[1]
         if end > self.max_len:
-            raise ValueError(
-                f"sequence reaches position {end} but max_len={self.max_len}; build with a larger max_len"
-            )
+            raise ValueError(f"sequence reaches position {end} but max_len={self.max_len}; build with a larger max_len")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
             raise ValueError(
                 f"token ids must lie in [0, {self.vocab_size}), got range [{int(tokens.min())}, {int(tokens.max())}]"
@@ -139,9 +133,7 @@ class Encoder(nn.Module):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        self.backbone = _Backbone(
-            vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed
-        )
+        self.backbone = _Backbone(vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed)
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
@@ -190,9 +182,7 @@ class CausalLM(nn.Module):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        self.backbone = _Backbone(
-            vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed
-        )
+        self.backbone = _Backbone(vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.backbone.embed.tokens.weight  # tied
 
@@ -204,9 +194,7 @@ class CausalLM(nn.Module):
 
     def loss(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """Mean next-token cross-entropy over positions whose target is a real token."""
-        logits = self(
-            tokens[:, :-1], key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, :-1]
-        )
+        logits = self(tokens[:, :-1], key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, :-1])
         targets = tokens[:, 1:]
         if key_padding_mask is not None:
             targets = targets.masked_fill(~key_padding_mask[:, 1:], -100)
@@ -240,9 +228,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
         total = tokens.shape[-1] + max_new_tokens if isinstance(tokens, Tensor) else 0
         if total > self.backbone.embed.max_len:
-            raise ValueError(
-                f"prompt plus max_new_tokens is {total} tokens but max_len={self.backbone.embed.max_len}"
-            )
+            raise ValueError(f"prompt plus max_new_tokens is {total} tokens but max_len={self.backbone.embed.max_len}")
         cache = self.new_cache() if use_cache else None
         out, step_input = tokens, tokens
         for _ in range(max_new_tokens):
