@@ -139,6 +139,9 @@ class Mechanism:
             what persists across calls (centroids, hash planes); passed to ``fn`` as ``state``.
         inputs: an ``nn.Module`` class built as ``inputs(config, embed_dim, num_heads)`` that a layer
             calls as ``inputs(query_x, key_x) -> dict`` to produce ``tensor_args`` from ``(B, N, E)``.
+        example_tensors: ``example_tensors(q, k, v, config, generator) -> dict`` makes the extra
+            tensor arguments for benchmarks from seeded random draws; needed when ``tensor_args``
+            are required.
         decoder: a class with O(1)-per-token recurrent decoding, built as
             ``decoder(mechanism, config, state)`` with ``step(q, k, v, **tensors) -> out``; ``None``
             means layers decode causal mechanisms with a growing key/value cache.
@@ -155,6 +158,7 @@ class Mechanism:
     tensor_args: tuple[str, ...] = ()
     state: type[torch.nn.Module] | None = None
     inputs: type[torch.nn.Module] | None = None
+    example_tensors: Callable[..., dict[str, Tensor]] | None = None
     decoder: type | None = None
 
     @property

@@ -1,0 +1,169 @@
+"""Benchmark output: a table, CSV and JSON files, and PNG plots against sequence length."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TABLE_HEADERS", "format_table", "plot_results", "table_rows", "write_csv", "write_json"]
+
+TABLE_HEADERS = ("mechanism", "causal", "pass", "N", "time ms", "× full", "peak MB", "err iid", "err clust", "reps")
+_CSV_FIELDS = (
+    "mechanism", "name", "options", "length", "causal", "pass", "time_s", "ratio", "peak_bytes",
+    "error_iid", "error_clustered", "zero_rows", "repeats", "threads", "memory_method", "error",
+)  # fmt: skip
+_PANELS = [("forward", False), ("forward", True), ("forward+backward", False), ("forward+backward", True)]
+
+
+def _number(value: Any, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """The table's cells as strings, grouped by pass, then causality, then length."""
+    order = {label: i for i, label in enumerate(dict.fromkeys(r["mechanism"] for r in rows))}
+    ordered = sorted(rows, key=lambda r: (r["pass"], r["causal"], r["length"], order[r["mechanism"]]))
+    cells = []
+    for r in ordered:
+        if r.get("error"):
+            cells.append([r["mechanism"], _causal(r), r["pass"], str(r["length"]), "failed: " + r["error"][:60]])
+            continue
+        peak = None if r.get("peak_bytes") is None else r["peak_bytes"] / 2**20
+        cells.append([
+            r["mechanism"], _causal(r), r["pass"], str(r["length"]),
+            _milliseconds(r["time_s"]), _number(r.get("ratio"), ".3f"), _number(peak, ".1f"),
+            _number(r.get("error_iid"), ".1e"), _number(r.get("error_clustered"), ".1e"),
+            str(len(r.get("times_s", []))),
+        ])  # fmt: skip
+    return cells
+
+
+def _milliseconds(seconds: float) -> str:
+    ms = 1e3 * seconds
+    return f"{ms:,.0f}" if ms >= 1000 else f"{ms:.1f}" if ms >= 10 else f"{ms:.3f}"
+
+
+def _causal(row: dict[str, Any]) -> str:
+    return "causal" if row["causal"] else "non-causal"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """A plain-text table of the results."""
+    cells = [list(TABLE_HEADERS), *table_rows(rows)]
+    widths = [max(len(c[i]) for c in cells if i < len(c)) for i in range(len(TABLE_HEADERS))]
+    lines = []
+    for n, row in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "options": json.dumps(r["options"]), "repeats": len(r.get("times_s", []))})
+
+
+def write_json(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2, default=str))
+
+
+def plot_results(rows: list[dict[str, Any]], out_dir: Path, title: str) -> list[Path]:
+    """Write time.png, ratio.png, memory.png and error.png; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r.get("error")]
+    labels = list(dict.fromkeys(r["mechanism"] for r in rows))
+    colours = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}
+    written = []
+    for name, key, scale, ylabel in (
+        ("time", "time_s", 1e3, "time per call (ms, median)"),
+        ("ratio", "ratio", 1.0, "time ÷ full attention"),
+        ("memory", "peak_bytes", 2.0**-20, "peak memory above inputs (MB)"),
+    ):
+        fig = _panels(plt, ok, key, scale, ylabel, colours, guides=name == "time")
+        fig.suptitle(f"{name}: {title}")
+        written.append(_save(fig, plt, out_dir / f"{name}.png"))
+    fig = _error_panels(plt, ok, colours)
+    fig.suptitle(f"relative error against full attention: {title}")
+    written.append(_save(fig, plt, out_dir / "error.png"))
+    return written
+
+
+def _panels(plt: Any, rows: list[dict[str, Any]], key: str, scale: float, ylabel: str, colours: dict, guides: bool):
+    panels = [(p, c) for p, c in _PANELS if any(r["pass"] == p and r["causal"] == c for r in rows)]
+    cols = 2 if len(panels) > 1 else 1
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.2 * cols, 4.4 * nrows), squeeze=False)
+    for ax, (pass_, causal) in zip(axes.flat, panels):
+        cell_rows = [r for r in rows if r["pass"] == pass_ and r["causal"] == causal and r.get(key) is not None]
+        for label in colours:
+            pts = sorted((r["length"], max(r[key] * scale, 1e-3)) for r in cell_rows if r["mechanism"] == label)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=colours[label], label=label)
+        if guides:
+            _add_guides(ax, cell_rows, key, scale)
+        _style(ax, sorted({r["length"] for r in rows}), ylabel, f"{pass_}, {'causal' if causal else 'non-causal'}")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    return fig
+
+
+def _style(ax: Any, lengths: list[int], ylabel: str, title: str) -> None:
+    """Log-log axes with the measured lengths as x ticks and plain numbers on y."""
+    from matplotlib.ticker import FuncFormatter, NullLocator
+
+    ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel=ylabel)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.xaxis.set_minor_locator(NullLocator())
+    plain = FuncFormatter(lambda y, _: f"{y:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _add_guides(ax: Any, rows: list[dict[str, Any]], key: str, scale: float) -> None:
+    """Dotted O(N) and O(N²) lines through full attention's shortest-length point."""
+    base = sorted((r["length"], r[key] * scale) for r in rows if r["mechanism"] == "full")
+    if len(base) < 2:
+        return
+    (n0, t0), n1 = base[0], base[-1][0]
+    for power, text in ((1, "O(N)"), (2, "O(N²)")):
+        ax.plot([n0, n1], [t0, t0 * (n1 / n0) ** power], ls=":", color="grey", lw=1)
+        ax.annotate(text, (n1, t0 * (n1 / n0) ** power), fontsize=8, color="grey", ha="right", va="bottom")
+
+
+def _error_panels(plt: Any, rows: list[dict[str, Any]], colours: dict):
+    fig, axes = plt.subplots(1, 2, figsize=(12.4, 4.4), squeeze=False)
+    forward = [r for r in rows if r["pass"] == "forward"]
+    for ax, (key, kind) in zip(axes.flat, (("error_iid", "iid Gaussian"), ("error_clustered", "clustered"))):
+        for label in colours:
+            for causal, style in ((False, "-"), (True, "--")):
+                pts = sorted(
+                    (r["length"], max(r[key], 1e-9))
+                    for r in forward
+                    if r["mechanism"] == label and r["causal"] == causal and r.get(key) is not None
+                )
+                if pts:
+                    name = f"{label} ({'causal' if causal else 'non-causal'})"
+                    ax.plot(*zip(*pts), marker="o", ls=style, color=colours[label], label=name)
+        _style(ax, sorted({r["length"] for r in rows}), "‖out − full‖ / ‖full‖", f"{kind} q, k")
+    return fig
+
+
+def _save(fig: Any, plt: Any, path: Path) -> Path:
+    fig.tight_layout(rect=(0, 0, 1, 0.96))  # leave room for the suptitle
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,164 @@
+"""The benchmark grid: mechanism variants × lengths × {non-causal, causal} × {forward, forward+backward}.
+
+Each cell runs in its own process (``subquad.bench.worker``), one after another so that cells do
+not compete for cores. Full attention with its default config always runs: it is the baseline of
+every ratio, measured in the same run as what it is compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from subquad._validate import SUPPORTED_DTYPES
+from subquad.registry import get_mechanism, make_config
+
+__all__ = ["BASELINE", "BenchSettings", "Variant", "run_bench"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A mechanism with a set of options, e.g. ``Variant("full", (("backend", "eager"),))``."""
+
+    mechanism: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        make_config(self.mechanism, **dict(self.options))  # unknown or bad options raise now
+
+    @property
+    def label(self) -> str:
+        if not self.options:
+            return self.mechanism
+        return f"{self.mechanism}({', '.join(f'{k}={_show(v)}' for k, v in self.options)})"
+
+
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+BASELINE = Variant("full")
+
+
+@dataclass
+class BenchSettings:
+    """Everything one benchmark run measures; the command line's defaults come from here."""
+
+    variants: Sequence[Variant] = ()
+    lengths: Sequence[int] = (1024, 2048, 4096, 8192, 16384)
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None
+    causal: Sequence[bool] = (False, True)
+    backward: Sequence[bool] = (False, True)
+    repeats: int = 20
+    max_seconds: float = 2.0
+    error_rows: int = 512
+    timeout: float = 1800.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads", "head_dim", "repeats", "error_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lengths or min(self.lengths) < 1:
+            raise ValueError(f"lengths must be positive, got {list(self.lengths)}")
+        if self.dtype not in [str(d).replace("torch.", "") for d in SUPPORTED_DTYPES]:
+            raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {self.dtype!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not self.causal or not self.backward:
+            raise ValueError("select at least one of causal/non-causal and one of forward/forward+backward")
+
+    def all_variants(self) -> list[Variant]:
+        """The baseline first, then the requested variants, each distinct config once."""
+        seen, variants = set(), []
+        for variant in [BASELINE, *self.variants]:
+            key = (variant.mechanism, make_config(variant.mechanism, **dict(variant.options)))
+            if key not in seen:
+                seen.add(key)
+                variants.append(variant)
+        return variants
+
+    def cells(self) -> list[tuple[Variant, int, bool, bool]]:
+        """(variant, length, causal, backward) in run order: short lengths first."""
+        grid = []
+        for length in sorted(self.lengths):
+            for backward in sorted(self.backward):
+                for causal in sorted(self.causal):
+                    for variant in self.all_variants():
+                        if causal and not get_mechanism(variant.mechanism).causal:
+                            continue
+                        grid.append((variant, length, causal, backward))
+        return grid
+
+
+def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None] | None = None) -> list[dict[str, Any]]:
+    """Run every cell and return one row per cell, with ``ratio`` = time ÷ full attention's time."""
+    cells = settings.cells()
+    rows = []
+    for i, (variant, length, causal, backward) in enumerate(cells):
+        label = f"{variant.label} N={length} {'causal' if causal else 'non-causal'} {_pass(backward)}"
+        if progress is not None:
+            progress(i, len(cells), label)
+        row = {
+            "mechanism": variant.label,
+            "name": variant.mechanism,
+            "options": dict(variant.options),
+            "length": length,
+            "causal": causal,
+            "pass": _pass(backward),
+        }
+        row.update(_run_cell(settings, variant, length, causal, backward))
+        rows.append(row)
+    if progress is not None:
+        progress(len(cells), len(cells), "done")
+    _add_ratios(rows)
+    return rows
+
+
+def _pass(backward: bool) -> str:
+    return "forward+backward" if backward else "forward"
+
+
+def _run_cell(settings: BenchSettings, variant: Variant, length: int, causal: bool, backward: bool) -> dict[str, Any]:
+    cell = {
+        "mechanism": variant.mechanism,
+        "options": dict(variant.options),
+        "length": length,
+        "causal": causal,
+        "backward": backward,
+        **{k: v for k, v in asdict(settings).items() if k not in ("variants", "lengths", "causal", "backward")},
+    }
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "subquad.bench.worker"],
+            input=json.dumps(cell),
+            capture_output=True,
+            text=True,
+            timeout=settings.timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {settings.timeout:g} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        killed = " (killed: out of memory?)" if done.returncode < 0 else ""
+        tail = done.stderr.strip().splitlines()[-1:] or [""]
+        return {"error": f"worker exited with code {done.returncode}{killed} {tail[0]}".strip()}
+    return json.loads(lines[-1])
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    baseline = {
+        (r["length"], r["causal"], r["pass"]): r.get("time_s") for r in rows if r["mechanism"] == BASELINE.label
+    }
+    for r in rows:
+        base = baseline.get((r["length"], r["causal"], r["pass"]))
+        r["ratio"] = r["time_s"] / base if r.get("time_s") and base else None

@@ -1,0 +1,170 @@
+"""Measure one benchmark cell in a fresh process: ``python -m subquad.bench.worker < cell.json``.
+
+A fresh process per cell makes peak memory reliable on CPU: after a tiny warm-up that starts the
+thread pools, the inputs are made, the kernel's resident-memory high-water mark is reset, and
+the first full-size call's peak above that baseline is the cell's memory. That call also serves as
+the warm-up for timing. Then the call repeats until ``repeats`` timings or ``max_seconds``, and the
+median is reported. Forward cells also report the relative error against full attention, computed
+in float64 on evenly spaced query rows (exact for those rows, and cheap at any length), on iid and
+on clustered inputs, and the fraction of queries whose output is all zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from subquad.bench.inputs import make_qkv
+from subquad.mechanisms.full import FullConfig, full_attention
+from subquad.registry import Config, Mechanism, get_mechanism, make_config
+
+__all__ = ["measure_cell", "reference_rows"]
+
+_STATUS = "/proc/self/status"
+
+
+def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
+    """Time, peak memory and error of one (mechanism, options, length, causal, pass) cell."""
+    if cell.get("threads"):
+        torch.set_num_threads(int(cell["threads"]))
+    device = torch.device(cell["device"])
+    dtype = getattr(torch, cell["dtype"])
+    mech = get_mechanism(cell["mechanism"])
+    config = make_config(mech, **cell["options"])
+    B, H, N, D = cell["batch"], cell["heads"], cell["length"], cell["head_dim"]
+    state = mech.state(config, H, D, cell["seed"]).to(device) if mech.state is not None else None
+    call = _make_call(mech, config, state, cell["causal"], cell["backward"], cell["seed"])
+
+    call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"]))  # start thread pools
+    q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"])
+    peak_memory = _memory_probe(device)
+    out = call(q, k, v)  # the first full-size call: memory, and the warm-up for timing
+    result: dict[str, Any] = {"peak_bytes": peak_memory(), "memory_method": _memory_method(device)}
+    times: list[float] = []
+    while len(times) < cell["repeats"] and sum(times) < cell["max_seconds"]:
+        start = time.perf_counter()
+        out = call(q, k, v)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    result.update(time_s=statistics.median(times), times_s=times, threads=torch.get_num_threads())
+    if not cell["backward"]:
+        result["zero_rows"] = float((out.detach().abs().amax(dim=-1) == 0).float().mean())
+        result["error_iid"] = _relative_error(out, q, k, v, cell)
+        del out, q, k, v
+        q, k, v = make_qkv("clustered", (B, H, N, D), dtype, device, cell["seed"] + 1)
+        result["error_clustered"] = _relative_error(call(q, k, v), q, k, v, cell)
+    return result
+
+
+def _make_call(
+    mech: Mechanism, config: Config, state: torch.nn.Module | None, causal: bool, backward: bool, seed: int
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """One attention call (plus backward for fwd+bwd cells), fed extra tensors the mechanism needs."""
+
+    def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        tensors = {}
+        if mech.example_tensors is not None:
+            tensors = mech.example_tensors(q, k, v, config, torch.Generator().manual_seed(seed))
+        if not backward:
+            with torch.no_grad():
+                return mech(q, k, v, is_causal=causal, config=config, state=state, **tensors)
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        out = mech(q, k, v, is_causal=causal, config=config, state=state, **tensors)
+        out.backward(torch.ones_like(out))
+        return out
+
+    return call
+
+
+def reference_rows(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, is_causal: bool) -> Tensor:
+    """Full attention in float64 for the queries ``rows``: ``(B, H, len(rows), Dv)``."""
+    L, S = q.shape[2], k.shape[2]
+    mask = None
+    if is_causal:
+        mask = torch.arange(S, device=q.device) <= (rows + S - L).unsqueeze(-1)  # (R, S), bottom-right
+    eager = FullConfig(backend="eager")
+    heads = [
+        full_attention(
+            q[:, h : h + 1, rows].double(), k[:, h : h + 1].double(), v[:, h : h + 1].double(),
+            attn_mask=mask, config=eager,
+        )
+        for h in range(q.shape[1])  # one head at a time keeps the (R, S) scores small
+    ]  # fmt: skip
+    return torch.cat(heads, dim=1)
+
+
+def _relative_error(out: Tensor, q: Tensor, k: Tensor, v: Tensor, cell: dict[str, Any]) -> float:
+    """``‖out − full‖_F / ‖full‖_F`` over evenly spaced query rows, in float64."""
+    L = q.shape[2]
+    rows = torch.linspace(0, L - 1, min(L, cell["error_rows"]), device=q.device).round().long().unique()
+    ref = reference_rows(q, k, v, rows, cell["causal"])
+    diff = out.detach()[:, :, rows].double() - ref
+    return float(diff.norm() / ref.norm().clamp_min(1e-300))
+
+
+def _memory_method(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "cuda-max-allocated"
+    return "rss-high-water" if _can_reset_high_water() else "ru_maxrss"
+
+
+def _memory_probe(device: torch.device) -> Callable[[], int]:
+    """Start measuring; the returned function gives the peak bytes above the current usage."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        return lambda: torch.cuda.max_memory_allocated(device) - base
+    if _can_reset_high_water():
+        base = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current resident size
+        return lambda: max(0, _status_kib("VmHWM") - base) * 1024
+    # No /proc (e.g. macOS): the growth of the lifetime peak is a lower bound.
+    scale = 1 if sys.platform == "darwin" else 1024
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return lambda: max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * scale
+
+
+def _can_reset_high_water() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmHWM") > 0
+    except OSError:
+        return False
+
+
+def _status_kib(key: str) -> int:
+    with open(_STATUS) as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def main() -> None:
+    cell = json.loads(sys.stdin.read())
+    try:
+        result = measure_cell(cell)
+    except Exception as exc:  # reported in the cell, so one failure does not end the run
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=3)}
+    for key, value in result.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            result[key] = None
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

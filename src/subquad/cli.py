@@ -1,0 +1,329 @@
+"""The ``subquad`` command: ``subquad list`` and ``subquad bench``.
+
+Each mechanism's option flags (``--<mechanism>.<option> V [V ...]``) are generated from its config
+dataclass; several values sweep the option, and the sweeps of one mechanism combine as a product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import sys
+import time
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+from subquad import __version__
+from subquad.registry import Mechanism, get_mechanism, mechanism_names
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.run(args)
+    except ValueError as exc:
+        parser.exit(2, f"subquad {args.command}: error: {exc}\n")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="subquad", description="Sub-quadratic attention for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"subquad {__version__}")
+    commands = parser.add_subparsers(dest="command")
+
+    listing = commands.add_parser("list", help="every mechanism with its options and capabilities")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of text")
+    listing.set_defaults(run=_run_list)
+
+    bench = commands.add_parser(
+        "bench",
+        help="time, memory and error of mechanisms against full attention",
+        description="Benchmark mechanisms against full attention over sequence lengths. Each cell runs in a "
+        "fresh process; time is the median of repeats after a warm-up call; memory is the peak above the inputs; "
+        "error is relative to full attention on iid and clustered inputs.",
+    )
+    _add_bench_arguments(bench)
+    bench.set_defaults(run=_run_bench)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------- list
+
+
+def _describe(mech: Mechanism) -> dict[str, Any]:
+    hints = typing.get_type_hints(mech.config)
+    return {
+        "name": mech.name,
+        "summary": mech.summary,
+        "paper": mech.paper,
+        "causal": mech.causal,
+        "cross": mech.cross,
+        "recurrent": mech.recurrent,
+        "dtypes": [str(d).replace("torch.", "") for d in mech.dtypes],
+        "tensor_args": list(mech.tensor_args),
+        "options": [
+            {
+                "name": f.name,
+                "type": _type_name(hints[f.name]),
+                "default": f.default if f.default is not MISSING else None,
+                "choices": list(f.metadata["choices"]) if f.metadata.get("choices") else None,
+                "help": f.metadata.get("help", ""),
+            }
+            for f in fields(mech.config)
+        ],
+    }
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _run_list(args: argparse.Namespace) -> int:
+    described = [_describe(get_mechanism(name)) for name in mechanism_names()]
+    if args.json:
+        print(json.dumps(described, indent=2, default=str))
+        return 0
+    yes = {True: "yes", False: "no"}
+    for d in described:
+        print(f"{d['name']}: {d['summary']}")
+        if d["paper"]:
+            print(f"  paper: {d['paper']}")
+        print(
+            f"  causal: {yes[d['causal']]}   cross (L != S): {yes[d['cross']]}   "
+            f"recurrent decoding: {yes[d['recurrent']]}   dtypes: {', '.join(d['dtypes'])}"
+        )
+        if d["tensor_args"]:
+            print(f"  extra tensor arguments: {', '.join(d['tensor_args'])}")
+        print("  options:" if d["options"] else "  options: none")
+        for o in d["options"]:
+            choices = f"  {{{', '.join(map(str, o['choices']))}}}" if o["choices"] else ""
+            print(f"    {o['name']}: {o['type']} = {o['default']!r}{choices}  {o['help']}")
+        print()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- bench
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from subquad.bench.runner import BenchSettings
+
+    d = BenchSettings()
+    names = mechanism_names()
+    parser.add_argument(
+        "--mechanisms",
+        nargs="+",
+        default=names,
+        metavar="NAME",
+        help=f"mechanisms to run (default: all: {' '.join(names)}); full always runs as baseline",
+    )
+    parser.add_argument(
+        "--lengths",
+        nargs="+",
+        type=int,
+        default=list(d.lengths),
+        metavar="N",
+        help="sequence lengths (default: %(default)s)",
+    )
+    parser.add_argument("--batch", type=int, default=d.batch, help="batch size B (default: %(default)s)")
+    parser.add_argument("--heads", type=int, default=d.heads, help="heads H (default: %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=d.head_dim, help="head dim D (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16", "float64"], help="(default: %(default)s)"
+    )
+    parser.add_argument("--device", default=d.device, help="cpu or cuda (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=d.threads, help="CPU threads (default: torch's default)")
+    parser.add_argument(
+        "--causal",
+        choices=["both", "yes", "no"],
+        default="both",
+        help="causal cells, non-causal cells, or both (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--backward",
+        choices=["both", "yes", "no"],
+        default="both",
+        help="forward+backward cells, forward cells, or both (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=d.repeats,
+        help="most timed calls per cell, after the warm-up call (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=d.max_seconds,
+        help="stop repeating once the timed calls of a cell took this long (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--error-rows",
+        type=int,
+        default=d.error_rows,
+        help="query rows compared with float64 full attention (default: %(default)s)",
+    )
+    parser.add_argument("--timeout", type=float, default=d.timeout, help="seconds per cell (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=d.seed, help="input and state seed (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("subquad-bench"),
+        help="folder for results.csv, results.json and the plots (default: %(default)s)",
+    )
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")  # fmt: skip
+    for name in names:
+        mech = get_mechanism(name)
+        group = parser.add_argument_group(f"{name} options (several values sweep)")
+        hints = typing.get_type_hints(mech.config)
+        for f in fields(mech.config):
+            parse, metavar = _option_parser(hints[f.name])
+            group.add_argument(
+                f"--{name}.{f.name}", dest=f"opt:{name}:{f.name}", nargs="+", type=parse, metavar=metavar,
+                choices=f.metadata.get("choices"), help=f"{f.metadata.get('help', '')} (default: {f.default!r})",
+            )  # fmt: skip
+
+
+def _option_parser(tp: Any) -> tuple[Callable[[str], Any], str]:
+    """A string parser and metavar for a config field's annotation."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = next(a for a in args if a is not type(None))
+        parse, metavar = _option_parser(inner)
+        return (lambda s: None if s.lower() == "none" else parse(s)), f"{metavar}|none"
+    if origin is tuple:
+        parse, metavar = _option_parser(args[0])
+        return (lambda s: tuple(parse(x) for x in s.split(","))), f"{metavar},..."
+    if tp is bool:
+        return _parse_bool, "true|false"
+    return tp, tp.__name__.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "yes", "1", "on"):
+        return True
+    if lowered in ("false", "no", "0", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _variants(args: argparse.Namespace) -> list[Any]:
+    from subquad.bench.runner import Variant
+
+    sweeps: dict[str, dict[str, list[Any]]] = {}
+    for key, values in vars(args).items():
+        if key.startswith("opt:") and values is not None:
+            _, mech, option = key.split(":")
+            sweeps.setdefault(mech, {})[option] = values
+    unselected = sorted(set(sweeps) - set(args.mechanisms))
+    if unselected:
+        raise ValueError(f"options given for {unselected}, which --mechanisms does not select")
+    variants = []
+    for mech in args.mechanisms:
+        get_mechanism(mech)
+        options = sweeps.get(mech, {})
+        for combo in itertools.product(*options.values()):
+            variants.append(Variant(mech, tuple(zip(options, combo))))
+    return variants
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from subquad.bench import report
+    from subquad.bench.runner import BenchSettings, run_bench
+
+    modes = {"both": (False, True), "yes": (True,), "no": (False,)}
+    settings = BenchSettings(
+        variants=_variants(args), lengths=args.lengths, batch=args.batch, heads=args.heads,
+        head_dim=args.head_dim, dtype=args.dtype, device=args.device, threads=args.threads,
+        causal=modes[args.causal], backward=modes[args.backward], repeats=args.repeats,
+        max_seconds=args.max_seconds, error_rows=args.error_rows, timeout=args.timeout, seed=args.seed,
+    )  # fmt: skip
+    threads = args.threads or torch.get_num_threads()
+    title = f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype} {args.device}, {threads} threads"
+    cells = settings.cells()
+    print(f"subquad {__version__} bench: {len(cells)} cells, {title}, torch {torch.__version__}", file=sys.stderr)
+    started = time.time()
+    with _Progress() as progress:
+        rows = run_bench(settings, progress)
+    elapsed = time.time() - started
+
+    print(report.format_table(rows))
+    print("\ntime = median per call; × full = time ÷ full attention's in this run; peak MB = above the inputs;")
+    print("err = ‖out − full‖ / ‖full‖ on iid and clustered q, k (float64 reference on sampled rows).")
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "subquad": __version__, "torch": torch.__version__, "python": platform.python_version(),
+        "machine": _machine(), "threads": threads, "elapsed_s": round(elapsed, 1),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("run", "out") and not callable(v)},
+    }  # fmt: skip
+    report.write_csv(rows, args.out / "results.csv")
+    report.write_json(rows, meta, args.out / "results.json")
+    written = [args.out / "results.csv", args.out / "results.json"]
+    if not args.no_plots:
+        try:
+            written += report.plot_results(rows, args.out, title)
+        except ImportError:
+            print("matplotlib is not installed: no plots (pip install 'subquad[bench]')", file=sys.stderr)
+    print(f"\nwrote {', '.join(map(str, written))} in {elapsed:.0f} s")
+    failed = [r for r in rows if r.get("error")]
+    return 1 if failed and len(failed) == len(rows) else 0
+
+
+def _machine() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class _Progress:
+    """A progress bar on a terminal (with rich installed), else one line per cell on stderr."""
+
+    def __enter__(self) -> Callable[[int, int, str], None]:
+        self._bar = None
+        try:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        except ImportError:
+            Progress = None
+        if Progress is None or not sys.stderr.isatty():  # a log file gets one line per cell
+            return lambda i, n, label: print(f"[{i}/{n}] {label}", file=sys.stderr, flush=True)
+        self._bar = Progress(
+            TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            transient=False,
+        )  # fmt: skip
+        self._bar.__enter__()
+        task = None
+
+        def update(i: int, n: int, label: str) -> None:
+            nonlocal task
+            if task is None:
+                task = self._bar.add_task(label, total=n)
+            self._bar.update(task, completed=i, description=label)
+
+        return update
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
