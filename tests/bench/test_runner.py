@@ -1,0 +1,77 @@
+import pytest
+
+import subquad
+from subquad import registry
+from subquad.bench.runner import BASELINE, BenchSettings, Variant, _run_cell, run_bench
+
+from ..test_registry import TOY
+
+
+def test_bench_measures_memory_time_error_and_ratio():
+    """Eager full attention holds two (H, N, N) fp32 buffers; the fused kernel does not."""
+    N, H = 1024, 4
+    settings = BenchSettings(
+        variants=[Variant("full", (("backend", "eager"),))], lengths=[N], heads=H, head_dim=16,
+        causal=(False,), repeats=2, max_seconds=0.5,
+    )  # fmt: skip
+    calls = []
+    rows = run_bench(settings, progress=lambda i, n, label: calls.append((i, n)))
+    assert calls[0] == (0, 4) and calls[-1] == (4, 4)
+    by = {(r["mechanism"], r["pass"]): r for r in rows}
+    scores_bytes = H * N * N * 4
+    assert by["full(backend=eager)", "forward"]["peak_bytes"] >= 2 * scores_bytes
+    assert by["full", "forward"]["peak_bytes"] < scores_bytes / 4
+    assert by["full", "forward"]["ratio"] == 1.0 and by["full", "forward+backward"]["ratio"] == 1.0
+    assert by["full(backend=eager)", "forward"]["ratio"] > 0
+    for r in rows:
+        assert "error" not in r and r["time_s"] > 0
+        if r["pass"] == "forward":
+            assert r["error_iid"] < 1e-5 and r["error_clustered"] < 1e-5 and r["zero_rows"] == 0
+
+
+def test_cells_put_the_baseline_first_and_skip_impossible_causal_cells(monkeypatch):
+    subquad.mechanism_names()
+    monkeypatch.setitem(registry._REGISTRY, "toy", TOY)
+    settings = BenchSettings(
+        variants=[Variant("toy"), Variant("full", (("backend", "auto"),)), Variant("full", (("backend", "eager"),))],
+        lengths=[64, 32], backward=(False,),
+    )  # fmt: skip
+    labels = [(v.label, n, c) for v, n, c, _ in settings.cells()]
+    assert labels == [
+        ("full", 32, False), ("toy", 32, False), ("full(backend=eager)", 32, False),
+        ("full", 32, True), ("full(backend=eager)", 32, True),
+        ("full", 64, False), ("toy", 64, False), ("full(backend=eager)", 64, False),
+        ("full", 64, True), ("full(backend=eager)", 64, True),
+    ]  # fmt: skip
+    assert BASELINE.label == "full"
+
+
+def test_a_failing_cell_is_reported_not_raised(monkeypatch):
+    subquad.mechanism_names()
+    monkeypatch.setitem(registry._REGISTRY, "toy", TOY)  # registered here only, unknown to the worker
+    result = _run_cell(BenchSettings(), Variant("toy"), 16, False, False)
+    assert result["error"] == "ValueError: unknown mechanism 'toy'; available: full"
+    slow = _run_cell(BenchSettings(timeout=0.01), BASELINE, 16, False, False)
+    assert slow["error"] == "timed out after 0.01 s"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"heads": 0}, "heads must be >= 1, got 0"),
+        ({"lengths": []}, "lengths must be positive, got []"),
+        ({"lengths": [0, 8]}, "lengths must be positive, got [0, 8]"),
+        ({"dtype": "int8"}, "dtype must be float16, bfloat16, float32 or float64, got 'int8'"),
+        ({"threads": 0}, "threads must be >= 1, got 0"),
+        ({"causal": ()}, "select at least one of causal/non-causal"),
+    ],
+)
+def test_bad_settings_raise(settings, message):
+    with pytest.raises(ValueError) as err:
+        BenchSettings(**settings)
+    assert message in str(err.value)
+
+
+def test_variant_checks_its_options():
+    with pytest.raises(ValueError, match="full option backend must be one of"):
+        Variant("full", (("backend", "flash"),))

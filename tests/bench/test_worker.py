@@ -1,0 +1,32 @@
+import torch
+
+from subquad.bench.worker import measure_cell, reference_rows
+from subquad.mechanisms.full import full_attention
+
+from ..conftest import qkv
+
+CELL = dict(
+    mechanism="full", options={}, length=48, batch=1, heads=2, head_dim=8, dtype="float32", device="cpu",
+    threads=None, causal=True, backward=False, repeats=3, max_seconds=1.0, error_rows=16, seed=0,
+)  # fmt: skip
+
+
+def test_reference_rows_are_rows_of_full_attention():
+    q, k, v = qkv(2, 3, 9, 13, 4)
+    rows = torch.tensor([0, 4, 8])
+    for is_causal in (False, True):
+        full = full_attention(q, k, v, is_causal=is_causal)
+        assert torch.allclose(reference_rows(q, k, v, rows, is_causal), full[:, :, rows], atol=1e-12)
+
+
+def test_full_attention_cell_has_no_error_and_no_zero_rows():
+    result = measure_cell(CELL)
+    assert result["error_iid"] < 1e-6 and result["error_clustered"] < 1e-6
+    assert result["zero_rows"] == 0.0
+    assert 1 <= len(result["times_s"]) <= 3 and result["time_s"] > 0
+    assert result["peak_bytes"] >= 0
+
+
+def test_backward_cell_reports_time_and_memory_only():
+    result = measure_cell({**CELL, "backward": True})
+    assert result["time_s"] > 0 and "error_iid" not in result

@@ -1,0 +1,66 @@
+import json
+
+import pytest
+
+from subquad.cli import _option_parser, main
+
+
+def test_list_shows_options_defaults_and_capabilities(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "full: exact softmax attention" in out
+    assert (
+        "causal: yes   cross (L != S): yes   recurrent decoding: no   dtypes: float16, bfloat16, float32, float64"
+        in out
+    )
+    assert "backend: str = 'auto'  {auto, sdpa, eager}" in out
+
+
+def test_list_json(capsys):
+    main(["list", "--json"])
+    (full,) = [m for m in json.loads(capsys.readouterr().out) if m["name"] == "full"]
+    assert full["causal"] and full["cross"] and not full["recurrent"]
+    assert full["options"] == [
+        {"name": "backend", "type": "str", "default": "auto", "choices": ["auto", "sdpa", "eager"],
+         "help": full["options"][0]["help"]}
+    ]  # fmt: skip
+
+
+def test_bench_runs_a_small_grid_and_writes_its_files(tmp_path, capsys):
+    argv = ["bench", "--lengths", "32", "--heads", "1", "--head-dim", "4", "--causal", "no", "--backward", "no"]
+    argv += ["--repeats", "2", "--max-seconds", "0.2", "--out", str(tmp_path), "--full.backend", "eager", "sdpa"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "full(backend=eager)  non-causal  forward  32" in out and "full(backend=sdpa)" in out
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["error.png", "memory.png", "ratio.png", "results.csv", "results.json", "time.png"]
+    meta = json.loads((tmp_path / "results.json").read_text())["meta"]
+    assert meta["settings"]["lengths"] == [32] and meta["torch"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--mechanisms", "nope"], "unknown mechanism 'nope'; available: full"),
+        (["bench", "--lengths", "0"], "lengths must be positive, got [0]"),
+    ],
+)
+def test_bench_errors_exit_with_the_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_rejects_bad_option_values(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--full.backend", "flash"])
+    assert "invalid choice: 'flash'" in capsys.readouterr().err
+
+
+def test_option_parsers_follow_the_field_types():
+    parse, metavar = _option_parser(tuple[float, ...])
+    assert parse("0.5,0.25") == (0.5, 0.25) and metavar == "FLOAT,..."
+    parse, metavar = _option_parser(int | None)
+    assert parse("none") is None and parse("3") == 3 and metavar == "INT|none"
+    parse, _ = _option_parser(bool)
+    assert parse("yes") is True and parse("False") is False
