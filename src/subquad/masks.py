@@ -101,12 +101,15 @@ def contract_mask(
     return mask
 
 
-def visible_queries(L: int, S: int, key_padding_mask: Tensor | None, is_causal: bool) -> Tensor | None:
+def visible_queries(
+    L: int, S: int, key_padding_mask: Tensor | None, is_causal: bool, device: torch.device | str | None = None
+) -> Tensor | None:
     """Whether each query sees at least one key under the contract's masks: bool ``(B|1, L)``.
 
     Returns ``None`` when every query sees a key. Costs O(B·(L + S)), with no ``(L, S)`` tensor.
     """
-    device = None if key_padding_mask is None else key_padding_mask.device
+    if key_padding_mask is not None:
+        device = key_padding_mask.device
     if not is_causal:
         if key_padding_mask is None:
             return None
@@ -114,10 +117,10 @@ def visible_queries(L: int, S: int, key_padding_mask: Tensor | None, is_causal: 
     if key_padding_mask is None:
         if L <= S:
             return None
-        first_key = torch.zeros(1, 1, dtype=torch.long)
+        first_key = torch.zeros(1, 1, dtype=torch.long, device=device)
     else:
         # Index of each batch's first real key, S when it has none.
         real = key_padding_mask.long()
         first_key = torch.where(real.any(-1), real.argmax(-1), S).unsqueeze(-1)  # (B, 1)
     position = torch.arange(L, device=device) + (S - L)  # (L,) query positions on the key axis
-    return position.unsqueeze(0) >= first_key.to(position.device)  # (B|1, L)
+    return position.unsqueeze(0) >= first_key  # (B|1, L)

@@ -136,7 +136,7 @@ def _merged_mask(
     elif attn_mask is not None:
         additive = attn_mask
     if attn_mask is None:
-        visible = visible_queries(L, S, key_padding_mask, is_causal)
+        visible = visible_queries(L, S, key_padding_mask, is_causal, q.device)
         visible = None if visible is None else visible[:, None, :, None]  # (B|1, 1, L, 1)
     else:
         reachable = allowed
