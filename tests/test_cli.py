@@ -1,27 +1,30 @@
+import argparse
 import json
 
 import pytest
 
+import subquad
+from subquad import registry
 from subquad.cli import _option_parser, main
+
+from .test_registry import TOY
 
 
 def test_list_shows_options_defaults_and_capabilities(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "full: exact softmax attention" in out
-    assert (
-        "causal: yes   cross (L != S): yes   recurrent decoding: no   dtypes: float16, bfloat16, float32, float64"
-        in out
-    )
-    assert "backend: str = 'auto'  {auto, sdpa, eager}" in out
+    assert "causal: yes   cross (L != S): yes   recurrent: no   dtypes: float16, bfloat16, float32, float64" in out
+    assert "cached decoding: KV cache (each new token attends to the whole prefix)" in out
+    assert "backend: str = 'sdpa'  {sdpa, eager}" in out
 
 
 def test_list_json(capsys):
     main(["list", "--json"])
     (full,) = [m for m in json.loads(capsys.readouterr().out) if m["name"] == "full"]
-    assert full["causal"] and full["cross"] and not full["recurrent"]
+    assert full["causal"] and full["cross"] and not full["recurrent"] and full["decoding"].startswith("KV cache")
     assert full["options"] == [
-        {"name": "backend", "type": "str", "default": "auto", "choices": ["auto", "sdpa", "eager"],
+        {"name": "backend", "type": "str", "default": "sdpa", "choices": ["sdpa", "eager"],
          "help": full["options"][0]["help"]}
     ]  # fmt: skip
 
@@ -31,7 +34,8 @@ def test_bench_runs_a_small_grid_and_writes_its_files(tmp_path, capsys):
     argv += ["--repeats", "2", "--max-seconds", "0.2", "--out", str(tmp_path), "--full.backend", "eager", "sdpa"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "full(backend=eager)  non-causal  forward  32" in out and "full(backend=sdpa)" in out
+    assert "full(backend=eager)  non-causal  forward  32" in out
+    assert "full(backend=sdpa)" not in out, "the default config runs once, as the baseline full"
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["error.png", "memory.png", "ratio.png", "results.csv", "results.json", "time.png"]
     meta = json.loads((tmp_path / "results.json").read_text())["meta"]
@@ -43,6 +47,7 @@ def test_bench_runs_a_small_grid_and_writes_its_files(tmp_path, capsys):
     [
         (["bench", "--mechanisms", "nope"], "unknown mechanism 'nope'; available: full"),
         (["bench", "--lengths", "0"], "lengths must be positive, got [0]"),
+        (["bench", "--mechanisms", "full", "--max-seconds", "0"], "max_seconds must be > 0 seconds, got 0.0"),
     ],
 )
 def test_bench_errors_exit_with_the_message(argv, message, capsys):
@@ -64,3 +69,13 @@ def test_option_parsers_follow_the_field_types():
     assert parse("none") is None and parse("3") == 3 and metavar == "INT|none"
     parse, _ = _option_parser(bool)
     assert parse("yes") is True and parse("False") is False
+    with pytest.raises(argparse.ArgumentTypeError, match="expected true or false, got 'maybe'"):
+        parse("maybe")
+
+
+def test_options_for_an_unselected_mechanism_raise(monkeypatch, capsys):
+    subquad.mechanism_names()
+    monkeypatch.setitem(registry._REGISTRY, "toy", TOY)
+    with pytest.raises(SystemExit):
+        main(["bench", "--mechanisms", "full", "--toy.width", "3"])
+    assert "options given for ['toy'], which --mechanisms does not select" in capsys.readouterr().err

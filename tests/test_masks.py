@@ -21,6 +21,10 @@ def test_causal_mask_is_bottom_right_aligned():
     assert torch.equal(dense_mask(causal_mask(5, 2), 1, 1, 5, 2)[0, 0], torch.ones(5, 5).tril(-3).bool()[:, :2])
 
 
+def test_visible_queries_are_made_on_the_requested_device():
+    assert visible_queries(5, 2, None, True, "meta").device.type == "meta"
+
+
 def test_padding_mask_and_composition():
     kpm = padding(3, 6, seed=1)
     dense = dense_mask(padding_mask(kpm), 3, 2, 4, 6)

@@ -59,7 +59,7 @@ def test_unknown_mechanism_lists_the_available_ones():
 
 
 def test_unknown_option_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown option\(s\) \['clusters'\] for full; valid options: backend='auto'"):
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['clusters'\] for full; valid options: backend='sdpa'"):
         subquad.attention(*qkv(), clusters=3)
 
 
@@ -140,3 +140,37 @@ def test_tensor_arguments_are_routed_by_name(toy):
 
 def test_make_config_builds_defaults():
     assert make_config("full") == FullConfig()
+
+
+def test_int_option_with_a_float_bound_is_checked():
+    @dataclass(frozen=True)
+    class Bounded(Config):
+        n: int = option(4, "above one half", gt=0.5)
+
+    with pytest.raises(ValueError, match="Bounded option n must be > 0.5, got 0"):
+        Bounded(n=0)
+
+
+def test_mutable_option_default_and_unsupported_type_are_refused():
+    with pytest.raises(TypeError, match="option defaults must be immutable; use a tuple"):
+        option([1, 2], "a list")
+
+    @dataclass(frozen=True)
+    class Odd(Config):
+        x: complex = option(1j, "a complex")
+
+    with pytest.raises(TypeError, match="Odd option x: unsupported option type <class 'complex'>"):
+        Odd()
+
+
+def test_a_tensor_in_the_mechanism_slot_hints_at_attn_mask():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="mechanism must be a registered name, got Tensor; pass a mask as attn_mask"):
+        subquad.attention(q, k, v, torch.ones(7, 7, dtype=torch.bool))
+
+
+def test_builtins_load_before_the_first_registration(monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    monkeypatch.setattr(registry, "_builtins_loaded", False)
+    registry.register(TOY)
+    assert subquad.mechanism_names() == ["full", "toy"]

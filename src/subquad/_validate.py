@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SUPPORTED_DTYPES", "AttentionShape", "check_attention_inputs", "check_dtype"]
+__all__ = ["DTYPE_NAMES", "SUPPORTED_DTYPES", "AttentionShape", "check_attention_inputs", "check_dtype"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPE_NAMES = tuple(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from subquad import __version__
+from subquad._validate import DTYPE_NAMES
 from subquad.registry import Mechanism, get_mechanism, mechanism_names
 
 __all__ = ["main"]
@@ -70,6 +71,7 @@ def _describe(mech: Mechanism) -> dict[str, Any]:
         "causal": mech.causal,
         "cross": mech.cross,
         "recurrent": mech.recurrent,
+        "decoding": getattr(mech.decoder, "description", None),
         "dtypes": [str(d).replace("torch.", "") for d in mech.dtypes],
         "tensor_args": list(mech.tensor_args),
         "options": [
@@ -101,8 +103,9 @@ def _run_list(args: argparse.Namespace) -> int:
             print(f"  paper: {d['paper']}")
         print(
             f"  causal: {yes[d['causal']]}   cross (L != S): {yes[d['cross']]}   "
-            f"recurrent decoding: {yes[d['recurrent']]}   dtypes: {', '.join(d['dtypes'])}"
+            f"recurrent: {yes[d['recurrent']]}   dtypes: {', '.join(d['dtypes'])}"
         )
+        print(f"  cached decoding: {d['decoding'] or 'none (generate with use_cache=False)'}")
         if d["tensor_args"]:
             print(f"  extra tensor arguments: {', '.join(d['tensor_args'])}")
         print("  options:" if d["options"] else "  options: none")
@@ -139,9 +142,7 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=d.batch, help="batch size B (default: %(default)s)")
     parser.add_argument("--heads", type=int, default=d.heads, help="heads H (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=d.head_dim, help="head dim D (default: %(default)s)")
-    parser.add_argument(
-        "--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16", "float64"], help="(default: %(default)s)"
-    )
+    parser.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES, help="(default: %(default)s)")
     parser.add_argument("--device", default=d.device, help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=d.threads, help="CPU threads (default: torch's default)")
     parser.add_argument(
@@ -189,9 +190,12 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         hints = typing.get_type_hints(mech.config)
         for f in fields(mech.config):
             parse, metavar = _option_parser(hints[f.name])
+            # argparse compares a whole parsed value with the choices, so only scalar options get them;
+            # the config dataclass checks every value anyway.
+            choices = None if typing.get_origin(hints[f.name]) is tuple else f.metadata.get("choices")
             group.add_argument(
                 f"--{name}.{f.name}", dest=f"opt:{name}:{f.name}", nargs="+", type=parse, metavar=metavar,
-                choices=f.metadata.get("choices"), help=f"{f.metadata.get('help', '')} (default: {f.default!r})",
+                choices=choices, help=f"{f.metadata.get('help', '')} (default: {f.default!r})",
             )  # fmt: skip
 
 
@@ -252,6 +256,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         causal=modes[args.causal], backward=modes[args.backward], repeats=args.repeats,
         max_seconds=args.max_seconds, error_rows=args.error_rows, timeout=args.timeout, seed=args.seed,
     )  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)  # before the run, so a bad folder fails at once
     threads = args.threads or torch.get_num_threads()
     title = f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype} {args.device}, {threads} threads"
     cells = settings.cells()
@@ -264,7 +269,6 @@ def _run_bench(args: argparse.Namespace) -> int:
     print(report.format_table(rows))
     print("\ntime = median per call; × full = time ÷ full attention's in this run; peak MB = above the inputs;")
     print("err = ‖out − full‖ / ‖full‖ on iid and clustered q, k (float64 reference on sampled rows).")
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "subquad": __version__, "torch": torch.__version__, "python": platform.python_version(),
         "machine": _machine(), "threads": threads, "elapsed_s": round(elapsed, 1),
@@ -280,7 +284,9 @@ def _run_bench(args: argparse.Namespace) -> int:
             print("matplotlib is not installed: no plots (pip install 'subquad[bench]')", file=sys.stderr)
     print(f"\nwrote {', '.join(map(str, written))} in {elapsed:.0f} s")
     failed = [r for r in rows if r.get("error")]
-    return 1 if failed and len(failed) == len(rows) else 0
+    if failed:
+        print(f"{len(failed)} of {len(rows)} cells failed; see the table", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _machine() -> str:

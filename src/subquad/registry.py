@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import operator
 import types
 import typing
 from collections.abc import Callable
@@ -115,9 +116,9 @@ def _check_constraints(label: str, value: Any, meta: typing.Mapping[str, Any]) -
         if meta.get("choices") is not None and item not in meta["choices"]:
             valid = ", ".join(repr(c) for c in meta["choices"])
             raise ValueError(f"{label} must be one of {valid}, got {item!r}")
-        for key, ok, word in (("ge", item.__ge__, ">="), ("gt", item.__gt__, ">"), ("le", item.__le__, "<=")):
+        for key, ok, word in (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<=")):
             bound = meta.get(key)
-            if bound is not None and not ok(bound):
+            if bound is not None and not ok(item, bound):
                 raise ValueError(f"{label} must be {word} {bound}, got {item!r}")
 
 
@@ -142,9 +143,10 @@ class Mechanism:
         example_tensors: ``example_tensors(q, k, v, config, generator) -> dict`` makes the extra
             tensor arguments for benchmarks from seeded random draws; needed when ``tensor_args``
             are required.
-        decoder: a class with O(1)-per-token recurrent decoding, built as
-            ``decoder(mechanism, config, state)`` with ``step(q, k, v, **tensors) -> out``; ``None``
-            means layers decode causal mechanisms with a growing key/value cache.
+        decoder: the decoding cache layers use for generation, built as
+            ``decoder(mechanism, config, state)`` with ``step(q, k, v, **tensors) -> out`` and class
+            attributes ``recurrent`` (O(1) state per head) and ``description``; e.g.
+            ``subquad.decoding.KVCache``. ``None``: no cached decoding.
     """
 
     name: str
@@ -163,7 +165,8 @@ class Mechanism:
 
     @property
     def recurrent(self) -> bool:
-        return self.decoder is not None
+        """Whether it decodes token by token with O(1) state per head."""
+        return bool(getattr(self.decoder, "recurrent", False))
 
     def __call__(
         self,
@@ -213,11 +216,13 @@ def _load_builtins() -> None:
     if not _builtins_loaded:
         _builtins_loaded = True
         for module in _BUILTIN_MODULES:
-            register(importlib.import_module(module).MECHANISM)
+            mechanism = importlib.import_module(module).MECHANISM
+            _REGISTRY[mechanism.name] = mechanism
 
 
 def register(mechanism: Mechanism, *, replace: bool = False) -> Mechanism:
     """Add a mechanism under its name; ``replace=True`` overrides an existing one."""
+    _load_builtins()
     if not isinstance(mechanism, Mechanism):
         raise ValueError(f"register needs a Mechanism, got {type(mechanism).__name__}")
     if mechanism.name in _REGISTRY and not replace:
@@ -235,7 +240,10 @@ def mechanism_names() -> list[str]:
 def get_mechanism(name: str) -> Mechanism:
     """The mechanism registered as ``name``; raises ValueError listing the available names."""
     _load_builtins()
-    if not isinstance(name, str) or name not in _REGISTRY:
+    if not isinstance(name, str):
+        hint = "; pass a mask as attn_mask=..." if isinstance(name, Tensor) else ""
+        raise ValueError(f"mechanism must be a registered name, got {type(name).__name__}{hint}")
+    if name not in _REGISTRY:
         raise ValueError(f"unknown mechanism {name!r}; available: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
 

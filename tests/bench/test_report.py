@@ -33,6 +33,8 @@ def test_table_lists_every_cell_with_formatted_numbers():
 
 def test_csv_and_json_hold_every_row(tmp_path):
     rows = _rows()
+    rows[0].update(error_iid=float("nan"), nonfinite=True)
+    assert " nan " in format_table(rows)
     write_csv(rows, tmp_path / "r.csv")
     write_json(rows, {"torch": "x"}, tmp_path / "r.json")
     with open(tmp_path / "r.csv") as f:
@@ -40,6 +42,7 @@ def test_csv_and_json_hold_every_row(tmp_path):
     assert len(read) == len(rows) and read[0]["mechanism"] == "full" and read[0]["repeats"] == "3"
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["meta"] == {"torch": "x"} and len(data["results"]) == len(rows)
+    assert data["results"][0]["error_iid"] is None and data["results"][0]["nonfinite"] is True
 
 
 def test_plots_are_written_as_png(tmp_path):

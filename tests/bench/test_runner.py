@@ -33,7 +33,7 @@ def test_cells_put_the_baseline_first_and_skip_impossible_causal_cells(monkeypat
     subquad.mechanism_names()
     monkeypatch.setitem(registry._REGISTRY, "toy", TOY)
     settings = BenchSettings(
-        variants=[Variant("toy"), Variant("full", (("backend", "auto"),)), Variant("full", (("backend", "eager"),))],
+        variants=[Variant("toy"), Variant("full", (("backend", "sdpa"),)), Variant("full", (("backend", "eager"),))],
         lengths=[64, 32], backward=(False,),
     )  # fmt: skip
     labels = [(v.label, n, c) for v, n, c, _ in settings.cells()]
@@ -61,7 +61,9 @@ def test_a_failing_cell_is_reported_not_raised(monkeypatch):
         ({"heads": 0}, "heads must be >= 1, got 0"),
         ({"lengths": []}, "lengths must be positive, got []"),
         ({"lengths": [0, 8]}, "lengths must be positive, got [0, 8]"),
-        ({"dtype": "int8"}, "dtype must be float16, bfloat16, float32 or float64, got 'int8'"),
+        ({"dtype": "int8"}, "dtype must be one of float16, bfloat16, float32, float64, got 'int8'"),
+        ({"max_seconds": 0}, "max_seconds must be > 0 seconds, got 0"),
+        ({"timeout": -1.0}, "timeout must be > 0 seconds, got -1.0"),
         ({"threads": 0}, "threads must be >= 1, got 0"),
         ({"causal": ()}, "select at least one of causal/non-causal"),
     ],

@@ -23,10 +23,10 @@ def test_full_attention_cell_has_no_error_and_no_zero_rows():
     result = measure_cell(CELL)
     assert result["error_iid"] < 1e-6 and result["error_clustered"] < 1e-6
     assert result["zero_rows"] == 0.0
-    assert 1 <= len(result["times_s"]) <= 3 and result["time_s"] > 0
-    assert result["peak_bytes"] >= 0
+    assert 1 <= len(result["times_s"]) <= 3 and result["time_s"] > 0 and result["nonfinite"] is False
 
 
-def test_backward_cell_reports_time_and_memory_only():
-    result = measure_cell({**CELL, "backward": True})
-    assert result["time_s"] > 0 and "error_iid" not in result
+def test_a_cell_times_at_least_one_call_and_backward_cells_have_no_error_fields():
+    result = measure_cell({**CELL, "backward": True, "max_seconds": 1e-9})
+    assert len(result["times_s"]) == 1 and result["time_s"] > 0
+    assert "error_iid" not in result and "zero_rows" not in result

@@ -161,6 +161,23 @@ def test_bad_attn_mask_raises(attn_mask, message):
     assert message in str(err.value)
 
 
+def test_additive_mask_that_overflows_half_precision_raises():
+    q, k, v = (x.half() for x in qkv(1, 1, 4, 4, 8))
+    bias = torch.zeros(4, 4)
+    bias[0, 0] = 1e5
+    with pytest.raises(ValueError, match=r"values up to 1e\+05, above the largest torch.float16 \(6.55e\+04\)"):
+        full_attention(q, k, v, attn_mask=bias)
+
+
+def test_eager_adds_a_low_precision_query_mask_in_fp32():
+    """A large negative bias (e.g. ALiBi far from the diagonal) must not be rounded to bf16 first."""
+    q, k, v = qkv(1, 2, 16, 16, 8)
+    bias = -100 - torch.rand(16, 16, dtype=torch.float64)
+    exact = full_attention(q, k, v, attn_mask=bias)
+    low = full_attention(*(x.bfloat16() for x in (q, k, v)), attn_mask=bias.float(), config=FullConfig("eager"))
+    assert ((low.double() - exact).norm() / exact.norm()) < 0.02
+
+
 def test_bad_backend_raises():
-    with pytest.raises(ValueError, match="full option backend must be one of 'auto', 'sdpa', 'eager', got 'flash'"):
+    with pytest.raises(ValueError, match="full option backend must be one of 'sdpa', 'eager', got 'flash'"):
         FullConfig(backend="flash")

@@ -6,8 +6,9 @@ from torch import nn
 
 import subquad
 from subquad import registry
+from subquad.decoding import KVCache
 from subquad.mechanisms.full import full_attention
-from subquad.nn import HeadGroup, KVCache, MultiheadAttention
+from subquad.nn import HeadGroup, MultiheadAttention
 from subquad.registry import Config, Mechanism, option
 
 
@@ -199,11 +200,24 @@ def test_state_is_seeded_by_the_layer(gated_mechanism):
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-def test_kv_cache_refuses_a_mechanism_without_a_causal_form(monkeypatch):
+def test_a_mechanism_without_a_decoder_cannot_decode_from_a_cache(monkeypatch):
     from .. import test_registry
 
     subquad.mechanism_names()
     monkeypatch.setitem(registry._REGISTRY, "toy", test_registry.TOY)
     layer = MultiheadAttention(16, 4, "toy")
-    with pytest.raises(ValueError, match="toy has no causal form, so it cannot decode token by token"):
+    with pytest.raises(ValueError, match="toy has no decoder for cached generation; generate with use_cache=False"):
         layer.new_cache()
+    with pytest.raises(ValueError, match="toy needs a causal form that takes L != S to decode from a KV cache"):
+        KVCache(test_registry.TOY, test_registry.ToyConfig(), None)
+
+
+def test_kv_cache_checks_new_entries_before_writing():
+    cache = KVCache(subquad.get_mechanism("full"), subquad.make_config("full"), None)
+    q = torch.randn(3, 2, 1, 4)
+    cache.step(q, q, q)
+    with pytest.raises(
+        ValueError, match=r"the cache holds k of \(B, H, D\) = \(3, 2, 4\) torch.float32, got shape \(1, 2, 1, 4\)"
+    ):
+        cache.step(q[:1], q[:1], q[:1])
+    assert cache.length == 1 and cache.keys.shape[0] == 3

@@ -8,18 +8,20 @@ import math
 from pathlib import Path
 from typing import Any
 
+from subquad.bench.runner import BASELINE
+
 __all__ = ["TABLE_HEADERS", "format_table", "plot_results", "table_rows", "write_csv", "write_json"]
 
 TABLE_HEADERS = ("mechanism", "causal", "pass", "N", "time ms", "× full", "peak MB", "err iid", "err clust", "reps")
 _CSV_FIELDS = (
     "mechanism", "name", "options", "length", "causal", "pass", "time_s", "ratio", "peak_bytes",
-    "error_iid", "error_clustered", "zero_rows", "repeats", "threads", "memory_method", "error",
+    "error_iid", "error_clustered", "zero_rows", "nonfinite", "repeats", "threads", "memory_method", "error",
 )  # fmt: skip
 _PANELS = [("forward", False), ("forward", True), ("forward+backward", False), ("forward+backward", True)]
 
 
 def _number(value: Any, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
+    return "-" if value is None else format(value, fmt)  # NaN prints as "nan"
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
@@ -71,7 +73,9 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_json(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2, default=str))
+    """Standard JSON: NaN and inf become null (the row's ``nonfinite`` flag keeps the fact)."""
+    clean = [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in rows]
+    path.write_text(json.dumps({"meta": meta, "results": clean}, indent=2, default=str))
 
 
 def plot_results(rows: list[dict[str, Any]], out_dir: Path, title: str) -> list[Path]:
@@ -135,7 +139,7 @@ def _style(ax: Any, lengths: list[int], ylabel: str, title: str) -> None:
 
 def _add_guides(ax: Any, rows: list[dict[str, Any]], key: str, scale: float) -> None:
     """Dotted O(N) and O(N²) lines through full attention's shortest-length point."""
-    base = sorted((r["length"], r[key] * scale) for r in rows if r["mechanism"] == "full")
+    base = sorted((r["length"], r[key] * scale) for r in rows if r["mechanism"] == BASELINE.label)
     if len(base) < 2:
         return
     (n0, t0), n1 = base[0], base[-1][0]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from subquad._validate import SUPPORTED_DTYPES
+from subquad._validate import DTYPE_NAMES
 from subquad.registry import get_mechanism, make_config
 
 __all__ = ["BASELINE", "BenchSettings", "Variant", "run_bench"]
@@ -70,8 +70,11 @@ class BenchSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError(f"lengths must be positive, got {list(self.lengths)}")
-        if self.dtype not in [str(d).replace("torch.", "") for d in SUPPORTED_DTYPES]:
-            raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        for name in ("max_seconds", "timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not self.causal or not self.backward:

@@ -12,7 +12,6 @@ on clustered inputs, and the fraction of queries whose output is all zero.
 from __future__ import annotations
 
 import json
-import math
 import resource
 import statistics
 import sys
@@ -49,9 +48,11 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"])
     peak_memory = _memory_probe(device)
     out = call(q, k, v)  # the first full-size call: memory, and the warm-up for timing
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     result: dict[str, Any] = {"peak_bytes": peak_memory(), "memory_method": _memory_method(device)}
     times: list[float] = []
-    while len(times) < cell["repeats"] and sum(times) < cell["max_seconds"]:
+    while not times or (len(times) < cell["repeats"] and sum(times) < cell["max_seconds"]):
         start = time.perf_counter()
         out = call(q, k, v)
         if device.type == "cuda":
@@ -59,6 +60,7 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     result.update(time_s=statistics.median(times), times_s=times, threads=torch.get_num_threads())
     if not cell["backward"]:
+        result["nonfinite"] = not bool(torch.isfinite(out).all())  # NaN or inf anywhere in the output
         result["zero_rows"] = float((out.detach().abs().amax(dim=-1) == 0).float().mean())
         result["error_iid"] = _relative_error(out, q, k, v, cell)
         del out, q, k, v
@@ -160,10 +162,7 @@ def main() -> None:
         result = measure_cell(cell)
     except Exception as exc:  # reported in the cell, so one failure does not end the run
         result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=3)}
-    for key, value in result.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            result[key] = None
-    print(json.dumps(result))
+    print(json.dumps(result))  # a NaN error stays NaN: the table shows it, results.json writes null
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 
     Attention(Q, K, V) = softmax(Q Kᵀ · scale + mask) V        (Vaswani et al. 2017, eq. 1)
 
-Two backends compute it. ``sdpa`` calls torch's fused ``scaled_dot_product_attention``, which
-never materialises the (L, S) score matrix when no dense mask is needed. ``eager`` is the plain
-matmul-softmax-matmul, with the softmax in at least fp32; it is the readable reference, and the
-one to use for double backward (torch's fused CPU kernel has no second derivative). ``auto``
-takes ``sdpa``. Tests prove the two agree.
+Two backends compute it. ``sdpa`` (the default) calls torch's fused
+``scaled_dot_product_attention``, which never materialises the (L, S) score matrix when no dense
+mask is needed. ``eager`` is the plain matmul-softmax-matmul, with the softmax in at least fp32:
+the readable reference, the path ``attention_weights`` takes, and the one to choose for double
+backward, which torch's fused CPU kernel does not have (a need no call can detect in advance).
+Tests prove the two agree.
 
 Queries that see no key (every key padded, or causal with L > S) return zeros: their mask row is
 lifted before the softmax, so no NaN enters the forward or the backward, and the row is zeroed
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from subquad._validate import AttentionShape, check_attention_inputs
+from subquad.decoding import KVCache
 from subquad.masks import contract_mask, visible_queries
 from subquad.registry import Config, Mechanism, option
 
@@ -32,9 +34,9 @@ __all__ = ["FullConfig", "attention_weights", "full_attention"]
 class FullConfig(Config):
     mechanism = "full"
     backend: str = option(
-        "auto",
-        "sdpa: torch's fused kernel; eager: matmul-softmax-matmul (double backward); auto: sdpa",
-        choices=("auto", "sdpa", "eager"),
+        "sdpa",
+        "sdpa: torch's fused kernel; eager: matmul-softmax-matmul in fp32+ (reference; double backward)",
+        choices=("sdpa", "eager"),
     )
 
 
@@ -77,6 +79,8 @@ def full_attention(
             mask, _ = _merged_mask(shape, None, True, None, q)
         out = _eager(q, k, v, mask, shape.scale)
     else:
+        if mask is not None and mask.is_floating_point():
+            mask = mask.to(q.dtype)  # the fused kernel takes an additive mask in q's dtype
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=shape.scale)
     return out if visible is None else out.masked_fill(~visible, 0.0)
 
@@ -171,7 +175,14 @@ def _check_attn_mask(attn_mask: object, shape: AttentionShape, q: Tensor) -> Ten
     if attn_mask.is_floating_point():
         if bool(torch.isnan(attn_mask).any() | torch.isposinf(attn_mask).any()):
             raise ValueError("additive attn_mask contains NaN or +inf; use -inf for masked positions")
-        attn_mask = attn_mask.to(q.dtype)
+        largest = torch.finfo(q.dtype).max
+        if bool((attn_mask > largest).any()):
+            raise ValueError(
+                f"additive attn_mask holds values up to {float(attn_mask.max()):.4g}, above the largest "
+                f"{q.dtype} ({largest:.4g}); they would become +inf. Shift the mask down (softmax ignores a "
+                "constant per row) or compute in float32"
+            )
+        attn_mask = attn_mask.to(torch.promote_types(q.dtype, torch.float32))  # eager adds it in fp32+
     while attn_mask.dim() < 4:
         attn_mask = attn_mask.unsqueeze(0)
     return attn_mask
@@ -184,4 +195,5 @@ MECHANISM = Mechanism(
     summary="exact softmax attention; the oracle and the baseline of every ratio",
     paper="Vaswani et al. 2017, eq. 1",
     tensor_args=("attn_mask",),
+    decoder=KVCache,
 )

@@ -1,6 +1,6 @@
 """Layers and models built from any registered mechanism."""
 
-from subquad.nn.attention import AttentionSpec, HeadGroup, KVCache, MultiheadAttention
+from subquad.nn.attention import AttentionSpec, HeadGroup, MultiheadAttention
 from subquad.nn.blocks import MLP, TransformerBlock
 from subquad.nn.models import CausalLM, DecodeCache, Encoder
 
@@ -11,7 +11,6 @@ __all__ = [
     "DecodeCache",
     "Encoder",
     "HeadGroup",
-    "KVCache",
     "MultiheadAttention",
     "TransformerBlock",
 ]

@@ -4,7 +4,7 @@ A layer's heads form one or more ``HeadGroup``s, each running one mechanism with
 Routing Transformer's mix of local and routing heads is ``(HeadGroup("local", 4, ...),
 HeadGroup("routing", 4, ...))``. The layer owns everything a mechanism declares in its registry
 record: the projections, the persistent state module (``Mechanism.state``), the producer of extra
-tensors (``Mechanism.inputs``) and, for decoding, the cache (``Mechanism.decoder`` or ``KVCache``).
+tensors (``Mechanism.inputs``) and, for decoding, the caches (``Mechanism.decoder``).
 A new mechanism therefore plugs in here without a change to this file.
 """
 
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from subquad.registry import Config, Mechanism, get_mechanism, make_config
 
-__all__ = ["AttentionSpec", "HeadGroup", "KVCache", "MultiheadAttention"]
+__all__ = ["AttentionSpec", "HeadGroup", "MultiheadAttention"]
 
 
 class HeadGroup:
@@ -71,44 +71,6 @@ def resolve_head_groups(spec: AttentionSpec, num_heads: int, options: dict[str, 
         counts = [g.heads for g in groups]
         raise ValueError(f"head groups {counts} cover {claimed} heads but the layer has num_heads={num_heads}")
     return [g if g.heads is not None else g.with_heads(num_heads - claimed) for g in groups]
-
-
-class KVCache:
-    """Decoding cache that keeps every key and value seen so far.
-
-    Exact for any causal mechanism that accepts more keys than queries, since causal attention
-    aligns new queries to the last keys. Each new token costs attention over the whole prefix;
-    mechanisms with a recurrent form register a ``decoder`` with O(1) state instead.
-    """
-
-    def __init__(self, mechanism: Mechanism, config: Config, state: nn.Module | None) -> None:
-        if not mechanism.causal:
-            raise ValueError(f"{mechanism.name} has no causal form, so it cannot decode token by token")
-        self.mechanism, self.config, self.state = mechanism, config, state
-        self.keys: Tensor | None = None  # (B, H, capacity, D)
-        self.values: Tensor | None = None  # (B, H, capacity, Dv)
-        self.length = 0
-
-    def step(self, q: Tensor, k: Tensor, v: Tensor, **tensors: Tensor) -> Tensor:
-        """Append ``k``, ``v`` ``(B, H, T, D)`` and attend the ``T`` new queries causally."""
-        self.keys = _append(self.keys, self.length, k)
-        self.values = _append(self.values, self.length, v)
-        self.length += k.shape[2]
-        keys, values = self.keys[:, :, : self.length], self.values[:, :, : self.length]
-        return self.mechanism(q, keys, values, is_causal=True, config=self.config, state=self.state, **tensors)
-
-
-def _append(buffer: Tensor | None, length: int, x: Tensor) -> Tensor:
-    """Write ``x`` after ``length`` entries on dim 2, doubling the capacity when it is full."""
-    needed = length + x.shape[2]
-    if buffer is None or needed > buffer.shape[2]:
-        capacity = max(needed, 2 * (0 if buffer is None else buffer.shape[2]), 16)
-        grown = x.new_empty(*x.shape[:2], capacity, x.shape[3])
-        if buffer is not None:
-            grown[:, :, :length] = buffer[:, :, :length]
-        buffer = grown
-    buffer[:, :, length:needed] = x
-    return buffer
 
 
 class MultiheadAttention(nn.Module):
@@ -165,8 +127,12 @@ class MultiheadAttention(nn.Module):
         """A fresh decoding cache: one decoder per head group."""
         caches = []
         for i, g in enumerate(self.groups):
-            decoder = g.mechanism.decoder or KVCache
-            caches.append(decoder(g.mechanism, g.config, self.states[str(i)] if str(i) in self.states else None))
+            if g.mechanism.decoder is None:
+                raise ValueError(
+                    f"{g.mechanism.name} has no decoder for cached generation; generate with use_cache=False"
+                )
+            state = self.states[str(i)] if str(i) in self.states else None
+            caches.append(g.mechanism.decoder(g.mechanism, g.config, state))
         return caches
 
     def forward(
