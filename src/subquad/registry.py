@@ -32,8 +32,11 @@ __all__ = [
     "register",
 ]
 
-# One line per built-in mechanism: the module that defines its ``MECHANISM`` record.
-_BUILTIN_MODULES = ("subquad.mechanisms.full",)
+# One line per built-in module: each defines its ``MECHANISM`` record, or several as ``MECHANISMS``.
+_BUILTIN_MODULES = (
+    "subquad.mechanisms.full",
+    "subquad.mechanisms.clustered",
+)
 
 
 def option(
@@ -216,8 +219,9 @@ def _load_builtins() -> None:
     if not _builtins_loaded:
         _builtins_loaded = True
         for module in _BUILTIN_MODULES:
-            mechanism = importlib.import_module(module).MECHANISM
-            _REGISTRY[mechanism.name] = mechanism
+            loaded = importlib.import_module(module)
+            for mechanism in getattr(loaded, "MECHANISMS", None) or (loaded.MECHANISM,):
+                _REGISTRY[mechanism.name] = mechanism
 
 
 def register(mechanism: Mechanism, *, replace: bool = False) -> Mechanism:

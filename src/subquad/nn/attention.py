@@ -163,6 +163,8 @@ class MultiheadAttention(nn.Module):
             heads = slice(start, start + g.heads)
             start += g.heads
             tensors = self.inputs[str(i)](query, key) if str(i) in self.inputs else {}
+            if key is query and key_padding_mask is not None and "query_padding_mask" in g.mechanism.tensor_args:
+                tensors.setdefault("query_padding_mask", key_padding_mask)  # self-attention: the same tokens
             if cache is not None:
                 outputs.append(cache[i].step(q[:, heads], k[:, heads], v[:, heads], **tensors))
                 continue

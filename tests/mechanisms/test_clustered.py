@@ -1,0 +1,428 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck
+
+import subquad
+import subquad.nn
+from subquad.mechanisms import clustered as cm
+from subquad.mechanisms.clustered import (
+    ClusteredConfig,
+    ClusteredState,
+    ImprovedClusteredConfig,
+    cluster_queries,
+    clustered_attention,
+    improved_clustered_attention,
+)
+from subquad.mechanisms.full import attention_weights, full_attention
+
+from ..conftest import padding, qkv, randn
+
+MECHANISMS = [("clustered", ClusteredConfig), ("improved-clustered", ImprovedClusteredConfig)]
+METRICS = ["euclidean", "hamming"]
+
+
+def run(name, q, k, v, state=None, **kw):
+    return subquad.attention(q, k, v, name, state=state, **kw)
+
+
+def real_rows(out, query_mask):
+    """Zero the rows of padded queries, for comparisons that cover the real ones only."""
+    return out if query_mask is None else out * query_mask[:, None, :, None]
+
+
+# --------------------------------------------------------------------------------------------
+# Degenerate settings equal full attention
+# --------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 20), S=st.integers(1, 20),
+    D=st.sampled_from([2, 8]), Dv=st.sampled_from([3, 8]), extra=st.integers(0, 5), pad=st.booleans(),
+    metric=st.sampled_from(METRICS), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_one_cluster_per_query_is_full_attention(B, H, L, S, D, Dv, extra, pad, metric, seed):
+    """clusters >= L (clamped, no crash): every query is its own centroid, so both mechanisms are exact,
+    with key and query padding and with L != S."""
+    q, k, v = qkv(B, H, L, S, D, Dv, seed=seed)
+    kpm = padding(B, S, seed) if pad else None
+    qpm = padding(B, L, seed + 1) if pad else None
+    expected = full_attention(q, k, v, key_padding_mask=kpm)
+    for name, _ in MECHANISMS:
+        out = run(name, q, k, v, clusters=L + extra, kmeans=metric, key_padding_mask=kpm, query_padding_mask=qpm)
+        assert (out - real_rows(expected, qpm)).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize(("L", "S"), [(12, 12), (12, 17)])
+def test_one_cluster_per_distinct_real_query_through_kmeans(metric, L, S):
+    """With C = the number of real queries < L, the clustering itself (seeding + Lloyd, not the
+    C >= L shortcut) must give each real query its own cluster: exact on the real rows."""
+    q, k, v = qkv(2, 2, L, S, 8)
+    qpm = torch.ones(2, L, dtype=torch.bool)
+    qpm[:, ::3] = False  # 8 real queries of 12
+    kpm = padding(2, S, seed=4)
+    out = run("clustered", q, k, v, clusters=8, kmeans=metric, bits=128, key_padding_mask=kpm, query_padding_mask=qpm)
+    expected = full_attention(q, k, v, key_padding_mask=kpm)
+    assert (out - real_rows(expected, qpm)).abs().max() <= 1e-6
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(2, 24), S=st.integers(1, 24),
+    C=st.integers(1, 6), extra=st.integers(0, 5), pad=st.booleans(), metric=st.sampled_from(METRICS),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_improved_with_topk_at_least_s_is_full_attention(B, H, L, S, C, extra, pad, metric, seed):
+    """top-k >= S (clamped): every key is re-scored exactly and m̂ = 1, whatever the clusters."""
+    q, k, v = qkv(B, H, L, S, 8, 5, seed=seed)
+    kpm = padding(B, S, seed) if pad else None
+    qpm = padding(B, L, seed + 1) if pad else None
+    out = run("improved-clustered", q, k, v, clusters=C, topk=S + extra, kmeans=metric,
+              key_padding_mask=kpm, query_padding_mask=qpm)  # fmt: skip
+    expected = full_attention(q, k, v, key_padding_mask=kpm)
+    assert (out - real_rows(expected, qpm)).abs().max() <= 1e-6
+
+
+# --------------------------------------------------------------------------------------------
+# The paper's definitions, materialised row by row
+# --------------------------------------------------------------------------------------------
+
+
+def dense_rows(q, k, kpm, qpm, assign, C, topk, scale):
+    """A^c (the centroid's row for every query, eq. 3-4) and A^t (eq. 9) as dense (B, H, L, S)."""
+    B, H, L, _ = q.shape
+    S = k.shape[2]
+    one_hot = torch.nn.functional.one_hot(assign, C).to(q.dtype).view(B, H, L, C)
+    if qpm is not None:
+        one_hot = one_hot * qpm[:, None, :, None]
+    centroids = one_hot.transpose(2, 3) @ q / one_hot.sum(2).clamp_min(1).unsqueeze(-1)  # (B, H, C, D)
+    centroid_rows = attention_weights(centroids, k, key_padding_mask=kpm, scale=scale)  # (B, H, C, S)
+    a_c = torch.gather(centroid_rows, 2, assign.view(B, H, L, 1).expand(B, H, L, S))
+    kk = min(topk, S)
+    top = torch.zeros_like(a_c, dtype=torch.bool).scatter(-1, a_c.topk(kk, dim=-1).indices, True)
+    mass = (a_c * top).sum(-1, keepdim=True)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    if kpm is not None:
+        top = top & kpm[:, None, None, :]
+    exact = torch.softmax(logits.masked_fill(~top, float("-inf")), -1).nan_to_num(0.0)
+    a_t = torch.where(top, mass * exact, a_c)
+    return a_c, a_t
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_outputs_are_the_papers_rows_and_proposition_2_holds(metric, pad, seed):
+    """Both outputs equal A·V for A^c (eq. 3-6) and A^t (eq. 9-10) built densely from the clustering's
+    own assignment; and for every query ‖A^t_i − A_i‖₁ ≤ ‖A^c_i − A_i‖₁ (Proposition 2)."""
+    B, H, L, S, D, C, topk = 2, 2, 40, 33, 6, 5, 7
+    q, k, v = qkv(B, H, L, S, D, seed=seed)
+    kpm = padding(B, S, seed) if pad else None
+    qpm = padding(B, L, seed + 1) if pad else None
+    config = ImprovedClusteredConfig(clusters=C, topk=topk, kmeans=metric)
+    state = ClusteredState(config, H, D, seed=seed)
+    weight = torch.ones(B, L, dtype=q.dtype) if qpm is None else qpm.to(q.dtype)
+    assign = cluster_queries(
+        q.reshape(B * H, L, D), config, state, weight.repeat_interleave(H, 0), torch.arange(H).repeat(B)
+    ).view(B, H, L)
+    assert assign.unique().numel() > 1
+    scale = D**-0.5
+    a_c, a_t = dense_rows(q, k, kpm, qpm, assign, C, topk, scale)
+    clustered = run(
+        "clustered", q, k, v, state, clusters=C, kmeans=metric, key_padding_mask=kpm, query_padding_mask=qpm
+    )
+    improved = improved_clustered_attention(
+        q, k, v, key_padding_mask=kpm, config=config, state=state, query_padding_mask=qpm
+    )
+    assert (clustered - real_rows(a_c @ v, qpm)).abs().max() <= 1e-10
+    assert (improved - real_rows(a_t @ v, qpm)).abs().max() <= 1e-10
+    exact = attention_weights(q, k, key_padding_mask=kpm)
+    l1_clustered = (a_c - exact).abs().sum(-1)
+    l1_improved = (a_t - exact).abs().sum(-1)
+    assert (l1_improved <= l1_clustered + 1e-12).all()
+    assert (l1_improved < l1_clustered - 1e-3).any(), "re-scoring should improve some rows strictly"
+
+
+def test_queries_of_a_cluster_share_one_output_under_clustered():
+    q, k, v = qkv(1, 2, 64, 50, 8)
+    config = ClusteredConfig(clusters=6)
+    out = clustered_attention(q, k, v, config=config)
+    assign = cluster_queries(q.reshape(2, 64, 8), config, ClusteredState(config, 2, 8), torch.ones(2, 64),
+                             torch.arange(2)).view(1, 2, 64)  # fmt: skip
+    for h in range(2):
+        for j in assign[0, h].unique():
+            rows = out[0, h, assign[0, h] == j]
+            assert (rows - rows[0]).abs().max() == 0
+        assert out[0, h].unique(dim=0).shape[0] == assign[0, h].unique().numel()
+
+
+# --------------------------------------------------------------------------------------------
+# Grouping
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("C", [1, 5, 100, 300])
+@pytest.mark.parametrize("bits", [1, 7, 64])
+def test_tagged_hamming_nearest_is_the_lowest_index_nearest_code(C, bits):
+    gen = torch.Generator().manual_seed(C * bits)
+    codes = torch.randint(0, 2, (3, 200, bits), generator=gen).float() * 2 - 1
+    centroids = torch.randint(0, 2, (3, C, bits), generator=gen).float() * 2 - 1
+    centroids[:, C // 2] = centroids[:, 0]  # duplicate centroids: ties resolve to the lower index
+    distance = (codes.unsqueeze(2) != centroids.unsqueeze(1)).sum(-1)  # (3, 200, C)
+    expected = torch.stack([torch.tensor([row.tolist().index(min(row.tolist())) for row in g]) for g in distance])
+    assert torch.equal(cm._Hamming(codes).nearest(centroids), expected)
+
+
+def test_hamming_majority_update_keeps_tied_bits():
+    codes = torch.tensor([[[1.0, 1, -1], [1, -1, -1], [-1, -1, 1]]])
+    assign = torch.tensor([[0, 0, 1]])
+    centroids = torch.tensor([[[-1.0, 1, 1], [1, 1, 1]]])
+    updated = cm._Hamming(codes).update(centroids, assign, torch.ones(1, 3))
+    # cluster 0 votes (1, 0, -2): bit 1 ties and keeps its value 1; cluster 1 takes its one member
+    assert torch.equal(updated, torch.tensor([[[1.0, 1, -1], [-1, -1, 1]]]))
+
+
+def test_hash_offsets_track_the_spread_of_the_queries():
+    """Without offsets the planes pass through the origin: queries far from it on one side get one
+    code. With offsets the thresholds sit inside the queries' spread and split them."""
+    q = randn(1, 500, 8) * 0.1 + 5.0  # a tight cloud far from the origin
+    config = ClusteredConfig(bits=16)
+    state = ClusteredState(config, 1, 8)
+    planes, offsets = state.planes.double(), state.offsets.double()
+    without = cm._hash(q, torch.ones(1, 500), planes, None)
+    with_offsets = cm._hash(q, torch.ones(1, 500), planes, offsets)
+    assert without.unique(dim=1).shape[1] <= 2
+    assert with_offsets.unique(dim=1).shape[1] > 20
+    assert (with_offsets.abs() == 1).all()
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_well_separated_groups_are_found(metric):
+    """Queries drawn tightly around 6 points, C = 6: each cluster is exactly one group."""
+    gen = torch.Generator().manual_seed(1)
+    centres = torch.randn(6, 16, generator=gen) * 3
+    label = torch.arange(300) % 6
+    q = (centres[label] + 0.01 * torch.randn(300, 16, generator=gen)).unsqueeze(0)
+    config = ClusteredConfig(clusters=6, kmeans=metric, fit_per_cluster=0)
+    assign = cluster_queries(q, config, ClusteredState(config, 1, 16), torch.ones(1, 300), torch.zeros(1).long())
+    pairs = set(zip(assign[0].tolist(), label.tolist()))
+    assert len(pairs) == 6 and len({a for a, _ in pairs}) == 6
+
+
+def test_padded_queries_take_no_part_in_the_clustering():
+    """Editing the padded queries leaves every real query's output unchanged; padded rows are zero."""
+    q, k, v = qkv(2, 2, 60, 40, 8)
+    qpm = padding(2, 60, seed=2, p=0.4)
+    kpm = padding(2, 40, seed=3)
+    edited = torch.where(qpm[:, None, :, None], q, q * 7 + 3)
+    for name, _ in MECHANISMS:
+        for metric in METRICS:
+            kw = dict(clusters=6, kmeans=metric, key_padding_mask=kpm, query_padding_mask=qpm)
+            a, b = run(name, q, k, v, **kw), run(name, edited, k, v, **kw)
+            assert torch.equal(a, b)
+            assert (a[~qpm[:, None, :].expand(2, 2, 60)] == 0).all()
+
+
+def test_fitting_on_a_sample_then_assigning_everything():
+    """fit_per_cluster·C >= L is the same as fitting on all queries; fitting on a small sample still
+    assigns every query, and the clusters are nearly as tight (k-means objective within 10%)."""
+    gen = torch.Generator().manual_seed(0)
+    q = (torch.randn(2, 10, 8, generator=gen) * 3).repeat_interleave(40, 1) + torch.randn(2, 400, 8, generator=gen)
+    w, heads = torch.ones(2, 400), torch.arange(2)
+    state = ClusteredState(ClusteredConfig(), 2, 8)
+
+    def inertia(assign):
+        means = cm._cluster_sums(q, assign, 10) / cm._cluster_sums(torch.ones_like(q[..., :1]), assign, 10).clamp_min(1)
+        return (q - torch.gather(means, 1, assign.unsqueeze(-1).expand_as(q))).square().sum()
+
+    all_fit = cluster_queries(q, ClusteredConfig(clusters=10, fit_per_cluster=0), state, w, heads)
+    big = cluster_queries(q, ClusteredConfig(clusters=10, fit_per_cluster=40), state, w, heads)
+    assert torch.equal(all_fit, big)
+    small = cluster_queries(q, ClusteredConfig(clusters=10, fit_per_cluster=4), state, w, heads)
+    assert inertia(small) <= 1.1 * inertia(all_fit)
+
+
+def test_lloyd_stops_at_a_fixed_point():
+    q = randn(3, 300, 4)
+    state = ClusteredState(ClusteredConfig(), 3, 4)
+    w, heads = torch.ones(3, 300), torch.arange(3)
+    results = [
+        cluster_queries(q, ClusteredConfig(clusters=7, iterations=n, fit_per_cluster=0), state, w, heads)
+        for n in (200, 1000)
+    ]
+    assert torch.equal(*results)
+    metric = cm._Euclidean(q)
+    centroids = cm._cluster_sums(q, results[0], 7) / cm._cluster_sums(torch.ones_like(q[..., :1]), results[0], 7)
+    assert torch.equal(metric.nearest(centroids), results[0])  # the assignment is stable
+
+
+# --------------------------------------------------------------------------------------------
+# Reproducibility and state
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_same_seed_same_result_and_state_round_trips(metric):
+    q, k, v = qkv(2, 3, 80, 70, 8)
+    config = ImprovedClusteredConfig(clusters=7, topk=5, kmeans=metric)
+    a = improved_clustered_attention(q, k, v, config=config, state=ClusteredState(config, 3, 8, seed=5))
+    b = improved_clustered_attention(q, k, v, config=config, state=ClusteredState(config, 3, 8, seed=5))
+    assert torch.equal(a, b)
+    other = improved_clustered_attention(q, k, v, config=config, state=ClusteredState(config, 3, 8, seed=6))
+    assert not torch.equal(a, other)
+    restored = ClusteredState(config, 3, 8, seed=0)
+    restored.load_state_dict(ClusteredState(config, 3, 8, seed=5).state_dict())
+    assert torch.equal(improved_clustered_attention(q, k, v, config=config, state=restored), a)
+    assert torch.equal(
+        improved_clustered_attention(q, k, v, config=config),
+        improved_clustered_attention(q, k, v, config=config, state=ClusteredState(config, 3, 8, seed=0)),
+    )
+
+
+def test_a_rows_clusters_do_not_depend_on_the_rest_of_the_batch():
+    q, k, v = qkv(3, 2, 90, 90, 8)
+    whole = run("clustered", q, k, v, clusters=9)
+    for b in range(3):
+        alone = run("clustered", q[b : b + 1], k[b : b + 1], v[b : b + 1], clusters=9)
+        assert torch.equal(alone, whole[b : b + 1])
+
+
+def test_no_global_rng_is_used():
+    q, k, v = qkv(1, 2, 64, 64, 8)
+    torch.manual_seed(1)
+    a = run("improved-clustered", q, k, v, clusters=5)
+    torch.manual_seed(2)
+    b = run("improved-clustered", q, k, v, clusters=5)
+    assert torch.equal(a, b)
+
+
+def test_layer_state_is_seeded_per_layer_and_saved():
+    layer = subquad.nn.MultiheadAttention(32, 4, "improved-clustered", seed=3, clusters=4)
+    state = layer.states["0"]
+    assert isinstance(state, ClusteredState) and int(state.seed) == 3
+    assert {"states.0.planes", "states.0.offsets", "states.0.seed"} <= set(layer.state_dict())
+
+
+# --------------------------------------------------------------------------------------------
+# Layers, dtypes, autograd
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["clustered", "improved-clustered"])
+def test_self_attention_layer_leaves_padded_queries_out(name):
+    """The layer passes the key padding mask as the query mask in self-attention, so what sits at
+    padded positions cannot move the real tokens' outputs."""
+    layer = subquad.nn.MultiheadAttention(16, 2, name, clusters=3).double()
+    x = randn(2, 30, 16)
+    kpm = padding(2, 30, seed=1)
+    edited = torch.where(kpm[..., None], x, randn(2, 30, 16, seed=9) * 5)
+    a = layer(x, key_padding_mask=kpm)
+    b = layer(edited, key_padding_mask=kpm)
+    assert (a - b)[kpm].abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("name", ["clustered", "improved-clustered"])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_low_precision_matches_fp32_on_the_same_inputs(name, dtype, tol):
+    """Half inputs are clustered and attended in fp32, so they match an fp32 call on the same rounded
+    inputs to the output's rounding."""
+    q, k, v = (x.to(dtype) for x in qkv(2, 2, 100, 90, 16))
+    kpm = padding(2, 90, seed=1)
+    out = (
+        run(name, q, k, v, clusters=8, topk=6, key_padding_mask=kpm)
+        if name != "clustered"
+        else run(name, q, k, v, clusters=8, key_padding_mask=kpm)
+    )
+    ref = run(name, q.float(), k.float(), v.float(), clusters=8, key_padding_mask=kpm, **(
+        {"topk": 6} if name != "clustered" else {}))  # fmt: skip
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert (out.float() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("name", ["clustered", "improved-clustered"])
+def test_gradcheck(name):
+    q, k, v = qkv(1, 2, 12, 10, 4)
+    kpm = padding(1, 10, seed=2)
+    config = ClusteredConfig(clusters=3) if name == "clustered" else ImprovedClusteredConfig(clusters=3, topk=4)
+    fn = clustered_attention if name == "clustered" else improved_clustered_attention
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    assert gradcheck(lambda q, k, v: fn(q, k, v, key_padding_mask=kpm, config=config), (q, k, v))
+
+
+def test_gradients_reach_queries_keys_and_values_and_are_finite():
+    q, k, v = (x.float().requires_grad_(True) for x in qkv(2, 2, 50, 40, 8))
+    kpm = padding(2, 40, seed=1)
+    kpm[1] = False  # a sequence without any real key: zeros, finite gradients
+    out = run("improved-clustered", q, k, v, clusters=5, topk=4, key_padding_mask=kpm)
+    assert (out[1] == 0).all()
+    out.square().sum().backward()
+    for x in (q, k, v):
+        assert torch.isfinite(x.grad).all() and x.grad[0].abs().sum() > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["clustered", "improved-clustered"])
+def test_causal_raises_naming_the_causal_mechanisms(name):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=f"{name} has no causal form; mechanisms with one: full"):
+        run(name, q, k, v, is_causal=True)
+    fn = clustered_attention if name == "clustered" else improved_clustered_attention
+    with pytest.raises(ValueError, match="has no causal form"):
+        fn(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"clusters": 0}, "clusters must be >= 1, got 0"),
+        ({"iterations": -1}, "iterations must be >= 0"),
+        ({"bits": 0}, "bits must be >= 1"),
+        ({"bits": 2000}, "bits must be <= 1024"),
+        ({"kmeans": "lsh"}, "kmeans must be one of 'euclidean', 'hamming'"),
+        ({"fit_per_cluster": -2}, "fit_per_cluster must be >= 0"),
+        ({"topk": 0}, "topk must be >= 1, got 0"),
+        ({"hash_offsets": 1}, "hash_offsets must be True or False"),
+    ],
+)
+def test_bad_options_raise(options, message):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=message):
+        run("improved-clustered", q, k, v, **options)
+
+
+def test_topk_is_not_an_option_of_clustered():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['topk'\] for clustered"):
+        run("clustered", *qkv(), topk=3)
+
+
+@pytest.mark.parametrize(
+    ("mask", "message"),
+    [
+        (torch.ones(2, 7), "query_padding_mask must be a bool tensor .True = real query., got torch.float32"),
+        ([True] * 7, "query_padding_mask must be a bool tensor .True = real query., got list"),
+        (torch.ones(2, 6, dtype=torch.bool), r"query_padding_mask must have shape \(B, L\) = \(2, 7\), got \(2, 6\)"),
+        (torch.ones(2, 7, dtype=torch.bool, device="meta"), "query_padding_mask is on meta but q is on cpu"),
+    ],
+)
+def test_bad_query_padding_mask_raises(mask, message):
+    with pytest.raises(ValueError, match=message):
+        run("clustered", *qkv(2, 3, 7), query_padding_mask=mask)
+
+
+def test_state_of_the_wrong_kind_or_shape_raises():
+    q, k, v = qkv(2, 3, 7, D=8)
+    with pytest.raises(ValueError, match="clustered needs a ClusteredState, got Linear"):
+        run("clustered", q, k, v, state=torch.nn.Linear(2, 2))
+    wrong = ClusteredState(ClusteredConfig(), 4, 8)
+    with pytest.raises(ValueError, match=r"needs \(3, 8, 32\); build it as ClusteredState\(config, 3, 8, seed\)"):
+        run("clustered", q, k, v, state=wrong)
+    with pytest.raises(ValueError, match=r"this call needs \(3, 8, 16\)"):
+        run("clustered", q, k, v, state=ClusteredState(ClusteredConfig(), 3, 8), bits=16)
