@@ -80,7 +80,7 @@ __all__ = [
 ]
 
 _TILE = 32  # queries per tile in the exact top-k re-scoring
-_GROUP_ELEMENTS = 1 << 20  # (C × S) score elements per group of (batch × head) rows
+_GROUP_ELEMENTS = 1 << 22  # (C × S) score elements per group of (batch × head) rows
 _SEED_ROUNDS = 8  # rounds of D² sampling that choose the initial centroids
 
 
@@ -196,8 +196,9 @@ class _Hamming:
         best = torch.bmm(tagged, self.points_t).amax(1)  # (G, N): max_j dot_j − j/2^p
         return ((torch.ceil(best) - best) * 2.0**p).round_().long()
 
-    def update(self, centroids: Tensor, assign: Tensor, weight: Tensor) -> Tensor:
-        votes = _cluster_sums(self.points * weight.unsqueeze(-1), assign, centroids.shape[1])
+    def update(self, centroids: Tensor, assign: Tensor, members: Tensor, weight: Tensor) -> Tensor:
+        """``members``: the points times their weight (0 for padded points, which do not vote)."""
+        votes = _cluster_sums(members, assign, centroids.shape[1])
         return torch.where(votes > 0, 1.0, torch.where(votes < 0, -1.0, centroids))
 
 
@@ -221,9 +222,10 @@ class _Euclidean:
         half_norms = -0.5 * centroids.square().sum(-1).unsqueeze(1)  # (G, 1, C)
         return torch.baddbmm(half_norms, self.points, centroids.transpose(1, 2)).max(-1).indices
 
-    def update(self, centroids: Tensor, assign: Tensor, weight: Tensor) -> Tensor:
+    def update(self, centroids: Tensor, assign: Tensor, members: Tensor, weight: Tensor) -> Tensor:
+        """``members``: the points times their weight (0 for padded points, which do not count)."""
         C = centroids.shape[1]
-        sums = _cluster_sums(self.points * weight.unsqueeze(-1), assign, C)
+        sums = _cluster_sums(members, assign, C)
         counts = _cluster_sums(weight.unsqueeze(-1), assign, C)
         return torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
 
@@ -269,10 +271,13 @@ def _seed_centroids(metric: _Hamming | _Euclidean, weight: Tensor, C: int, seed:
     chosen = (_uniform(seed, heads, N, 0) - weight).topk(per_round, dim=1, largest=False).indices  # real first
     picks = [chosen]
     nearest = metric.distances(_take(metric.points, chosen)).amin(-1)  # (G, N)
+    rounds = -(-C // per_round)
+    gumbel = -torch.log(-torch.log(_uniform(seed, heads, N * rounds, 1))).view(-1, rounds, N)
+    log_weight = torch.log(weight)  # −inf for padded points
     while sum(p.shape[1] for p in picks) < C:
         r = min(per_round, C - sum(p.shape[1] for p in picks))
-        gumbel = -torch.log(-torch.log(_uniform(seed, heads, N, len(picks))))
-        chosen = (torch.log(nearest.square() * weight) + gumbel).topk(r, dim=1).indices
+        keys = 2 * torch.log(nearest) + log_weight + gumbel[:, len(picks)]
+        chosen = keys.topk(r, dim=1).indices
         picks.append(chosen)
         nearest = torch.minimum(nearest, metric.distances(_take(metric.points, chosen)).amin(-1))
     return torch.cat(picks, dim=1)
@@ -283,8 +288,9 @@ def _lloyd(metric: _Hamming | _Euclidean, weight: Tensor, init: Tensor, iteratio
     and the assignment of ``metric``'s points to them."""
     centroids = _take(metric.points, init)
     assign = metric.nearest(centroids)
+    members = metric.points * weight.unsqueeze(-1)
     for _ in range(iterations):
-        centroids = metric.update(centroids, assign, weight)
+        centroids = metric.update(centroids, assign, members, weight)
         new = metric.nearest(centroids)
         if torch.equal(new, assign):
             break
@@ -342,7 +348,7 @@ def cluster_queries(
     fit, fit_weight = metric, weight
     if config.fit_per_cluster and config.fit_per_cluster * C < L:
         # Fit on a seeded random sample of the real queries, then assign every query.
-        sample = (_uniform(seed, heads, L, _SEED_ROUNDS) - weight).topk(config.fit_per_cluster * C, largest=False)
+        sample = (_uniform(seed, heads, L, 2) - weight).topk(config.fit_per_cluster * C, largest=False)
         fit, fit_weight = metric.subset(sample.indices), torch.gather(weight, 1, sample.indices)
     init = _seed_centroids(fit, fit_weight, C, seed, heads)
     centroids, assign = _lloyd(fit, fit_weight, init, config.iterations)
@@ -392,16 +398,19 @@ def _rescore_topk(
     cluster = (assign + (torch.arange(G, device=device) * C).unsqueeze(-1)).view(-1)  # (G·L,) in [0, G·C)
     order = torch.sort(cluster, stable=True).indices
     counts = torch.bincount(cluster, minlength=G * C)
-    tile = _TILE if G * L >= 2 * _TILE * G * C else _TILE // 2  # small clusters: less padding
+    tile = _TILE
     starts = torch.cumsum(counts, 0) - counts
     tiles = (counts + tile - 1) // tile
     tile_cluster = torch.repeat_interleave(torch.arange(G * C, device=device), tiles)  # (T,)
     first_tile = torch.cumsum(tiles, 0) - tiles
     rank = torch.arange(tile_cluster.numel(), device=device) - first_tile[tile_cluster]
     pos = (starts[tile_cluster] + rank * tile).unsqueeze(-1) + torch.arange(tile, device=device)  # (T, tile)
-    valid = pos < (starts + counts)[tile_cluster].unsqueeze(-1)
     rows = order.index_select(0, pos.clamp_max(G * L - 1).view(-1))  # query per tile slot, into (G·L)
     T = tile_cluster.numel()
+    # Where each query's row lands among the tile slots (the inverse of `rows` on the valid slots).
+    sorted_cluster = cluster.index_select(0, order)
+    sorted_slot = first_tile[sorted_cluster] * tile + torch.arange(G * L, device=device) - starts[sorted_cluster]
+    slot = torch.empty_like(sorted_slot).scatter_(0, order, sorted_slot)
 
     key_rows = top_rows.index_select(0, tile_cluster).view(-1)  # (T·k,)
     q_tile = q.reshape(G * L, D).index_select(0, rows).view(T, tile, D)
@@ -413,10 +422,8 @@ def _rescore_topk(
         top_real = key_real.reshape(G * S).index_select(0, key_rows).view(T, 1, kk)
     exact = _masked_softmax(scores, top_real) * mass.index_select(0, tile_cluster)
     swap = exact - top_probs.view(G * C, 1, kk).index_select(0, tile_cluster)
-    out_tile = torch.baddbmm(centroid_out.view(G * C, 1, Dv).index_select(0, tile_cluster), swap, v_tile)
-    target = torch.where(valid.view(-1), rows, G * L)  # padding slots write to a discarded row
-    out = q.new_zeros(G * L + 1, Dv).index_copy(0, target, out_tile.view(-1, Dv))
-    return out[: G * L].view(G, L, Dv)
+    correction = torch.bmm(swap, v_tile).view(T * tile, Dv).index_select(0, slot)  # (G·L, Dv)
+    return (centroid_out.view(G * C, Dv).index_select(0, cluster) + correction).view(G, L, Dv)
 
 
 def _clustered(
@@ -455,10 +462,11 @@ def _clustered(
             assign = cluster_queries(qg.detach(), config, state, weight, heads[sl])
         index = (assign + (torch.arange(G, device=q.device) * C).unsqueeze(-1)).view(-1)
         counts = weight.new_zeros(G * C).index_add_(0, index, weight.view(-1))
-        sums = qg.new_zeros(G * C, D).index_add(0, index, (qg * weight.unsqueeze(-1)).view(G * L, D))
+        members = qg if query_real is None else qg * weight.unsqueeze(-1)
+        sums = qg.new_zeros(G * C, D).index_add(0, index, members.reshape(G * L, D))
         centroids = (sums / counts.clamp_min(1).unsqueeze(-1)).view(G, C, D)  # eq. 3
         kr = None if key_real is None else key_real[sl].unsqueeze(1)  # (G, 1, S)
-        probs = _masked_softmax(torch.bmm(centroids, kg.transpose(1, 2)) * shape.scale, kr)  # A^c, eq. 4
+        probs = _masked_softmax(torch.bmm(centroids * shape.scale, kg.transpose(1, 2)), kr)  # A^c, eq. 4
         centroid_out = torch.bmm(probs, vg)  # V^c, eq. 5
         if isinstance(config, ImprovedClusteredConfig):
             out = _rescore_topk(qg, kg, vg, assign, probs, centroid_out, kr, config.topk, shape.scale)
