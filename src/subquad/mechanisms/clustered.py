@@ -207,20 +207,26 @@ class _Euclidean:
     cluster keeps its centroid."""
 
     def __init__(self, x: Tensor) -> None:
-        self.points = x
-        self.norms = x.square().sum(-1)  # (G, N)
+        G, N, _ = x.shape
+        # Points with a column of ones that multiplies each centroid's −‖c‖²/2: one matmul gives
+        # x·c − ‖c‖²/2, whose max over c is the nearest centroid, with no broadcast add.
+        self.augmented = torch.cat([x, x.new_ones(G, N, 1)], dim=-1)
+        self.points = self.augmented[..., :-1]
 
     def subset(self, index: Tensor) -> _Euclidean:
         return _Euclidean(_take(self.points, index))
 
+    def _scores(self, centroids: Tensor) -> Tensor:
+        """``(G, N, r)`` x·c − ‖c‖²/2."""
+        half_norms = -0.5 * centroids.square().sum(-1, keepdim=True)
+        return torch.bmm(self.augmented, torch.cat([centroids, half_norms], dim=-1).transpose(1, 2))
+
     def distances(self, centroids: Tensor) -> Tensor:
-        dots = torch.bmm(self.points, centroids.transpose(1, 2))
-        return (self.norms.unsqueeze(-1) - 2 * dots + centroids.square().sum(-1).unsqueeze(1)).clamp_min(0)
+        norms = self.points.square().sum(-1, keepdim=True)
+        return (norms - 2 * self._scores(centroids)).clamp_min(0)
 
     def nearest(self, centroids: Tensor) -> Tensor:
-        # argmin ‖x − c‖² = argmax (x·c − ‖c‖²/2); max(dim) returns the first maximum
-        half_norms = -0.5 * centroids.square().sum(-1).unsqueeze(1)  # (G, 1, C)
-        return torch.baddbmm(half_norms, self.points, centroids.transpose(1, 2)).max(-1).indices
+        return self._scores(centroids).max(-1).indices  # argmin ‖x − c‖²; the first maximum on ties
 
     def update(self, centroids: Tensor, assign: Tensor, members: Tensor, weight: Tensor) -> Tensor:
         """``members``: the points times their weight (0 for padded points, which do not count)."""
