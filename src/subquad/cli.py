@@ -175,6 +175,18 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.error_rows,
         help="query rows compared with float64 full attention (default: %(default)s)",
     )
+    parser.add_argument(
+        "--centres",
+        type=int,
+        default=d.centres,
+        help="centres per head of the clustered inputs of the error column (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--spread",
+        type=float,
+        default=d.spread,
+        help="spread of the clustered inputs around their centres (default: %(default)s)",
+    )
     parser.add_argument("--timeout", type=float, default=d.timeout, help="seconds per cell (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=d.seed, help="input and state seed (default: %(default)s)")
     parser.add_argument(
@@ -254,7 +266,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         variants=_variants(args), lengths=args.lengths, batch=args.batch, heads=args.heads,
         head_dim=args.head_dim, dtype=args.dtype, device=args.device, threads=args.threads,
         causal=modes[args.causal], backward=modes[args.backward], repeats=args.repeats,
-        max_seconds=args.max_seconds, error_rows=args.error_rows, timeout=args.timeout, seed=args.seed,
+        max_seconds=args.max_seconds, error_rows=args.error_rows, centres=args.centres, spread=args.spread,
+        timeout=args.timeout, seed=args.seed,
     )  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)  # before the run, so a bad folder fails at once
     threads = args.threads or torch.get_num_threads()

@@ -65,6 +65,8 @@ def test_a_failing_cell_is_reported_not_raised(monkeypatch):
         ({"max_seconds": 0}, "max_seconds must be > 0 seconds, got 0"),
         ({"timeout": -1.0}, "timeout must be > 0 seconds, got -1.0"),
         ({"threads": 0}, "threads must be >= 1, got 0"),
+        ({"centres": 0}, "centres must be >= 1, got 0"),
+        ({"spread": -0.1}, "spread must be >= 0, got -0.1"),
         ({"causal": ()}, "select at least one of causal/non-causal"),
     ],
 )

@@ -30,3 +30,12 @@ def test_a_cell_times_at_least_one_call_and_backward_cells_have_no_error_fields(
     result = measure_cell({**CELL, "backward": True, "max_seconds": 1e-9})
     assert len(result["times_s"]) == 1 and result["time_s"] > 0
     assert "error_iid" not in result and "zero_rows" not in result
+
+
+def test_the_clustered_inputs_follow_the_centres_and_spread_settings():
+    """With one centre and no spread every query is the same point, so one cluster is exact; with the
+    default structure it is not. Proves the settings reach the inputs of the error column."""
+    cell = {**CELL, "mechanism": "clustered", "options": {"clusters": 1}, "causal": False}
+    exact = measure_cell({**cell, "centres": 1, "spread": 0.0})
+    assert exact["error_clustered"] < 1e-6
+    assert measure_cell({**cell, "centres": 16, "spread": 0.5})["error_clustered"] > 0.1

@@ -61,17 +61,21 @@ class BenchSettings:
     repeats: int = 20
     max_seconds: float = 2.0
     error_rows: int = 512
+    centres: int = 16
+    spread: float = 0.5
     timeout: float = 1800.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("batch", "heads", "head_dim", "repeats", "error_rows"):
+        for name in ("batch", "heads", "head_dim", "repeats", "error_rows", "centres"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError(f"lengths must be positive, got {list(self.lengths)}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if not self.spread >= 0:
+            raise ValueError(f"spread must be >= 0, got {self.spread}")
         for name in ("max_seconds", "timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

@@ -64,7 +64,8 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
         result["zero_rows"] = float((out.detach().abs().amax(dim=-1) == 0).float().mean())
         result["error_iid"] = _relative_error(out, q, k, v, cell)
         del out, q, k, v
-        q, k, v = make_qkv("clustered", (B, H, N, D), dtype, device, cell["seed"] + 1)
+        structure = {"centres": cell.get("centres", 16), "spread": cell.get("spread", 0.5)}
+        q, k, v = make_qkv("clustered", (B, H, N, D), dtype, device, cell["seed"] + 1, **structure)
         result["error_clustered"] = _relative_error(call(q, k, v), q, k, v, cell)
     return result
 
