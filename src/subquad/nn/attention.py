@@ -5,7 +5,9 @@ Routing Transformer's mix of local and routing heads is ``(HeadGroup("local", 4,
 HeadGroup("routing", 4, ...))``. The layer owns everything a mechanism declares in its registry
 record: the projections, the persistent state module (``Mechanism.state``), the producer of extra
 tensors (``Mechanism.inputs``) and, for decoding, the caches (``Mechanism.decoder``).
-A new mechanism therefore plugs in here without a change to this file.
+A new mechanism therefore plugs in here without a change to this file. In self-attention the key
+padding mask also marks the padded queries, so it is passed as ``query_padding_mask`` to mechanisms
+that take one.
 """
 
 from __future__ import annotations
