@@ -458,7 +458,7 @@ def _clustered(
     heads = torch.arange(H, device=q.device).repeat(B)
     per_row = max(C * S, (L + C * _TILE) * max(D, Dv)) if isinstance(config, ImprovedClusteredConfig) else C * S
     group = max(1, min(rows, _GROUP_ELEMENTS // per_row))
-    outputs = []
+    result = None if group >= rows else q.new_empty(rows, L, Dv)  # groups write in place: no second copy
     for r in range(0, rows, group):
         sl = slice(r, r + group)
         qg, kg, vg = qf[sl].to(work), kf[sl].to(work), vf[sl].to(work)
@@ -477,12 +477,13 @@ def _clustered(
         if isinstance(config, ImprovedClusteredConfig):
             out = _rescore_topk(qg, kg, vg, assign, probs, centroid_out, kr, config.topk, shape.scale)
         else:
-            out = centroid_out.view(G * C, Dv)[index].view(G, L, Dv)  # eq. 6
+            out = centroid_out.view(G * C, Dv).index_select(0, index).view(G, L, Dv)  # eq. 6
         if query_real is not None:
             out = out * weight.unsqueeze(-1)
-        outputs.append(out)
-    out = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-    return out.view(B, H, L, Dv).to(q.dtype)
+        if result is None:
+            return out.view(B, H, L, Dv).to(q.dtype)
+        result[sl] = out
+    return result.view(B, H, L, Dv)
 
 
 def clustered_attention(
