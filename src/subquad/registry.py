@@ -36,6 +36,8 @@ __all__ = [
 _BUILTIN_MODULES = (
     "subquad.mechanisms.full",
     "subquad.mechanisms.clustered",
+    "subquad.mechanisms.linear",
+    "subquad.mechanisms.agglomerative",
 )
 
 
@@ -150,6 +152,8 @@ class Mechanism:
             ``decoder(mechanism, config, state)`` with ``step(q, k, v, **tensors) -> out`` and class
             attributes ``recurrent`` (O(1) state per head) and ``description``; e.g.
             ``subquad.decoding.KVCache``. ``None``: no cached decoding.
+        uses_qk: False for a mechanism that reads only the shapes of ``q`` and ``k`` (agglomerative);
+            layers then build no query/key projections for it.
     """
 
     name: str
@@ -165,6 +169,7 @@ class Mechanism:
     inputs: type[torch.nn.Module] | None = None
     example_tensors: Callable[..., dict[str, Tensor]] | None = None
     decoder: type | None = None
+    uses_qk: bool = True
 
     @property
     def recurrent(self) -> bool:

@@ -112,11 +112,13 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias)
+        self.groups = resolve_head_groups(mechanism, num_heads, options)
+        # Mechanisms that read only the shapes of q and k (agglomerative) get no projections for them.
+        uses_qk = any(g.mechanism.uses_qk for g in self.groups)
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias) if uses_qk else None
+        self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias) if uses_qk else None
         self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.groups = resolve_head_groups(mechanism, num_heads, options)
         self.states = nn.ModuleDict()
         self.inputs = nn.ModuleDict()
         for i, g in enumerate(self.groups):
@@ -157,9 +159,13 @@ class MultiheadAttention(nn.Module):
         self._check_inputs(query, key, value)
         if cache is not None and (key is not query or key_padding_mask is not None or not is_causal):
             raise ValueError("a decoding cache needs causal self-attention without key_padding_mask")
-        q = self._split_heads(self.q_proj(query))  # (B, H, L, Dh)
-        k = self._split_heads(self.k_proj(key))  # (B, H, S, Dh)
         v = self._split_heads(self.v_proj(value))  # (B, H, S, Dh)
+        if self.q_proj is not None:
+            q = self._split_heads(self.q_proj(query))  # (B, H, L, Dh)
+            k = self._split_heads(self.k_proj(key))  # (B, H, S, Dh)
+        else:  # shapes only: zero-stride views of one element
+            q = v.new_zeros(()).expand(v.shape[0], self.num_heads, query.shape[1], self.head_dim)
+            k = v.new_zeros(()).expand(v.shape)
         outputs, start = [], 0
         for i, g in enumerate(self.groups):
             heads = slice(start, start + g.heads)

@@ -31,16 +31,31 @@ def layer_specs(attention: AttentionSpec | list[AttentionSpec], depth: int) -> l
     return attention
 
 
+POSITIONS = ("learned", "conv", "both")
+
+
 class TokenEmbedding(nn.Module):
-    """Token plus learned absolute position embeddings, with input checks."""
+    """Token embeddings plus order information, with input checks.
 
-    def __init__(self, vocab_size: int, dim: int, max_len: int) -> None:
+    ``position`` chooses how order enters: ``learned`` absolute position embeddings; ``conv`` a causal
+    convolution over the token embeddings (``conv_width`` positions: each output sees its token and
+    the ``conv_width - 1`` before it) in their place, the input option of Spellings (2019, Table 1)
+    that lets agglomerative attention match full attention on characters; ``both`` adds the two.
+    Decoding keeps the last ``conv_width - 1`` embeddings in the ``DecodeCache``.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, max_len: int, position: str = "learned", conv_width: int = 8) -> None:
         super().__init__()
-        self.vocab_size, self.max_len = vocab_size, max_len
+        if position not in POSITIONS:
+            raise ValueError(f"position must be one of {', '.join(POSITIONS)}, got {position!r}")
+        if isinstance(conv_width, bool) or not isinstance(conv_width, int) or conv_width < 1:
+            raise ValueError(f"conv_width must be a positive int, got {conv_width!r}")
+        self.vocab_size, self.max_len, self.position = vocab_size, max_len, position
         self.tokens = nn.Embedding(vocab_size, dim)
-        self.positions = nn.Embedding(max_len, dim)
+        self.positions = nn.Embedding(max_len, dim) if position != "conv" else None
+        self.conv = nn.Conv1d(dim, dim, conv_width) if position != "learned" else None
 
-    def forward(self, tokens: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, tokens: Tensor, offset: int = 0, cache: DecodeCache | None = None) -> Tensor:
         if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype != torch.long:
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be a (B, N) long tensor, got {got}")
@@ -51,8 +66,22 @@ class TokenEmbedding(nn.Module):
             raise ValueError(
                 f"token ids must lie in [0, {self.vocab_size}), got range [{int(tokens.min())}, {int(tokens.max())}]"
             )
-        positions = torch.arange(offset, end, device=tokens.device)
-        return self.tokens(tokens) + self.positions(positions)  # (B, N, E)
+        x = self.tokens(tokens)  # (B, N, E)
+        out = x if self.positions is None else x + self.positions(torch.arange(offset, end, device=tokens.device))
+        if self.conv is not None:
+            out = out + self._causal_conv(x, cache) if self.positions is not None else self._causal_conv(x, cache)
+        return out
+
+    def _causal_conv(self, x: Tensor, cache: DecodeCache | None) -> Tensor:
+        """Conv1d over positions, left-padded with zeros (or the cached last embeddings)."""
+        width = self.conv.kernel_size[0]
+        history = None if cache is None else cache.conv_history
+        if history is None:
+            history = x.new_zeros(x.shape[0], width - 1, x.shape[2])
+        extended = torch.cat([history, x], dim=1)  # (B, width - 1 + N, E)
+        if cache is not None:
+            cache.conv_history = extended[:, extended.shape[1] - (width - 1) :]
+        return self.conv(extended.transpose(1, 2)).transpose(1, 2)  # (B, N, E)
 
 
 class _Backbone(nn.Module):
@@ -69,9 +98,11 @@ class _Backbone(nn.Module):
         mlp_ratio: float,
         dropout: float,
         seed: int,
+        position: str = "learned",
+        conv_width: int = 8,
     ) -> None:
         super().__init__()
-        self.embed = TokenEmbedding(vocab_size, dim, max_len)
+        self.embed = TokenEmbedding(vocab_size, dim, max_len, position, conv_width)
         self.blocks = nn.ModuleList(
             TransformerBlock(dim, num_heads, spec, mlp_ratio=mlp_ratio, dropout=dropout, seed=seed + 1000 * i)
             for i, spec in enumerate(layer_specs(attention, depth))
@@ -87,7 +118,7 @@ class _Backbone(nn.Module):
         is_causal: bool,
         cache: DecodeCache | None = None,
     ) -> Tensor:
-        x = self.dropout(self.embed(tokens, offset=0 if cache is None else cache.length))  # (B, N, E)
+        x = self.dropout(self.embed(tokens, offset=0 if cache is None else cache.length, cache=cache))  # (B, N, E)
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layers[i]
             x = block(x, key_padding_mask=key_padding_mask, is_causal=is_causal, cache=layer_cache)
@@ -113,6 +144,8 @@ class Encoder(nn.Module):
         max_len: longest sequence (learned position embeddings).
         mlp_ratio, dropout: block settings.
         seed: seeds the mechanisms' state modules.
+        position, conv_width: how order enters (``TokenEmbedding``): learned positions, a causal
+            convolution of ``conv_width`` tokens, or both.
 
     Shape:
         tokens ``(B, N)`` long; key_padding_mask bool ``(B, N)``, True = real; output ``(B, num_classes)``.
@@ -131,9 +164,13 @@ class Encoder(nn.Module):
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
         seed: int = 0,
+        position: str = "learned",
+        conv_width: int = 8,
     ) -> None:
         super().__init__()
-        self.backbone = _Backbone(vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed)
+        self.backbone = _Backbone(
+            vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed, position, conv_width
+        )
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
@@ -152,6 +189,7 @@ class DecodeCache:
     def __init__(self, layers: list[list[Any]]) -> None:
         self.layers = layers
         self.length = 0
+        self.conv_history: Tensor | None = None  # the last embeddings, for a convolutional input
 
 
 class CausalLM(nn.Module):
@@ -163,6 +201,8 @@ class CausalLM(nn.Module):
         max_len: longest sequence, prompt plus generated tokens.
         mlp_ratio, dropout: block settings.
         seed: seeds the mechanisms' state modules.
+        position, conv_width: how order enters (``TokenEmbedding``): learned positions, a causal
+            convolution of ``conv_width`` tokens (Spellings 2019), or both.
 
     Shape:
         tokens ``(B, N)`` long; output logits ``(B, N, vocab_size)``.
@@ -180,9 +220,13 @@ class CausalLM(nn.Module):
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
         seed: int = 0,
+        position: str = "learned",
+        conv_width: int = 8,
     ) -> None:
         super().__init__()
-        self.backbone = _Backbone(vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed)
+        self.backbone = _Backbone(
+            vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed, position, conv_width
+        )
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.backbone.embed.tokens.weight  # tied
 

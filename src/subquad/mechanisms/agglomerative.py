@@ -1,0 +1,218 @@
+"""Agglomerative attention (Spellings 2019).
+
+Each position is softly assigned to one of m classes, separately as a reference (key) and as a
+query: ``c^r = softmax(x W^r + b^r)``, ``c^q = softmax(x W^q + b^q)``, m-way. Each class k keeps the
+average of the reference values assigned to it, and each query takes its own classes' averages,
+weighted by its class probabilities:
+
+    a^k_i = Σ_{j≤i} c^r_jk v^k_j / max(Σ_{j≤i} c^r_jk, clip)        (masked: the prefix includes i)
+    a^k   = Σ_j   c^r_jk v^k_j / max(Σ_j   c^r_jk, clip)            (full)
+    out_i = concat_k(c^q_ik · a^k_i), then the output matrix
+
+The classes are the heads: ``v^k = x P^k`` is head k's value projection (width d/m), and the output
+matrix is the layer's output projection. In the ``(B, H, N, D)`` contract the class assignments
+arrive as one logit per head for each position: ``query_logits`` ``(B, H, L)`` and ``key_logits``
+``(B, H, S)``; the softmax runs across the heads, not across time. ``AgglomerativeInputs`` makes them
+from the layer's input, as the author's layer does (``shared_classes`` uses one W for both sides).
+Queries and keys as vectors are not used: the layer builds no q/k projections for it.
+
+Where this differs from the author's Keras layer, on purpose:
+
+- Padding: padded positions get ``c^r = 0``, so they add nothing to any class average (the author's
+  layer sums pads in).
+- Prefix sums and their normalisers are accumulated in fp32 under fp16/bf16.
+
+As there, the denominator is clipped at ``clip`` (1e-3), not given an ε: a query whose classes have
+seen no reference mass returns zeros. Cost O(N·m·d/m) = O(N·d): linear time. With L ≠ S and
+``is_causal`` the queries are the last L positions (bottom-right alignment). ``AgglomerativeDecoder``
+keeps each class's running sum and mass (O(d) per sequence), so decoding a token costs the same
+whatever the prefix length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from subquad._validate import AttentionShape, check_attention_inputs
+from subquad.registry import Config, Mechanism, option
+
+__all__ = ["AgglomerativeConfig", "AgglomerativeDecoder", "AgglomerativeInputs", "agglomerative_attention"]
+
+
+@dataclass(frozen=True)
+class AgglomerativeConfig(Config):
+    mechanism = "agglomerative"
+    clip: float = option(1e-3, "lower clip of each class's reference mass (the author's 1e-3)", gt=0)
+    shared_classes: bool = option(False, "layers: one class projection for queries and references")
+
+
+def _check_logits(name: str, logits: Tensor | None, shape: tuple[int, int, int], device: torch.device) -> Tensor:
+    if logits is None:
+        raise ValueError(
+            f"agglomerative needs {name} of shape (B, H, N) = {shape}: one class logit per head for each "
+            "position (its nn layer makes them; see AgglomerativeInputs)"
+        )
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        got = logits.dtype if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(f"{name} must be a floating tensor of shape {shape}, got {got}")
+    if tuple(logits.shape) != shape:
+        raise ValueError(f"{name} must have shape (B, H, N) = {shape}, got {tuple(logits.shape)}")
+    if logits.device != device:
+        raise ValueError(f"{name} is on {logits.device} but v is on {device}; move it with .to()")
+    return logits
+
+
+def _weights(
+    shape: AttentionShape,
+    v: Tensor,
+    query_logits: Tensor | None,
+    key_logits: Tensor | None,
+    key_padding_mask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32+ class probabilities: c^q ``(B, H, L, 1)``, and c^r v ``(B, H, S, Dv)`` with c^r ``(B, H, S, 1)``."""
+    B, H, L, S = shape.batch, shape.heads, shape.queries, shape.keys
+    query_logits = _check_logits("query_logits", query_logits, (B, H, L), v.device)
+    key_logits = _check_logits("key_logits", key_logits, (B, H, S), v.device)
+    work = torch.float32 if v.dtype in (torch.float16, torch.bfloat16) else v.dtype
+    c_q = torch.softmax(query_logits.to(work), dim=1).unsqueeze(-1)  # across the classes (heads)
+    c_r = torch.softmax(key_logits.to(work), dim=1).unsqueeze(-1)
+    if key_padding_mask is not None:
+        c_r = c_r * key_padding_mask[:, None, :, None].to(work)
+    return c_q, c_r * v.to(work), c_r
+
+
+def agglomerative_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    config: AgglomerativeConfig | None = None,
+    state: nn.Module | None = None,
+    query_logits: Tensor | None = None,
+    key_logits: Tensor | None = None,
+) -> Tensor:
+    """Agglomerative attention: each query gets its classes' (running) averages of the values.
+
+    Args:
+        q, k: only their shapes ``(B, H, L, ·)`` and ``(B, H, S, ·)`` are used.
+        v: ``(B, H, S, Dv)``, head k holding class k's projection ``x P^k``.
+        key_padding_mask: bool ``(B, S)``, True marks a real position.
+        is_causal: masked form; query i averages references ``j <= i + S - L``.
+        scale: must be None (there are no dot products).
+        config: ``AgglomerativeConfig``.
+        query_logits, key_logits: ``(B, H, L)`` and ``(B, H, S)`` class logits (softmax over H).
+
+    Returns:
+        ``(B, H, L, Dv)``.
+    """
+    config = config or AgglomerativeConfig()
+    shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, None)
+    if scale is not None:
+        raise ValueError(f"agglomerative attention has no dot products to scale; leave scale=None (got {scale})")
+    c_q, weighted, c_r = _weights(shape, v, query_logits, key_logits, key_padding_mask)
+    L, S = shape.queries, shape.keys
+    if not is_causal:
+        averages = weighted.sum(2, keepdim=True) / c_r.sum(2, keepdim=True).clamp_min(config.clip)
+        return (c_q * averages).to(v.dtype)
+    offset = S - L  # query i sits at reference position i + offset
+    sums = torch.cumsum(weighted, dim=2)
+    mass = torch.cumsum(c_r, dim=2)
+    first = max(offset, 0)
+    averages = sums[:, :, first : offset + L] / mass[:, :, first : offset + L].clamp_min(config.clip)
+    out = c_q[:, :, L - averages.shape[2] :] * averages
+    if offset < 0:  # the first -offset queries see no reference
+        out = torch.cat([out.new_zeros(shape.batch, shape.heads, -offset, shape.value_dim), out], dim=2)
+    return out.to(v.dtype)
+
+
+class AgglomerativeInputs(nn.Module):
+    """The class logits of an agglomerative head group, from the layer's inputs: ``x W + b`` with
+    one output per head (class), for the query side and the reference side.
+
+    Args:
+        config: ``AgglomerativeConfig`` (``shared_classes``: one projection for both sides).
+        embed_dim: the layer's input width E (queries and keys share it in self-attention).
+        num_heads: the group's heads m.
+    """
+
+    def __init__(self, config: AgglomerativeConfig, embed_dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.query_classes = nn.Linear(embed_dim, num_heads)
+        self.key_classes = self.query_classes if config.shared_classes else nn.Linear(embed_dim, num_heads)
+
+    def forward(self, query_x: Tensor, key_x: Tensor) -> dict[str, Tensor]:
+        if key_x.shape[-1] != self.key_classes.in_features:
+            raise ValueError(
+                f"agglomerative classifies references from inputs of width {self.key_classes.in_features}, "
+                f"got {key_x.shape[-1]}; use kdim equal to embed_dim"
+            )
+        return {
+            "query_logits": self.query_classes(query_x).transpose(1, 2),  # (B, H, L)
+            "key_logits": self.key_classes(key_x).transpose(1, 2),  # (B, H, S)
+        }
+
+
+def _example_logits(q: Tensor, k: Tensor, v: Tensor, config: Config, generator: torch.Generator) -> dict[str, Tensor]:
+    B, H, L, _ = q.shape
+    S = k.shape[2]
+    return {
+        "query_logits": torch.randn(B, H, L, generator=generator).to(device=q.device, dtype=q.dtype),
+        "key_logits": torch.randn(B, H, S, generator=generator).to(device=q.device, dtype=q.dtype),
+    }
+
+
+class AgglomerativeDecoder:
+    """Recurrent decoding of masked agglomerative attention: per class, the running ``Σ c^r v`` and
+    ``Σ c^r`` (fp32 for half inputs). Each step costs the same whatever the prefix length."""
+
+    recurrent = True
+    description = "recurrent state (Σ c^r v and Σ c^r per class: O(1) in the prefix length)"
+
+    def __init__(self, mechanism: Mechanism, config: AgglomerativeConfig, state: nn.Module | None) -> None:
+        self.mechanism, self.config = mechanism, config
+        self.sums: Tensor | None = None  # (B, H, 1, Dv)
+        self.mass: Tensor | None = None  # (B, H, 1, 1)
+        self.length = 0
+
+    @torch.no_grad()
+    def step(
+        self, q: Tensor, k: Tensor, v: Tensor, query_logits: Tensor | None = None, key_logits: Tensor | None = None
+    ) -> Tensor:
+        """The ``T`` new positions' outputs ``(B, H, T, Dv)``, each over the prefix and itself."""
+        shape = check_attention_inputs(q, k, v, None, True, None)
+        if shape.queries != shape.keys:
+            raise ValueError(f"a decoding step takes as many queries as keys, got {shape.queries} and {shape.keys}")
+        if self.sums is not None and (self.sums.shape[:2], self.sums.shape[-1]) != (v.shape[:2], v.shape[-1]):
+            raise ValueError(
+                f"the decoder holds state for (B, H, Dv) = {(*self.sums.shape[:2], self.sums.shape[-1])}, "
+                f"got {(*v.shape[:2], v.shape[-1])}; start a new cache for a new batch"
+            )
+        c_q, weighted, c_r = _weights(shape, v, query_logits, key_logits, None)
+        sums, mass = torch.cumsum(weighted, dim=2), torch.cumsum(c_r, dim=2)
+        if self.sums is not None:
+            sums, mass = sums + self.sums, mass + self.mass
+        self.sums, self.mass = sums[:, :, -1:], mass[:, :, -1:]
+        self.length += shape.queries
+        return (c_q * sums / mass.clamp_min(self.config.clip)).to(v.dtype)
+
+
+MECHANISM = Mechanism(
+    name="agglomerative",
+    fn=agglomerative_attention,
+    config=AgglomerativeConfig,
+    summary="soft class assignments; each query takes its classes' (running) value averages: linear time",
+    paper="Spellings 2019, Agglomerative Attention, Methods",
+    causal=True,
+    cross=True,
+    tensor_args=("query_logits", "key_logits"),
+    inputs=AgglomerativeInputs,
+    example_tensors=_example_logits,
+    decoder=AgglomerativeDecoder,
+    uses_qk=False,
+)

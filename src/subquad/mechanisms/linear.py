@@ -1,0 +1,255 @@
+"""Kernel (linear) attention (Katharopoulos, Vyas, Pappas & Fleuret 2020).
+
+Softmax similarity is replaced by a feature map φ, so the sums over keys factor out of the queries:
+
+    out_i = φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / (φ(q_i)ᵀ Σ_j φ(k_j) + ε)
+
+with φ = elu(x) + 1 (their default) or ReLU (AdaMRA's). ε keeps a query whose features are all
+zero (possible under ReLU), or that sees no key, at a zero output instead of 0/0. Padded keys get
+φ(k) = 0. The non-causal form costs O(N·D·Dv) time and O(D·Dv) state per head.
+
+**Causal form.** The sums run over j ≤ i. Writing the normaliser as one more value column (v' = [v, 1])
+makes numerator and denominator one causal product ``y_i = Σ_{j≤i} (a_i·b_j) c_j`` with a = φ(q),
+b = φ(k), c = v'. It is computed in chunks of ``chunk`` positions: inside a chunk by a masked
+(chunk × chunk) product, across chunks through the running state ``S = Σ b_j c_jᵀ`` (D × Dv+1).
+Chunks are processed a block at a time with the block's chunk states in one cumulative sum, so
+memory stays O(N·D + block·D·Dv), never O(N·D²). The backward pass is the same product run
+forwards and backwards in time (``_CausalDot``), so autograd keeps only the inputs, not a state per
+chunk. With L ≠ S the queries are the last L positions of the keys (bottom-right alignment): keys
+before them enter as the initial state.
+
+**Decoding.** ``LinearDecoder`` carries S and the normaliser per head (O(D·Dv), whatever the prefix
+length) and runs the same chunked product from that state for each new block of tokens. Sums are
+accumulated in fp32 for fp16/bf16 inputs.
+
+There is no softmax, so there is no scale: ``scale`` must be left None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from subquad._validate import check_attention_inputs
+from subquad.registry import Config, Mechanism, option
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["LinearConfig", "LinearDecoder", "causal_dot", "feature_map", "linear_attention"]
+
+_BLOCK_STATE_ELEMENTS = 1 << 21  # chunk states held at once: rows × chunks × D × Dc
+
+
+@dataclass(frozen=True)
+class LinearConfig(Config):
+    mechanism = "linear"
+    feature_map: str = option(
+        "elu", "φ: elu (elu(x) + 1, Katharopoulos et al.) or relu (AdaMRA)", choices=("elu", "relu")
+    )
+    eps: float = option(1e-6, "ε added to the normaliser φ(q)ᵀ Σ φ(k)", gt=0)
+    chunk: int = option(64, "causal form: positions per chunk of the exact in-chunk product", ge=1)
+
+
+def feature_map(x: Tensor, name: str) -> Tensor:
+    """φ(x): ``elu`` gives elu(x) + 1 > 0; ``relu`` gives max(x, 0)."""
+    if name == "elu":
+        return F.elu(x) + 1
+    if name == "relu":
+        return F.relu(x)
+    raise ValueError(f"unknown feature map {name!r}; choose elu or relu")
+
+
+# ---------------------------------------------------------------------------------------------
+# The causal product y_i = Σ_{j≤i} (a_i·b_j) c_j + a_iᵀ S0
+# ---------------------------------------------------------------------------------------------
+
+
+def _causal_dot_blocked(a: Tensor, b: Tensor, c: Tensor, initial: Tensor | None, chunk: int) -> Tensor:
+    """``y_i = Σ_{j≤i} (a_i·b_j) c_j + a_iᵀ initial`` for rows ``(R, N, ·)``, without autograd."""
+    R, N, Da = a.shape
+    Dc = c.shape[-1]
+    chunk = max(1, min(chunk, N))
+    chunks = -(-N // chunk)
+    pad = chunks * chunk - N
+    if pad:  # zero rows add nothing to the state; their outputs are cut off below
+        a, b, c = (F.pad(x, (0, 0, 0, pad)) for x in (a, b, c))
+    a, b, c = (x.view(R, chunks, chunk, x.shape[-1]) for x in (a, b, c))
+    state = a.new_zeros(R, 1, Da, Dc) if initial is None else initial.unsqueeze(1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=a.device).tril()
+    per_block = max(1, _BLOCK_STATE_ELEMENTS // (R * Da * Dc))
+    out = a.new_empty(R, chunks, chunk, Dc)
+    for start in range(0, chunks, per_block):
+        block = slice(start, start + per_block)
+        ab, bb, cb = a[:, block], b[:, block], c[:, block]
+        scores = torch.matmul(ab, bb.transpose(-1, -2)).masked_fill_(~causal, 0)  # (R, n, chunk, chunk)
+        updates = torch.matmul(bb.transpose(-1, -2), cb)  # (R, n, Da, Dc): each chunk's Σ b cᵀ
+        before = F.pad(torch.cumsum(updates[:, :-1], dim=1), (0, 0, 0, 0, 1, 0)) + state  # entering each chunk
+        out[:, block] = torch.matmul(scores, cb) + torch.matmul(ab, before)
+        state = before[:, -1:] + updates[:, -1:]
+    return out.view(R, chunks * chunk, Dc)[:, :N]
+
+
+class _CausalDot(torch.autograd.Function):
+    """The chunked causal product with a backward pass that is the same product, run forwards
+    (for a) and backwards in time (for b and c), so only the inputs are saved."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, c: Tensor, initial: Tensor | None, chunk: int) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(a, b, c, initial)
+        ctx.chunk = chunk
+        return _causal_dot_blocked(a, b, c, initial, chunk)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        a, b, c, initial = ctx.saved_tensors
+        chunk = ctx.chunk
+        grad_a = grad_b = grad_c = grad_initial = None
+        if ctx.needs_input_grad[0]:
+            # ∂/∂a_i = Σ_{j≤i} (g_i·c_j) b_j + initial g_i
+            grad_a = _causal_dot_blocked(grad, c, b, None if initial is None else initial.transpose(1, 2), chunk)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            flip = lambda x: x.flip(1)  # noqa: E731 - reversed time: Σ_{i≥j} becomes a causal sum
+            if ctx.needs_input_grad[1]:  # ∂/∂b_j = Σ_{i≥j} (g_i·c_j) a_i
+                grad_b = flip(_causal_dot_blocked(flip(c), flip(grad), flip(a), None, chunk))
+            if ctx.needs_input_grad[2]:  # ∂/∂c_j = Σ_{i≥j} (a_i·b_j) g_i
+                grad_c = flip(_causal_dot_blocked(flip(b), flip(a), flip(grad), None, chunk))
+        if initial is not None and ctx.needs_input_grad[3]:
+            grad_initial = torch.matmul(a.transpose(1, 2), grad)  # Σ_i a_i g_iᵀ
+        return grad_a, grad_b, grad_c, grad_initial, None
+
+
+def causal_dot(a: Tensor, b: Tensor, c: Tensor, initial: Tensor | None = None, chunk: int = 64) -> Tensor:
+    """``y_i = Σ_{j≤i} (a_i·b_j) c_j + a_iᵀ initial`` over rows ``(R, N, ·)``; differentiable.
+
+    Args:
+        a, b: ``(R, N, Da)``.
+        c: ``(R, N, Dc)``.
+        initial: ``(R, Da, Dc)`` state before the first position, or None.
+        chunk: positions per chunk.
+
+    Returns:
+        ``(R, N, Dc)``.
+    """
+    return _CausalDot.apply(a, b, c, initial, chunk)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+
+def _features(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, config: LinearConfig):
+    """φ(q), φ(k) with padded keys zeroed, and v with a ones column (the normaliser), in fp32+."""
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    fq = feature_map(q.to(work), config.feature_map)
+    fk = feature_map(k.to(work), config.feature_map)
+    if key_padding_mask is not None:
+        fk = fk * key_padding_mask[:, None, :, None].to(work)
+    v1 = torch.cat([v.to(work), v.new_ones(*v.shape[:-1], 1, dtype=work)], dim=-1)  # (B, H, S, Dv + 1)
+    return fq, fk, v1
+
+
+def _normalise(y: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
+    """Numerator over (denominator + ε), from the product with the ones column last."""
+    return (y[..., :-1] / (y[..., -1:] + eps)).to(dtype)
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    config: LinearConfig | None = None,
+    state: nn.Module | None = None,
+) -> Tensor:
+    """Kernel attention ``φ(Q)(φ(K)ᵀV) / (φ(Q)φ(K)ᵀ1 + ε)``, non-causal or causal (chunked).
+
+    Args:
+        q, k, v: ``(B, H, L, D)``, ``(B, H, S, D)``, ``(B, H, S, Dv)``.
+        key_padding_mask: bool ``(B, S)``, True marks a real key.
+        is_causal: query i sees keys ``j <= i + S - L``.
+        scale: must be None (there is no softmax).
+        config: ``LinearConfig``.
+
+    Returns:
+        ``(B, H, L, Dv)``; zero rows for queries that see no key.
+    """
+    config = config or LinearConfig()
+    shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, None)
+    if scale is not None:
+        raise ValueError(f"linear attention has no softmax scale; leave scale=None (got {scale})")
+    B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
+    fq, fk, v1 = _features(q, k, v, key_padding_mask, config)
+    if not is_causal:
+        kv = torch.matmul(fk.transpose(-1, -2), v1)  # (B, H, D, Dv + 1)
+        return _normalise(torch.matmul(fq, kv), config.eps, q.dtype)
+    offset = S - L  # query i sits at key position i + offset
+    initial = None
+    if offset > 0:  # keys before the first query: every query sees them
+        initial = torch.matmul(fk[:, :, :offset].transpose(-1, -2), v1[:, :, :offset]).reshape(B * H, D, Dv + 1)
+        fk, v1 = fk[:, :, offset:], v1[:, :, offset:]
+    elif offset < 0:  # the first -offset queries see no key
+        fq = fq[:, :, -offset:]
+    n = fq.shape[2]
+    y = causal_dot(
+        fq.reshape(B * H, n, D), fk.reshape(B * H, n, D), v1.reshape(B * H, n, Dv + 1), initial, config.chunk
+    )
+    out = _normalise(y.view(B, H, n, Dv + 1), config.eps, q.dtype)
+    if offset < 0:
+        out = torch.cat([out.new_zeros(B, H, -offset, Dv), out], dim=2)
+    return out
+
+
+class LinearDecoder:
+    """Recurrent decoding of causal linear attention: per head, the running ``Σ φ(k) [v, 1]ᵀ``
+    (D × Dv+1, fp32 for half inputs). Each step costs the same whatever the prefix length."""
+
+    recurrent = True
+    description = "recurrent state (Σ φ(k) vᵀ and Σ φ(k) per head: O(1) in the prefix length)"
+
+    def __init__(self, mechanism: Mechanism, config: LinearConfig, state: nn.Module | None) -> None:
+        self.mechanism, self.config = mechanism, config
+        self.sums: Tensor | None = None  # (B·H, D, Dv + 1)
+        self.shape: tuple[int, int, int, int] | None = None
+        self.length = 0
+
+    @torch.no_grad()
+    def step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the prefix and the new keys."""
+        shape = check_attention_inputs(q, k, v, None, True, None)
+        if shape.queries != shape.keys:
+            raise ValueError(f"a decoding step takes as many queries as keys, got {shape.queries} and {shape.keys}")
+        B, H, T, D, Dv = shape.batch, shape.heads, shape.queries, shape.head_dim, shape.value_dim
+        if self.shape is not None and self.shape != (B, H, D, Dv):
+            raise ValueError(
+                f"the decoder holds state for (B, H, D, Dv) = {self.shape}, got {(B, H, D, Dv)}; "
+                "start a new cache for a new batch"
+            )
+        fq, fk, v1 = _features(q, k, v, None, self.config)
+        a, b, c = fq.reshape(B * H, T, D), fk.reshape(B * H, T, D), v1.reshape(B * H, T, Dv + 1)
+        y = _causal_dot_blocked(a, b, c, self.sums, self.config.chunk)
+        update = torch.matmul(b.transpose(1, 2), c)
+        self.sums = update if self.sums is None else self.sums + update
+        self.shape, self.length = (B, H, D, Dv), self.length + T
+        return _normalise(y.view(B, H, T, Dv + 1), self.config.eps, q.dtype)
+
+
+MECHANISM = Mechanism(
+    name="linear",
+    fn=linear_attention,
+    config=LinearConfig,
+    summary="kernel attention φ(Q)(φ(K)ᵀV): linear time, chunked causal form, recurrent decoding",
+    paper="Katharopoulos, Vyas, Pappas & Fleuret 2020, Transformers are RNNs, eq. 4-9",
+    causal=True,
+    cross=True,
+    decoder=LinearDecoder,
+)
