@@ -1,0 +1,190 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck
+
+import subquad
+import subquad.nn
+from subquad.mechanisms.linear import LinearConfig, LinearDecoder, causal_dot, feature_map, linear_attention
+from subquad.registry import get_mechanism
+
+from ..conftest import padding, qkv, randn
+
+
+def dense_linear(q, k, v, kpm, is_causal, fm="elu", eps=1e-6):
+    """φ(Q)φ(K)ᵀ under the contract's mask, normalised by its row sums + ε, times V."""
+    L, S = q.shape[2], k.shape[2]
+    scores = feature_map(q, fm) @ feature_map(k, fm).transpose(-1, -2)
+    mask = torch.ones(L, S, dtype=torch.bool)
+    if is_causal:
+        mask = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L)
+    if kpm is not None:
+        mask = mask & kpm[:, None, None, :]
+    scores = scores * mask
+    return (scores @ v) / (scores.sum(-1, keepdim=True) + eps)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 40), S=st.integers(1, 40),
+    D=st.sampled_from([1, 4, 8]), Dv=st.sampled_from([1, 5]), is_causal=st.booleans(), pad=st.booleans(),
+    fm=st.sampled_from(["elu", "relu"]), chunk=st.sampled_from([1, 3, 7, 16, 64]), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_linear_equals_the_dense_reference(B, H, L, S, D, Dv, is_causal, pad, fm, chunk, seed):
+    q, k, v = qkv(B, H, L, S, D, Dv, seed=seed)
+    kpm = padding(B, S, seed) if pad else None
+    out = linear_attention(
+        q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=LinearConfig(feature_map=fm, chunk=chunk)
+    )
+    assert (out - dense_linear(q, k, v, kpm, is_causal, fm)).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 13, 32, 100, 1000])
+def test_causal_chunked_equals_unchunked(chunk):
+    """Chunk sizes that do and do not divide N (N = 100) give the same result as one chunk."""
+    q, k, v = qkv(2, 3, 100, 100, 8, 6)
+    kpm = padding(2, 100, seed=1)
+    reference = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=LinearConfig(chunk=100))
+    out = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=LinearConfig(chunk=chunk))
+    assert (out - reference).abs().max() <= 1e-12
+
+
+def test_block_boundaries_carry_the_state(monkeypatch):
+    """Many chunks processed a few at a time (a small block budget) equal one block."""
+    from subquad.mechanisms import linear
+
+    q, k, v = qkv(1, 2, 97, 97, 4)
+    whole = linear_attention(q, k, v, is_causal=True, config=LinearConfig(chunk=4))
+    monkeypatch.setattr(linear, "_BLOCK_STATE_ELEMENTS", 1)  # one chunk per block
+    assert (linear_attention(q, k, v, is_causal=True, config=LinearConfig(chunk=4)) - whole).abs().max() <= 1e-12
+
+
+def test_zero_features_and_unseen_keys_give_zeros_not_nan():
+    """ReLU features of an all-negative query are 0: ε keeps the output at 0. A query that sees no key
+    (all keys padded, or causal with L > S) returns zeros with finite gradients."""
+    q, k, v = (x.requires_grad_(True) for x in qkv(2, 2, 6, 4, 3))
+    with torch.no_grad():
+        q[0, 0, 0] = -1.0
+    kpm = torch.tensor([[True, True, False, True], [False] * 4])
+    out = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=LinearConfig(feature_map="relu"))
+    assert torch.isfinite(out).all()
+    assert (out[0, 0, 0] == 0).all() and (out[1] == 0).all() and (out[:, :, :2] == 0).all()
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+@pytest.mark.parametrize(("L", "S"), [(30, 30), (20, 30), (30, 20)])
+def test_causality_editing_the_future_leaves_the_past_unchanged(L, S):
+    q, k, v = qkv(2, 2, L, S, 6)
+    out = linear_attention(q, k, v, is_causal=True, config=LinearConfig(chunk=7))
+    for t in (0, 5, L - 2):
+        key_t = t + S - L  # the last key position query t sees
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        q2[:, :, t + 1 :] = randn(*q2[:, :, t + 1 :].shape, seed=t)
+        if key_t + 1 < S:
+            k2[:, :, max(key_t + 1, 0) :] = 5.0
+            v2[:, :, max(key_t + 1, 0) :] = -3.0
+        edited = linear_attention(q2, k2, v2, is_causal=True, config=LinearConfig(chunk=7))
+        assert (edited[:, :, : t + 1] - out[:, :, : t + 1]).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("fm", ["elu", "relu"])
+def test_gradcheck(is_causal, fm):
+    q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 11, 11, 4, 3))
+    kpm = padding(1, 11, seed=3)
+    config = LinearConfig(feature_map=fm, chunk=4)
+    assert gradcheck(
+        lambda q, k, v: linear_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config), (q, k, v)
+    )
+
+
+def test_causal_dot_gradcheck_with_an_initial_state():
+    a, b = randn(2, 13, 4, seed=1), randn(2, 13, 4, seed=2)
+    c, initial = randn(2, 13, 3, seed=3), randn(2, 4, 3, seed=4)
+    inputs = tuple(x.requires_grad_(True) for x in (a, b, c, initial))
+    assert gradcheck(lambda a, b, c, s: causal_dot(a, b, c, s, chunk=5), inputs)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_low_precision_accumulates_in_fp32(dtype, tol, is_causal):
+    q, k, v = (x.to(dtype) for x in qkv(2, 2, 300, 300, 16))
+    out = linear_attention(q, k, v, is_causal=is_causal)
+    ref = linear_attention(q.double(), k.double(), v.double(), is_causal=is_causal)
+    assert out.dtype == dtype
+    assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+# --------------------------------------------------------------------------------------------
+# Recurrent decoding
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fm", ["elu", "relu"])
+def test_recurrent_equals_parallel_token_by_token_over_200_steps(fm):
+    q, k, v = qkv(2, 3, 200, 200, 8, 5)
+    config = LinearConfig(feature_map=fm, chunk=16)
+    parallel = linear_attention(q, k, v, is_causal=True, config=config)
+    decoder = LinearDecoder(get_mechanism("linear"), config, None)
+    steps = [decoder.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(200)]
+    assert (torch.cat(steps, dim=2) - parallel).abs().max() <= 1e-12
+    assert decoder.sums.shape == (2 * 3, 8, 6), "the state is O(D·Dv) per head, whatever the prefix"
+
+
+def test_prefill_then_steps_equals_parallel():
+    q, k, v = qkv(1, 2, 50, 50, 4)
+    parallel = linear_attention(q, k, v, is_causal=True)
+    decoder = LinearDecoder(get_mechanism("linear"), LinearConfig(), None)
+    first = decoder.step(q[:, :, :37], k[:, :, :37], v[:, :, :37])
+    rest = [decoder.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(37, 50)]
+    assert (torch.cat([first, *rest], dim=2) - parallel).abs().max() <= 1e-12
+
+
+def test_decoder_rejects_a_different_batch():
+    decoder = LinearDecoder(get_mechanism("linear"), LinearConfig(), None)
+    decoder.step(*qkv(2, 2, 1, 1, 4))
+    with pytest.raises(ValueError, match=r"holds state for \(B, H, D, Dv\) = \(2, 2, 4, 4\), got \(3, 2, 4, 4\)"):
+        decoder.step(*qkv(3, 2, 1, 1, 4))
+    with pytest.raises(ValueError, match="as many queries as keys, got 1 and 2"):
+        decoder.step(*qkv(2, 2, 1, 2, 4))
+
+
+@pytest.mark.parametrize("position", ["learned", "conv"])
+def test_generate_gives_the_same_tokens_with_and_without_the_cache(position):
+    torch.manual_seed(0)
+    model = subquad.nn.CausalLM(37, 32, 2, 4, attention="linear", max_len=80, position=position).double()
+    prompt = torch.randint(0, 37, (2, 9))
+    cached = model.generate(prompt, 60)
+    uncached = model.generate(prompt, 60, use_cache=False)
+    assert torch.equal(cached, uncached)
+    assert get_mechanism("linear").recurrent
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+def test_scale_is_refused():
+    with pytest.raises(ValueError, match="linear attention has no softmax scale; leave scale=None .got 0.5."):
+        subquad.attention(*qkv(), "linear", scale=0.5)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"feature_map": "softmax"}, "feature_map must be one of 'elu', 'relu', got 'softmax'"),
+        ({"eps": 0.0}, "eps must be > 0, got 0.0"),
+        ({"chunk": 0}, "chunk must be >= 1, got 0"),
+    ],
+)
+def test_bad_options_raise(options, message):
+    with pytest.raises(ValueError, match=message):
+        subquad.attention(*qkv(), "linear", **options)
+
+
+def test_unknown_feature_map_raises():
+    with pytest.raises(ValueError, match="unknown feature map 'tanh'; choose elu or relu"):
+        feature_map(torch.zeros(1), "tanh")
