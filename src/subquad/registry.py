@@ -28,6 +28,7 @@ __all__ = [
     "get_mechanism",
     "make_config",
     "mechanism_names",
+    "no_causal_form",
     "option",
     "register",
 ]
@@ -190,14 +191,13 @@ class Mechanism:
         **tensors: Tensor,
     ) -> Tensor:
         """Check this mechanism's capabilities, then run it."""
-        if config is not None and not isinstance(config, self.config):
+        if config is not None and type(config) is not self.config:
             raise ValueError(f"{self.name} needs a {self.config.__name__}, got {type(config).__name__}")
         unknown = sorted(set(tensors) - set(self.tensor_args))
         if unknown:
             raise ValueError(f"{self.name} takes no tensor argument {unknown}; it takes {list(self.tensor_args)}")
         if is_causal is True and not self.causal:
-            causal = ", ".join(n for n in mechanism_names() if get_mechanism(n).causal)
-            raise ValueError(f"{self.name} has no causal form; mechanisms with one: {causal}")
+            raise ValueError(no_causal_form(self.name))
         if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == k.dim() == 4:
             if not self.cross and q.shape[2] != k.shape[2]:
                 raise ValueError(f"{self.name} needs as many queries as keys, got L={q.shape[2]} and S={k.shape[2]}")
@@ -213,6 +213,12 @@ class Mechanism:
             state=state,
             **tensors,
         )
+
+
+def no_causal_form(name: str) -> str:
+    """The error for ``is_causal=True`` on a mechanism without a causal form: names those with one."""
+    causal = ", ".join(n for n in mechanism_names() if get_mechanism(n).causal)
+    return f"{name} has no causal form; mechanisms with one: {causal}"
 
 
 _REGISTRY: dict[str, Mechanism] = {}

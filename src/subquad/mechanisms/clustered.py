@@ -68,7 +68,7 @@ import torch
 from torch import Tensor, nn
 
 from subquad._validate import AttentionShape, check_attention_inputs
-from subquad.registry import Config, Mechanism, option
+from subquad.registry import Config, Mechanism, no_causal_form, option
 
 __all__ = [
     "ClusteredConfig",
@@ -122,6 +122,7 @@ class ClusteredState(nn.Module):
 
     def __init__(self, config: ClusteredConfig, num_heads: int, head_dim: int, seed: int = 0) -> None:
         super().__init__()
+        seed = _fold_seed(seed)
         generator = torch.Generator().manual_seed(seed)
         self.register_buffer("planes", torch.randn(num_heads, head_dim, config.bits, generator=generator))
         self.register_buffer("offsets", torch.randn(num_heads, config.bits, generator=generator))
@@ -130,6 +131,14 @@ class ClusteredState(nn.Module):
     def extra_repr(self) -> str:
         heads, dim, bits = self.planes.shape
         return f"heads={heads}, head_dim={dim}, bits={bits}, seed={int(self.seed)}"
+
+
+def _fold_seed(seed: int) -> int:
+    """Any int seed (negative, or past 2^63) as a 32-bit one, so hashes of it cannot overflow int64."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    seed %= 2**64
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
 
 
 def _resolve_state(state: nn.Module | None, config: ClusteredConfig, shape: AttentionShape) -> ClusteredState:
@@ -186,10 +195,11 @@ class _Hamming:
     def nearest(self, centroids: Tensor) -> Tensor:
         # Hamming distance = (B − dot) / 2, so the nearest code has the largest dot. Tagging centroid
         # j with −j/2^p (p bits hold any j < C) makes the max of dot − j/2^p the largest dot at its
-        # lowest j, read back from the fraction: exact in fp32 while (B + 1)·2^p < 2^24.
+        # lowest j, read back from the fraction: exact in fp32 while (B + 1)·2^p < 2^24, and only
+        # when matmuls run in full fp32 (TF32 or bf16 matmuls would round the tags).
         G, C, B = centroids.shape
         p = max(1, math.ceil(math.log2(C)))
-        if (B + 1) * 2**p >= 2**24:
+        if (B + 1) * 2**p >= 2**24 or torch.get_float32_matmul_precision() != "highest":
             return torch.bmm(self.points, centroids.transpose(1, 2)).max(-1).indices
         tag = -torch.arange(C, dtype=centroids.dtype, device=centroids.device) * 2.0**-p
         tagged = torch.cat([centroids, tag.view(1, C, 1).expand(G, C, 1)], dim=-1)  # (G, C, B + 1)
@@ -244,26 +254,32 @@ def _take(x: Tensor, index: Tensor) -> Tensor:
 def _cluster_sums(x: Tensor, assign: Tensor, C: int) -> Tensor:
     """Per-cluster sums ``(G, C, F)`` of ``x`` ``(G, N, F)`` under ``assign`` ``(G, N)``."""
     G, N, F = x.shape
+    if x.device.type != "cpu":  # index_add uses atomics there: a one-hot matmul is deterministic
+        return torch.bmm(torch.nn.functional.one_hot(assign, C).to(x.dtype).transpose(1, 2), x)
     index = (assign + (torch.arange(G, device=x.device) * C).unsqueeze(-1)).view(-1)
-    return x.new_zeros(G * C, F).index_add_(0, index, x.reshape(G * N, F)).view(G, C, F)
+    return x.new_zeros(G * C, F).index_add(0, index, x.reshape(G * N, F)).view(G, C, F)
 
 
-def _uniform(seed: int, heads: Tensor, n: int, stream: int) -> Tensor:
-    """``(G, n)`` uniforms in (0, 1), a fixed function of (seed, head, stream, position).
+def _uniform(seed: int, heads: Tensor, positions: Tensor, stream: int) -> Tensor:
+    """Uniforms in (0, 1) shaped like ``positions`` ``(G, n)``: a fixed function of (seed, head, stream,
+    position in the row).
 
-    A counter-based hash rather than a generator: a row's draws do not depend on the batch size, on
-    how rows are grouped, or on the device, so a row's clusters depend only on its own queries.
+    A counter-based hash rather than a generator: a query's draws depend on its own position only,
+    not on the batch, the padded length, the grouping of rows or the device, so a row's clusters
+    depend only on its own real queries.
     """
     mask = 0xFFFFFFFF
-    x = torch.arange(n, device=heads.device).unsqueeze(0) + (heads.unsqueeze(1) * 0x9E3779B1 + stream * 0x85EBCA77)
-    x = (x + seed * 0xC2B2AE3D) & mask
+    x = positions + (heads.unsqueeze(1) * 0x9E3779B1 + (stream * 0x85EBCA77 + seed * 0xC2B2AE3D) % 2**32)
+    x = x & mask
     for multiplier in (0x7FEB352D, 0x4C6A68B3):  # odd constants below 2^31: products stay below 2^63
         x = ((x ^ (x >> 16)) * multiplier) & mask
     x = x ^ (x >> 15)
     return ((x >> 8).to(torch.float32) + 0.5) * 2.0**-24
 
 
-def _seed_centroids(metric: _Hamming | _Euclidean, weight: Tensor, C: int, seed: int, heads: Tensor) -> Tensor:
+def _seed_centroids(
+    metric: _Hamming | _Euclidean, weight: Tensor, positions: Tensor, C: int, seed: int, heads: Tensor
+) -> Tensor:
     """``(G, C)`` indices of C distinct initial centroids, by D² sampling in ``_SEED_ROUNDS`` rounds.
 
     The first round draws uniformly among real points; each later round draws a batch without
@@ -272,17 +288,15 @@ def _seed_centroids(metric: _Hamming | _Euclidean, weight: Tensor, C: int, seed:
     clusters that hold no centroid yet are the likely draws, so well-separated groups are not merged
     by an unlucky uniform draw, and the rounds stay few and batched.
     """
-    N = weight.shape[1]
     per_round = -(-C // min(C, _SEED_ROUNDS))
-    chosen = (_uniform(seed, heads, N, 0) - weight).topk(per_round, dim=1, largest=False).indices  # real first
+    chosen = (_uniform(seed, heads, positions, 1) - weight).topk(per_round, dim=1, largest=False).indices  # real 1st
     picks = [chosen]
     nearest = metric.distances(_take(metric.points, chosen)).amin(-1)  # (G, N)
-    rounds = -(-C // per_round)
-    gumbel = -torch.log(-torch.log(_uniform(seed, heads, N * rounds, 1))).view(-1, rounds, N)
-    log_weight = torch.log(weight)  # −inf for padded points
+    padded = weight == 0
     while sum(p.shape[1] for p in picks) < C:
         r = min(per_round, C - sum(p.shape[1] for p in picks))
-        keys = 2 * torch.log(nearest) + log_weight + gumbel[:, len(picks)]
+        gumbel = -torch.log(-torch.log(_uniform(seed, heads, positions, 1 + len(picks))))
+        keys = (2 * torch.log(nearest) + gumbel).masked_fill_(padded, float("-inf"))
         chosen = keys.topk(r, dim=1).indices
         picks.append(chosen)
         nearest = torch.minimum(nearest, metric.distances(_take(metric.points, chosen)).amin(-1))
@@ -351,12 +365,17 @@ def cluster_queries(
         metric = _Hamming(_hash(q, weight, planes, offsets))
         weight = weight.to(torch.float32)
     seed = int(state.seed)
-    fit, fit_weight = metric, weight
+    positions = torch.arange(L, device=q.device).expand(G, L)
+    fit, fit_weight, fit_positions = metric, weight, positions
     if config.fit_per_cluster and config.fit_per_cluster * C < L:
-        # Fit on a seeded random sample of the real queries, then assign every query.
-        sample = (_uniform(seed, heads, L, 2) - weight).topk(config.fit_per_cluster * C, largest=False)
-        fit, fit_weight = metric.subset(sample.indices), torch.gather(weight, 1, sample.indices)
-    init = _seed_centroids(fit, fit_weight, C, seed, heads)
+        # Fit on a seeded random sample of the real queries (all of them when fewer), then assign all.
+        sample = (_uniform(seed, heads, positions, 0) - weight).topk(config.fit_per_cluster * C, largest=False)
+        fit, fit_weight, fit_positions = (
+            metric.subset(sample.indices),
+            torch.gather(weight, 1, sample.indices),
+            sample.indices,
+        )
+    init = _seed_centroids(fit, fit_weight, fit_positions, C, seed, heads)
     centroids, assign = _lloyd(fit, fit_weight, init, config.iterations)
     return assign if fit is metric else metric.nearest(centroids)
 
@@ -442,10 +461,17 @@ def _clustered(
     config: ClusteredConfig,
     state: nn.Module | None,
     query_padding_mask: Tensor | None,
+    improved: bool,
 ) -> Tensor:
+    want = ImprovedClusteredConfig if improved else ClusteredConfig
+    if type(config) is not want:
+        raise ValueError(
+            f"{want.mechanism} needs a {want.__name__}, got {type(config).__name__}; "
+            "clustered and improved-clustered each take their own config"
+        )
     shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
     if is_causal:
-        raise ValueError(f"{config.mechanism} has no causal form (a centroid averages queries from the whole sequence)")
+        raise ValueError(no_causal_form(config.mechanism))
     _check_query_padding_mask(query_padding_mask, shape, q.device)
     state = _resolve_state(state, config, shape)
     B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
@@ -456,7 +482,12 @@ def _clustered(
     key_real = None if key_padding_mask is None else key_padding_mask.repeat_interleave(H, dim=0)  # (BH, S)
     query_real = None if query_padding_mask is None else query_padding_mask.repeat_interleave(H, dim=0)
     heads = torch.arange(H, device=q.device).repeat(B)
-    per_row = max(C * S, (L + C * _TILE) * max(D, Dv)) if isinstance(config, ImprovedClusteredConfig) else C * S
+    # The largest temporaries per (batch × head) row: scores (C × S), assignment scores (L × C) and,
+    # when re-scoring, the tiles of queries and of each cluster's top keys and values.
+    per_row = max(C * S, L * C)
+    if improved:
+        kk = min(config.topk, S)
+        per_row = max(per_row, L * D + (L // _TILE + C) * kk * (D + Dv))
     group = max(1, min(rows, _GROUP_ELEMENTS // per_row))
     result = None if group >= rows else q.new_empty(rows, L, Dv)  # groups write in place: no second copy
     for r in range(0, rows, group):
@@ -464,19 +495,20 @@ def _clustered(
         qg, kg, vg = qf[sl].to(work), kf[sl].to(work), vf[sl].to(work)
         G = qg.shape[0]
         weight = qg.new_ones(G, L) if query_real is None else query_real[sl].to(work)
+        if query_real is not None:  # whatever sits at padded queries (even inf or NaN) stays out
+            qg = torch.where(query_real[sl].unsqueeze(-1), qg, 0.0)
         with torch.no_grad():
             assign = cluster_queries(qg.detach(), config, state, weight, heads[sl])
-        index = (assign + (torch.arange(G, device=q.device) * C).unsqueeze(-1)).view(-1)
-        counts = weight.new_zeros(G * C).index_add_(0, index, weight.view(-1))
-        members = qg if query_real is None else qg * weight.unsqueeze(-1)
-        sums = qg.new_zeros(G * C, D).index_add(0, index, members.reshape(G * L, D))
-        centroids = (sums / counts.clamp_min(1).unsqueeze(-1)).view(G, C, D)  # eq. 3
+        sums = _cluster_sums(qg, assign, C)  # padded queries are zero here
+        counts = _cluster_sums(weight.unsqueeze(-1), assign, C)
+        centroids = sums / counts.clamp_min(1)  # eq. 3, (G, C, D)
         kr = None if key_real is None else key_real[sl].unsqueeze(1)  # (G, 1, S)
         probs = _masked_softmax(torch.bmm(centroids * shape.scale, kg.transpose(1, 2)), kr)  # A^c, eq. 4
         centroid_out = torch.bmm(probs, vg)  # V^c, eq. 5
-        if isinstance(config, ImprovedClusteredConfig):
+        if improved:
             out = _rescore_topk(qg, kg, vg, assign, probs, centroid_out, kr, config.topk, shape.scale)
         else:
+            index = (assign + (torch.arange(G, device=q.device) * C).unsqueeze(-1)).view(-1)
             out = centroid_out.view(G * C, Dv).index_select(0, index).view(G, L, Dv)  # eq. 6
         if query_real is not None:
             out = out * weight.unsqueeze(-1)
@@ -514,7 +546,7 @@ def clustered_attention(
         ``(B, H, L, Dv)``.
     """
     config = config or ClusteredConfig()
-    return _clustered(q, k, v, key_padding_mask, is_causal, scale, config, state, query_padding_mask)
+    return _clustered(q, k, v, key_padding_mask, is_causal, scale, config, state, query_padding_mask, False)
 
 
 def improved_clustered_attention(
@@ -532,7 +564,7 @@ def improved_clustered_attention(
     """Improved clustered attention (eq. 9–10): clustered, plus exact re-scoring of each cluster's
     top-k keys for each of its queries. Arguments as ``clustered_attention``."""
     config = config or ImprovedClusteredConfig()
-    return _clustered(q, k, v, key_padding_mask, is_causal, scale, config, state, query_padding_mask)
+    return _clustered(q, k, v, key_padding_mask, is_causal, scale, config, state, query_padding_mask, True)
 
 
 _PAPER = "Vyas, Katharopoulos & Fleuret 2020, Fast Transformers with Clustered Attention"
