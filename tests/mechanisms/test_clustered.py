@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -434,6 +436,10 @@ def test_state_of_the_wrong_kind_or_shape_raises():
 # --------------------------------------------------------------------------------------------
 
 
+def pad_with_noise(x, extra):
+    return torch.cat([x, randn(1, 2, extra, x.shape[-1], seed=extra) * 3], dim=2)
+
+
 @pytest.mark.parametrize("name", ["clustered", "improved-clustered"])
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("real", [20, 40])
@@ -444,7 +450,7 @@ def test_a_sequence_gives_the_same_output_whatever_its_padding(name, metric, rea
     q, k, v = qkv(1, 2, real, real, 6, seed=real)
     outputs = []
     for extra in (0, 10, 50):
-        pad = lambda x: torch.cat([x, randn(1, 2, extra, x.shape[-1], seed=extra) * 3], dim=2)
+        pad = functools.partial(pad_with_noise, extra=extra)
         mask = torch.arange(real + extra).unsqueeze(0) < real
         out = run(name, pad(q), pad(k), pad(v), clusters=4, kmeans=metric, key_padding_mask=mask,
                   query_padding_mask=mask)  # fmt: skip
