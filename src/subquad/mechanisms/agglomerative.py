@@ -41,6 +41,9 @@ from subquad.registry import Config, Mechanism, option
 
 __all__ = ["AgglomerativeConfig", "AgglomerativeDecoder", "AgglomerativeInputs", "agglomerative_attention"]
 
+_CHUNK = 64  # positions per lower-triangular matmul of the prefix sums
+_BLOCK_ELEMENTS = 1 << 20  # reference positions × heads × width handled at once in the causal form
+
 
 @dataclass(frozen=True)
 class AgglomerativeConfig(Config):
@@ -72,7 +75,7 @@ def _weights(
     key_logits: Tensor | None,
     key_padding_mask: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """fp32+ class probabilities: c^q ``(B, H, L, 1)``, and c^r v ``(B, H, S, Dv)`` with c^r ``(B, H, S, 1)``."""
+    """fp32+ class probabilities c^q ``(B, H, L, 1)`` and c^r ``(B, H, S, 1)``, and v in that dtype."""
     B, H, L, S = shape.batch, shape.heads, shape.queries, shape.keys
     query_logits = _check_logits("query_logits", query_logits, (B, H, L), v.device)
     key_logits = _check_logits("key_logits", key_logits, (B, H, S), v.device)
@@ -81,7 +84,7 @@ def _weights(
     c_r = torch.softmax(key_logits.to(work), dim=1).unsqueeze(-1)
     if key_padding_mask is not None:
         c_r = c_r * key_padding_mask[:, None, :, None].to(work)
-    return c_q, c_r * v.to(work), c_r
+    return c_q, c_r, v.to(work)
 
 
 def agglomerative_attention(
@@ -115,20 +118,51 @@ def agglomerative_attention(
     shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, None)
     if scale is not None:
         raise ValueError(f"agglomerative attention has no dot products to scale; leave scale=None (got {scale})")
-    c_q, weighted, c_r = _weights(shape, v, query_logits, key_logits, key_padding_mask)
-    L, S = shape.queries, shape.keys
+    c_q, c_r, values = _weights(shape, v, query_logits, key_logits, key_padding_mask)
     if not is_causal:
-        averages = weighted.sum(2, keepdim=True) / c_r.sum(2, keepdim=True).clamp_min(config.clip)
-        return (c_q * averages).to(v.dtype)
-    offset = S - L  # query i sits at reference position i + offset
-    sums = torch.cumsum(weighted, dim=2)
-    mass = torch.cumsum(c_r, dim=2)
-    first = max(offset, 0)
-    averages = sums[:, :, first : offset + L] / mass[:, :, first : offset + L].clamp_min(config.clip)
-    out = c_q[:, :, L - averages.shape[2] :] * averages
-    if offset < 0:  # the first -offset queries see no reference
-        out = torch.cat([out.new_zeros(shape.batch, shape.heads, -offset, shape.value_dim), out], dim=2)
-    return out.to(v.dtype)
+        sums = torch.matmul(c_r.transpose(-1, -2), values)  # (B, H, 1, Dv): Σ_j c^r_j v_j
+        return (c_q * (sums / c_r.sum(2, keepdim=True).clamp_min(config.clip))).to(v.dtype)
+    return _causal(c_q, c_r, values, shape.keys - shape.queries, config.clip).to(v.dtype)
+
+
+def _prefix(x: Tensor, carry: Tensor | None) -> Tensor:
+    """Inclusive prefix sums of ``x`` ``(B, H, n, F)`` along n, plus ``carry`` ``(B, H, 1, F)``: a
+    lower-triangular matmul within chunks of ``_CHUNK`` and a cumulative sum of the chunk totals (much
+    faster on CPU than ``cumsum`` along a middle dim)."""
+    B, H, n, F = x.shape
+    chunk = min(_CHUNK, n)
+    pad = -n % chunk
+    xc = (torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x).reshape(B, H, -1, chunk, F)
+    tril = torch.ones(chunk, chunk, dtype=x.dtype, device=x.device).tril()
+    within = torch.matmul(tril, xc)  # (B, H, chunks, chunk, F); matmul saves its inputs, not this
+    if within.shape[2] > 1:
+        within[:, :, 1:] += torch.cumsum(within[:, :, :-1, -1:], dim=2)  # totals of the earlier chunks
+    if carry is not None:
+        within += carry.unsqueeze(2)
+    return within.view(B, H, -1, F)[:, :, :n]
+
+
+def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) -> Tensor:
+    """Masked agglomerative attention, block by block over the reference positions: running class
+    sums and masses carry across blocks, and each block's queries are written into one output.
+    Query i sits at reference position i + offset."""
+    B, H, L, _ = c_q.shape
+    S, Dv = values.shape[2], values.shape[3]
+    out = values.new_empty(B, H, L, Dv)
+    if offset < 0:
+        out[:, :, :-offset] = 0  # queries before the first reference see none
+    block = max(_CHUNK, (_BLOCK_ELEMENTS // (B * H * (Dv + 1))) // _CHUNK * _CHUNK)
+    sums = mass = None
+    for start in range(0, S, block):
+        stop = min(start + block, S)
+        sums = _prefix(c_r[:, :, start:stop] * values[:, :, start:stop], sums)
+        mass = _prefix(c_r[:, :, start:stop], mass)
+        lo, hi = max(start, offset), min(stop, offset + L)  # reference positions that have a query
+        if lo < hi:
+            scale = c_q[:, :, lo - offset : hi - offset] / mass[:, :, lo - start : hi - start].clamp_min(clip)
+            out[:, :, lo - offset : hi - offset] = sums[:, :, lo - start : hi - start] * scale
+        sums, mass = sums[:, :, -1:], mass[:, :, -1:]
+    return out
 
 
 class AgglomerativeInputs(nn.Module):
@@ -193,8 +227,8 @@ class AgglomerativeDecoder:
                 f"the decoder holds state for (B, H, Dv) = {(*self.sums.shape[:2], self.sums.shape[-1])}, "
                 f"got {(*v.shape[:2], v.shape[-1])}; start a new cache for a new batch"
             )
-        c_q, weighted, c_r = _weights(shape, v, query_logits, key_logits, None)
-        sums, mass = torch.cumsum(weighted, dim=2), torch.cumsum(c_r, dim=2)
+        c_q, c_r, values = _weights(shape, v, query_logits, key_logits, None)
+        sums, mass = torch.cumsum(c_r * values, dim=2), torch.cumsum(c_r, dim=2)
         if self.sums is not None:
             sums, mass = sums + self.sums, mass + self.mass
         self.sums, self.mass = sums[:, :, -1:], mass[:, :, -1:]
