@@ -187,6 +187,12 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.spread,
         help="spread of the clustered inputs around their centres (default: %(default)s)",
     )
+    parser.add_argument(
+        "--baseline-max-length",
+        type=int,
+        default=d.baseline_max_length,
+        help="run the full-attention baseline only up to this N; longer cells get no ratio (default: all)",
+    )
     parser.add_argument("--timeout", type=float, default=d.timeout, help="seconds per cell (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=d.seed, help="input and state seed (default: %(default)s)")
     parser.add_argument(
@@ -267,7 +273,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         head_dim=args.head_dim, dtype=args.dtype, device=args.device, threads=args.threads,
         causal=modes[args.causal], backward=modes[args.backward], repeats=args.repeats,
         max_seconds=args.max_seconds, error_rows=args.error_rows, centres=args.centres, spread=args.spread,
-        timeout=args.timeout, seed=args.seed,
+        baseline_max_length=args.baseline_max_length, timeout=args.timeout, seed=args.seed,
     )  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)  # before the run, so a bad folder fails at once
     threads = args.threads or torch.get_num_threads()

@@ -68,6 +68,7 @@ def test_a_failing_cell_is_reported_not_raised(monkeypatch):
         ({"threads": 0}, "threads must be >= 1, got 0"),
         ({"centres": 0}, "centres must be >= 1, got 0"),
         ({"spread": -0.1}, "spread must be >= 0, got -0.1"),
+        ({"baseline_max_length": 0}, "baseline_max_length must be >= 1 or None, got 0"),
         ({"causal": ()}, "select at least one of causal/non-causal"),
     ],
 )
@@ -80,3 +81,10 @@ def test_bad_settings_raise(settings, message):
 def test_variant_checks_its_options():
     with pytest.raises(ValueError, match="full option backend must be one of"):
         Variant("full", (("backend", "flash"),))
+
+
+def test_the_baseline_runs_only_up_to_its_max_length():
+    settings = BenchSettings(variants=[Variant("linear")], lengths=[8, 64], baseline_max_length=8, causal=(False,),
+                             backward=(False,))  # fmt: skip
+    cells = [(variant.mechanism, length) for variant, length, _, _ in settings.cells()]
+    assert cells == [("full", 8), ("linear", 8), ("linear", 64)]

@@ -185,6 +185,18 @@ def test_bad_options_raise(options, message):
         subquad.attention(*qkv(), "linear", **options)
 
 
+def test_elu_feature_map_is_elu_plus_one_with_its_gradient():
+    x = torch.linspace(-6, 6, 1001, dtype=torch.float64).requires_grad_(True)
+    y = feature_map(x, "elu")
+    expected = torch.nn.functional.elu(x) + 1
+    assert (y - expected).abs().max() <= 1e-15
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), x)
+    assert (grad - expected_grad).abs().max() <= 1e-15
+    with torch.no_grad():
+        assert (feature_map(x, "elu") - expected).abs().max() <= 1e-15
+
+
 def test_unknown_feature_map_raises():
     with pytest.raises(ValueError, match="unknown feature map 'tanh'; choose elu or relu"):
         feature_map(torch.zeros(1), "tanh")

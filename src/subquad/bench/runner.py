@@ -63,6 +63,7 @@ class BenchSettings:
     error_rows: int = 512
     centres: int = 16
     spread: float = 0.5
+    baseline_max_length: int | None = None
     timeout: float = 1800.0
     seed: int = 0
 
@@ -74,6 +75,8 @@ class BenchSettings:
             raise ValueError(f"lengths must be positive, got {list(self.lengths)}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.baseline_max_length is not None and self.baseline_max_length < 1:
+            raise ValueError(f"baseline_max_length must be >= 1 or None, got {self.baseline_max_length}")
         if not self.spread >= 0:
             raise ValueError(f"spread must be >= 0, got {self.spread}")
         for name in ("max_seconds", "timeout"):
@@ -103,6 +106,8 @@ class BenchSettings:
                     for variant in self.all_variants():
                         if causal and not get_mechanism(variant.mechanism).causal:
                             continue
+                        if variant == BASELINE and length > (self.baseline_max_length or length):
+                            continue  # full attention where it cannot run: no baseline, no ratio
                         grid.append((variant, length, causal, backward))
         return grid
 
@@ -142,7 +147,11 @@ def _run_cell(settings: BenchSettings, variant: Variant, length: int, causal: bo
         "length": length,
         "causal": causal,
         "backward": backward,
-        **{k: v for k, v in asdict(settings).items() if k not in ("variants", "lengths", "causal", "backward")},
+        **{
+            k: v
+            for k, v in asdict(settings).items()
+            if k not in ("variants", "lengths", "causal", "backward", "baseline_max_length")
+        },
     }
     try:
         done = subprocess.run(

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["LinearConfig", "LinearDecoder", "causal_dot", "feature_map", "linear_attention"]
 
 _BLOCK_STATE_ELEMENTS = 1 << 21  # chunk states held at once: rows × chunks × D × Dc
+_BLOCK_ELEMENTS = 1 << 20  # non-causal form: positions × rows × width per block of keys or queries
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,15 @@ class LinearConfig(Config):
         "elu", "φ: elu (elu(x) + 1, Katharopoulos et al.) or relu (AdaMRA)", choices=("elu", "relu")
     )
     eps: float = option(1e-6, "ε added to the normaliser φ(q)ᵀ Σ φ(k)", gt=0)
-    chunk: int = option(64, "causal form: positions per chunk of the exact in-chunk product", ge=1)
+    chunk: int = option(128, "causal form: positions per chunk of the exact in-chunk product", ge=1)
 
 
 def feature_map(x: Tensor, name: str) -> Tensor:
     """φ(x): ``elu`` gives elu(x) + 1 > 0; ``relu`` gives max(x, 0)."""
-    if name == "elu":
-        return F.elu(x) + 1
+    if name == "elu":  # elu(x) + 1 = exp(min(x, 0)) + max(x, 0): a third faster on CPU than F.elu
+        if torch.is_grad_enabled() and x.requires_grad:
+            return torch.exp(x.clamp(max=0)) + F.relu(x)
+        return x.clamp(max=0).exp_().add_(F.relu(x))
     if name == "relu":
         return F.relu(x)
     raise ValueError(f"unknown feature map {name!r}; choose elu or relu")
@@ -160,6 +163,28 @@ def _normalise(y: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
     return (y[..., :-1] / (y[..., -1:] + eps)).to(dtype)
 
 
+def _noncausal(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, config: LinearConfig) -> Tensor:
+    """Σ φ(k) vᵀ and Σ φ(k) over blocks of keys, then each block of queries against them, written
+    into one output: no full-size feature tensor (on CPU each costs page faults and a memory pass)."""
+    B, H, L, D = q.shape
+    S, Dv = k.shape[2], v.shape[3]
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    block = max(1, _BLOCK_ELEMENTS // (B * H * max(D, Dv)))
+    kv = q.new_zeros(B, H, D, Dv, dtype=work)
+    z = q.new_zeros(B, H, D, 1, dtype=work)
+    for start in range(0, S, block):
+        fk = feature_map(k[:, :, start : start + block].to(work), config.feature_map)
+        if key_padding_mask is not None:
+            fk = fk * key_padding_mask[:, None, start : start + block, None].to(work)
+        kv = kv + torch.matmul(fk.transpose(-1, -2), v[:, :, start : start + block].to(work))
+        z = z + fk.sum(2).unsqueeze(-1)
+    out = q.new_empty(B, H, L, Dv)
+    for start in range(0, L, block):
+        fq = feature_map(q[:, :, start : start + block].to(work), config.feature_map)
+        out[:, :, start : start + block] = torch.matmul(fq, kv) / (torch.matmul(fq, z) + config.eps)
+    return out
+
+
 def linear_attention(
     q: Tensor,
     k: Tensor,
@@ -188,10 +213,9 @@ def linear_attention(
     if scale is not None:
         raise ValueError(f"linear attention has no softmax scale; leave scale=None (got {scale})")
     B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
-    fq, fk, v1 = _features(q, k, v, key_padding_mask, config)
     if not is_causal:
-        kv = torch.matmul(fk.transpose(-1, -2), v1)  # (B, H, D, Dv + 1)
-        return _normalise(torch.matmul(fq, kv), config.eps, q.dtype)
+        return _noncausal(q, k, v, key_padding_mask, config)
+    fq, fk, v1 = _features(q, k, v, key_padding_mask, config)
     offset = S - L  # query i sits at key position i + offset
     initial = None
     if offset > 0:  # keys before the first query: every query sees them
