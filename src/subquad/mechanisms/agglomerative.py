@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from subquad._blocks import BlockOutput, tracks_grad
 from subquad._validate import AttentionShape, check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -148,9 +149,9 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
     Query i sits at reference position i + offset."""
     B, H, L, _ = c_q.shape
     S, Dv = values.shape[2], values.shape[3]
-    out = values.new_empty(B, H, L, Dv)
+    out = BlockOutput((B, H, L, Dv), 2, values, tracks_grad(c_q, c_r, values))
     if offset < 0:
-        out[:, :, :-offset] = 0  # queries before the first reference see none
+        out.put(values.new_zeros(B, H, min(-offset, L), Dv))  # queries before the first reference see none
     block = max(_CHUNK, (_BLOCK_ELEMENTS // (B * H * (Dv + 1))) // _CHUNK * _CHUNK)
     sums = mass = None
     for start in range(0, S, block):
@@ -160,9 +161,9 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
         lo, hi = max(start, offset), min(stop, offset + L)  # reference positions that have a query
         if lo < hi:
             scale = c_q[:, :, lo - offset : hi - offset] / mass[:, :, lo - start : hi - start].clamp_min(clip)
-            out[:, :, lo - offset : hi - offset] = sums[:, :, lo - start : hi - start] * scale
+            out.put(sums[:, :, lo - start : hi - start] * scale)
         sums, mass = sums[:, :, -1:], mass[:, :, -1:]
-    return out
+    return out.result()
 
 
 class AgglomerativeInputs(nn.Module):

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from subquad._blocks import BlockOutput, tracks_grad
 from subquad._validate import AttentionShape, check_attention_inputs
 from subquad.registry import Config, Mechanism, no_causal_form, option
 
@@ -489,7 +490,7 @@ def _clustered(
         kk = min(config.topk, S)
         per_row = max(per_row, L * D + (L // _TILE + C) * kk * (D + Dv))
     group = max(1, min(rows, _GROUP_ELEMENTS // per_row))
-    result = None if group >= rows else q.new_empty(rows, L, Dv)  # groups write in place: no second copy
+    result = BlockOutput((rows, L, Dv), 0, q, tracks_grad(q, k, v))
     for r in range(0, rows, group):
         sl = slice(r, r + group)
         qg, kg, vg = qf[sl].to(work), kf[sl].to(work), vf[sl].to(work)
@@ -512,10 +513,8 @@ def _clustered(
             out = centroid_out.view(G * C, Dv).index_select(0, index).view(G, L, Dv)  # eq. 6
         if query_real is not None:
             out = out * weight.unsqueeze(-1)
-        if result is None:
-            return out.view(B, H, L, Dv).to(q.dtype)
-        result[sl] = out
-    return result.view(B, H, L, Dv)
+        result.put(out.to(q.dtype))
+    return result.result().view(B, H, L, Dv)
 
 
 def clustered_attention(

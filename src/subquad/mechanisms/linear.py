@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from subquad._blocks import BlockOutput, tracks_grad
 from subquad._validate import check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -178,11 +179,11 @@ def _noncausal(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
             fk = fk * key_padding_mask[:, None, start : start + block, None].to(work)
         kv = kv + torch.matmul(fk.transpose(-1, -2), v[:, :, start : start + block].to(work))
         z = z + fk.sum(2).unsqueeze(-1)
-    out = q.new_empty(B, H, L, Dv)
+    out = BlockOutput((B, H, L, Dv), 2, q, tracks_grad(q, k, v))
     for start in range(0, L, block):
         fq = feature_map(q[:, :, start : start + block].to(work), config.feature_map)
-        out[:, :, start : start + block] = torch.matmul(fq, kv) / (torch.matmul(fq, z) + config.eps)
-    return out
+        out.put((torch.matmul(fq, kv) / (torch.matmul(fq, z) + config.eps)).to(q.dtype))
+    return out.result()
 
 
 def linear_attention(

@@ -1,0 +1,52 @@
+"""Assembling an output from blocks computed one at a time.
+
+Without autograd, blocks are written into one tensor (a single block is returned as it is): no
+second full-size copy. With
+autograd they are concatenated instead: each slice write into a shared buffer would make its
+backward node copy the gradient of the whole buffer, which is quadratic in the number of blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["BlockOutput", "tracks_grad"]
+
+
+def tracks_grad(*tensors: Tensor) -> bool:
+    """Whether autograd records operations on any of ``tensors`` here."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class BlockOutput:
+    """Collects consecutive blocks along ``dim`` of a tensor of ``shape``.
+
+    Args:
+        shape: the whole output's shape.
+        dim: the dimension the blocks follow each other along.
+        like: a tensor whose dtype and device the output takes.
+        track: whether the blocks carry gradients (concatenate them) or not (write in place).
+    """
+
+    def __init__(self, shape: tuple[int, ...], dim: int, like: Tensor, track: bool) -> None:
+        self.shape, self.dim, self.like, self.track = shape, dim, like, track
+        self.pieces: list[Tensor] = []
+        self.buffer: Tensor | None = None
+        self.filled = 0
+
+    def put(self, block: Tensor) -> None:
+        """Append the next block (its size along ``dim`` is taken from it)."""
+        if not self.track and self.pieces:  # a second block: from now on, write into one buffer
+            self.buffer = self.like.new_empty(self.shape, dtype=block.dtype)
+            self.buffer.narrow(self.dim, 0, self.filled).copy_(self.pieces.pop())
+        if self.buffer is not None:
+            self.buffer.narrow(self.dim, self.filled, block.shape[self.dim]).copy_(block)
+        else:
+            self.pieces.append(block)
+        self.filled += block.shape[self.dim]
+
+    def result(self) -> Tensor:
+        if self.buffer is not None:
+            return self.buffer
+        return self.pieces[0] if len(self.pieces) == 1 else torch.cat(self.pieces, dim=self.dim)

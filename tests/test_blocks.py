@@ -1,0 +1,33 @@
+import torch
+
+from subquad._blocks import BlockOutput, tracks_grad
+
+
+def blocks():
+    return [torch.full((2, n, 3), float(n)) for n in (1, 4, 2)]
+
+
+def test_blocks_are_written_in_order_without_autograd():
+    out = BlockOutput((2, 7, 3), 1, torch.zeros(1), track=False)
+    for b in blocks():
+        out.put(b)
+    assert torch.equal(out.result(), torch.cat(blocks(), dim=1))
+
+
+def test_a_single_block_is_returned_without_a_copy():
+    block = torch.ones(2, 5, 3)
+    out = BlockOutput((2, 5, 3), 1, block, track=False)
+    out.put(block)
+    assert out.result() is block
+
+
+def test_tracked_blocks_are_concatenated_and_carry_gradients():
+    x = torch.ones(2, 7, 3, requires_grad=True)
+    assert tracks_grad(x) and not tracks_grad(torch.ones(1))
+    out = BlockOutput((2, 7, 3), 1, x, track=True)
+    out.put(x[:, :3] * 2)
+    out.put(x[:, 3:] * 3)
+    out.result().sum().backward()
+    assert torch.equal(x.grad[:, :3], torch.full((2, 3, 3), 2.0)) and torch.equal(
+        x.grad[:, 3:], torch.full((2, 4, 3), 3.0)
+    )
