@@ -153,14 +153,18 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
     if offset < 0:
         out.put(values.new_zeros(B, H, min(-offset, L), Dv))  # queries before the first reference see none
     block = max(_CHUNK, (_BLOCK_ELEMENTS // (B * H * (Dv + 1))) // _CHUNK * _CHUNK)
+    starts = range(0, S, block)
+    # The query rows each reference block serves: positions max(start, offset) .. min(stop, offset + L).
+    spans = [(max(s, offset), min(s + block, S, offset + L)) for s in starts]
+    sizes = [hi - lo for lo, hi in spans if lo < hi]
+    # split, not slices: one backward node for all blocks (each slice's backward fills a full-size zero)
+    query_blocks = iter(c_q[:, :, L - sum(sizes) :].split(sizes, dim=2)) if sizes else iter(())
     sums = mass = None
-    for start in range(0, S, block):
-        stop = min(start + block, S)
-        sums = _prefix(c_r[:, :, start:stop] * values[:, :, start:stop], sums)
-        mass = _prefix(c_r[:, :, start:stop], mass)
-        lo, hi = max(start, offset), min(stop, offset + L)  # reference positions that have a query
+    for start, (lo, hi), c_r_block, v_block in zip(starts, spans, c_r.split(block, dim=2), values.split(block, dim=2)):
+        sums = _prefix(c_r_block * v_block, sums)
+        mass = _prefix(c_r_block, mass)
         if lo < hi:
-            scale = c_q[:, :, lo - offset : hi - offset] / mass[:, :, lo - start : hi - start].clamp_min(clip)
+            scale = next(query_blocks) / mass[:, :, lo - start : hi - start].clamp_min(clip)
             out.put(sums[:, :, lo - start : hi - start] * scale)
         sums, mass = sums[:, :, -1:], mass[:, :, -1:]
     return out.result()

@@ -491,9 +491,10 @@ def _clustered(
         per_row = max(per_row, L * D + (L // _TILE + C) * kk * (D + Dv))
     group = max(1, min(rows, _GROUP_ELEMENTS // per_row))
     result = BlockOutput((rows, L, Dv), 0, q, tracks_grad(q, k, v))
-    for r in range(0, rows, group):
+    # split, not slices: one backward node for all groups (each slice's backward fills a full-size zero)
+    for r, qg, kg, vg in zip(range(0, rows, group), qf.split(group), kf.split(group), vf.split(group)):
         sl = slice(r, r + group)
-        qg, kg, vg = qf[sl].to(work), kf[sl].to(work), vf[sl].to(work)
+        qg, kg, vg = qg.to(work), kg.to(work), vg.to(work)
         G = qg.shape[0]
         weight = qg.new_ones(G, L) if query_real is None else query_real[sl].to(work)
         if query_real is not None:  # whatever sits at padded queries (even inf or NaN) stays out

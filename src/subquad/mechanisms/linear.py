@@ -173,15 +173,17 @@ def _noncausal(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
     block = max(1, _BLOCK_ELEMENTS // (B * H * max(D, Dv)))
     kv = q.new_zeros(B, H, D, Dv, dtype=work)
     z = q.new_zeros(B, H, D, 1, dtype=work)
-    for start in range(0, S, block):
-        fk = feature_map(k[:, :, start : start + block].to(work), config.feature_map)
-        if key_padding_mask is not None:
-            fk = fk * key_padding_mask[:, None, start : start + block, None].to(work)
-        kv = kv + torch.matmul(fk.transpose(-1, -2), v[:, :, start : start + block].to(work))
+    # split, not slices: one backward node for all blocks (each slice's backward fills a full-size zero)
+    masks = [None] * -(-S // block) if key_padding_mask is None else key_padding_mask.split(block, dim=1)
+    for k_block, v_block, mask in zip(k.split(block, dim=2), v.split(block, dim=2), masks):
+        fk = feature_map(k_block.to(work), config.feature_map)
+        if mask is not None:
+            fk = fk * mask[:, None, :, None].to(work)
+        kv = kv + torch.matmul(fk.transpose(-1, -2), v_block.to(work))
         z = z + fk.sum(2).unsqueeze(-1)
     out = BlockOutput((B, H, L, Dv), 2, q, tracks_grad(q, k, v))
-    for start in range(0, L, block):
-        fq = feature_map(q[:, :, start : start + block].to(work), config.feature_map)
+    for q_block in q.split(block, dim=2):
+        fq = feature_map(q_block.to(work), config.feature_map)
         out.put((torch.matmul(fq, kv) / (torch.matmul(fq, z) + config.eps)).to(q.dtype))
     return out.result()
 
