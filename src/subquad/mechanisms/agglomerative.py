@@ -123,7 +123,17 @@ def agglomerative_attention(
     if not is_causal:
         sums = torch.matmul(c_r.transpose(-1, -2), values)  # (B, H, 1, Dv): Σ_j c^r_j v_j
         return (c_q * (sums / c_r.sum(2, keepdim=True).clamp_min(config.clip))).to(v.dtype)
-    return _causal(c_q, c_r, values, shape.keys - shape.queries, config.clip).to(v.dtype)
+    offset = shape.keys - shape.queries
+    if not tracks_grad(c_q, c_r, values):
+        return _causal(c_q, c_r, values, offset, config.clip).to(v.dtype)
+    # With autograd: whole-tensor prefix sums (block-wise autograd graphs cost more memory than they save).
+    first, L = max(offset, 0), shape.queries
+    sums = torch.cumsum(c_r * values, dim=2)[:, :, first : offset + L]
+    mass = torch.cumsum(c_r, dim=2)[:, :, first : offset + L]
+    out = c_q[:, :, L - sums.shape[2] :] * (sums / mass.clamp_min(config.clip))
+    if offset < 0:  # the first -offset queries see no reference
+        out = torch.cat([out.new_zeros(*out.shape[:2], min(-offset, L), out.shape[3]), out], dim=2)
+    return out.to(v.dtype)
 
 
 def _prefix(x: Tensor, carry: Tensor | None) -> Tensor:

@@ -165,8 +165,10 @@ def _normalise(y: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
 
 
 def _noncausal(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, config: LinearConfig) -> Tensor:
-    """Σ φ(k) vᵀ and Σ φ(k) over blocks of keys, then each block of queries against them, written
-    into one output: no full-size feature tensor (on CPU each costs page faults and a memory pass)."""
+    """Without autograd: Σ φ(k) vᵀ and Σ φ(k) over blocks of keys, then each block of queries against
+    them, written into one output. No full-size feature tensor is made (on CPU each costs page faults
+    and a memory pass); with autograd the features are saved whole anyway, so the whole-tensor form
+    runs instead."""
     B, H, L, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
@@ -216,9 +218,11 @@ def linear_attention(
     if scale is not None:
         raise ValueError(f"linear attention has no softmax scale; leave scale=None (got {scale})")
     B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
-    if not is_causal:
+    if not is_causal and not tracks_grad(q, k, v):
         return _noncausal(q, k, v, key_padding_mask, config)
     fq, fk, v1 = _features(q, k, v, key_padding_mask, config)
+    if not is_causal:  # with autograd the features are saved whole anyway: whole-tensor ops, fewer of them
+        return _normalise(torch.matmul(fq, torch.matmul(fk.transpose(-1, -2), v1)), config.eps, q.dtype)
     offset = S - L  # query i sits at key position i + offset
     initial = None
     if offset > 0:  # keys before the first query: every query sees them
