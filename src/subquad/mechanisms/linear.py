@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from subquad._blocks import BlockOutput, tracks_grad
 from subquad._validate import check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -164,30 +163,82 @@ def _normalise(y: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
     return (y[..., :-1] / (y[..., -1:] + eps)).to(dtype)
 
 
-def _noncausal(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, config: LinearConfig) -> Tensor:
-    """Without autograd: Σ φ(k) vᵀ and Σ φ(k) over blocks of keys, then each block of queries against
-    them, written into one output. No full-size feature tensor is made (on CPU each costs page faults
-    and a memory pass); with autograd the features are saved whole anyway, so the whole-tensor form
-    runs instead."""
-    B, H, L, D = q.shape
-    S, Dv = k.shape[2], v.shape[3]
-    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    block = max(1, _BLOCK_ELEMENTS // (B * H * max(D, Dv)))
-    kv = q.new_zeros(B, H, D, Dv, dtype=work)
-    z = q.new_zeros(B, H, D, 1, dtype=work)
-    # split, not slices: one backward node for all blocks (each slice's backward fills a full-size zero)
-    masks = [None] * -(-S // block) if key_padding_mask is None else key_padding_mask.split(block, dim=1)
-    for k_block, v_block, mask in zip(k.split(block, dim=2), v.split(block, dim=2), masks):
-        fk = feature_map(k_block.to(work), config.feature_map)
-        if mask is not None:
-            fk = fk * mask[:, None, :, None].to(work)
-        kv = kv + torch.matmul(fk.transpose(-1, -2), v_block.to(work))
-        z = z + fk.sum(2).unsqueeze(-1)
-    out = BlockOutput((B, H, L, Dv), 2, q, tracks_grad(q, k, v))
-    for q_block in q.split(block, dim=2):
-        fq = feature_map(q_block.to(work), config.feature_map)
-        out.put((torch.matmul(fq, kv) / (torch.matmul(fq, z) + config.eps)).to(q.dtype))
-    return out.result()
+def _feature_grad(x: Tensor, name: str) -> Tensor:
+    """φ'(x): elu+1 has derivative 1 above 0 and exp(x) below; ReLU has 1 above 0 and 0 below."""
+    if name == "elu":
+        return torch.where(x > 0, 1.0, torch.exp(x.clamp(max=0)))
+    return (x > 0).to(x.dtype)
+
+
+class _NonCausal(torch.autograd.Function):
+    """Non-causal linear attention, computed block by block forwards and backwards.
+
+    Forward: Σ φ(k) vᵀ and Σ φ(k) over blocks of keys, then each block of queries against them.
+    Backward recomputes φ block by block and writes the gradients in place, so only q, k, v and the
+    two small sums are saved: no full-size feature tensor exists in either pass.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, name: str, eps: float) -> Tensor:  # type: ignore[override]
+        B, H, L, D = q.shape
+        S, Dv = k.shape[2], v.shape[3]
+        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        block = max(1, _BLOCK_ELEMENTS // (B * H * max(D, Dv)))
+        kv = q.new_zeros(B, H, D, Dv, dtype=work)
+        z = q.new_zeros(B, H, D, 1, dtype=work)
+        for start in range(0, S, block):
+            fk = _key_features(k, mask, start, block, name, work)
+            kv += torch.matmul(fk.transpose(-1, -2), v[:, :, start : start + block].to(work))
+            z += fk.sum(2).unsqueeze(-1)
+        out = q.new_empty(B, H, L, Dv)
+        for start in range(0, L, block):
+            fq = feature_map(q[:, :, start : start + block].to(work), name)
+            out[:, :, start : start + block] = torch.matmul(fq, kv).div_(torch.matmul(fq, z).add_(eps))
+        ctx.save_for_backward(q, k, v, mask, kv, z)
+        ctx.name, ctx.eps, ctx.block, ctx.work = name, eps, block, work
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        q, k, v, mask, kv, z = ctx.saved_tensors
+        name, eps, block, work = ctx.name, ctx.eps, ctx.block, ctx.work
+        L, S = q.shape[2], k.shape[2]
+        grad_kv, grad_z = torch.zeros_like(kv), torch.zeros_like(z)
+        grad_q = torch.empty_like(q) if ctx.needs_input_grad[0] else None
+        for start in range(0, L, block):  # out = num / den with num = φ(q) KV, den = φ(q) z + ε
+            x = q[:, :, start : start + block].to(work)
+            fq = feature_map(x, name)
+            den = torch.matmul(fq, z).add_(eps)
+            g = grad[:, :, start : start + block].to(work)
+            grad_num = g / den
+            grad_den = -(grad_num * torch.matmul(fq, kv)).sum(-1, keepdim=True) / den
+            grad_kv += torch.matmul(fq.transpose(-1, -2), grad_num)
+            grad_z += torch.matmul(fq.transpose(-1, -2), grad_den)
+            if grad_q is not None:
+                grad_fq = torch.matmul(grad_num, kv.transpose(-1, -2)) + grad_den * z.transpose(-1, -2)
+                grad_q[:, :, start : start + block] = grad_fq * _feature_grad(x, name)
+        grad_k = torch.empty_like(k) if ctx.needs_input_grad[1] else None
+        grad_v = torch.empty_like(v) if ctx.needs_input_grad[2] else None
+        for start in range(0, S, block):  # KV = Σ φ(k) vᵀ, z = Σ φ(k)
+            fk = _key_features(k, mask, start, block, name, work)
+            if grad_v is not None:
+                grad_v[:, :, start : start + block] = torch.matmul(fk, grad_kv)
+            if grad_k is not None:
+                x = k[:, :, start : start + block].to(work)
+                grad_fk = torch.matmul(v[:, :, start : start + block].to(work), grad_kv.transpose(-1, -2))
+                grad_fk += grad_z.transpose(-1, -2)
+                if mask is not None:
+                    grad_fk *= mask[:, None, start : start + block, None].to(work)
+                grad_k[:, :, start : start + block] = grad_fk * _feature_grad(x, name)
+        return grad_q, grad_k, grad_v, None, None, None
+
+
+def _key_features(k: Tensor, mask: Tensor | None, start: int, block: int, name: str, work: torch.dtype) -> Tensor:
+    fk = feature_map(k[:, :, start : start + block].to(work), name)
+    if mask is not None:
+        fk = fk * mask[:, None, start : start + block, None].to(work)
+    return fk
 
 
 def linear_attention(
@@ -218,11 +269,9 @@ def linear_attention(
     if scale is not None:
         raise ValueError(f"linear attention has no softmax scale; leave scale=None (got {scale})")
     B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
-    if not is_causal and not tracks_grad(q, k, v):
-        return _noncausal(q, k, v, key_padding_mask, config)
+    if not is_causal:
+        return _NonCausal.apply(q, k, v, key_padding_mask, config.feature_map, config.eps)
     fq, fk, v1 = _features(q, k, v, key_padding_mask, config)
-    if not is_causal:  # with autograd the features are saved whole anyway: whole-tensor ops, fewer of them
-        return _normalise(torch.matmul(fq, torch.matmul(fk.transpose(-1, -2), v1)), config.eps, q.dtype)
     offset = S - L  # query i sits at key position i + offset
     initial = None
     if offset > 0:  # keys before the first query: every query sees them
