@@ -250,3 +250,24 @@ def test_cross_attention_classifier_needs_matching_widths():
 def test_bad_position_options_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         subquad.nn.CausalLM(10, 8, 1, 2, **kwargs)
+
+
+@pytest.mark.parametrize(("L", "S"), [(13, 13), (9, 13), (13, 9)])
+def test_block_wise_forward_and_backward_across_many_blocks(L, S, monkeypatch):
+    """Blocks of 4 positions (chunks of 4): the carries of the forward pass and of the backward's
+    suffix sums cross many block boundaries; values match the dense matrix and gradcheck passes."""
+    from subquad.mechanisms import agglomerative
+
+    monkeypatch.setattr(agglomerative, "_CHUNK", 4)
+    monkeypatch.setattr(agglomerative, "_BLOCK_ELEMENTS", 1)
+    q, k, v, ql, kl = inputs(1, 2, L, S, Dv=2)
+    kpm = padding(1, S, seed=2)
+    out = agglomerative_attention(q, k, v, key_padding_mask=kpm, is_causal=True, query_logits=ql, key_logits=kl)
+    assert (out - averaging_matrix(ql, kl, kpm, True) @ v).abs().max() <= 1e-12
+    tensors = tuple(x.requires_grad_(True) for x in (v, ql, kl))
+    assert gradcheck(
+        lambda v, ql, kl: agglomerative_attention(
+            q, k, v, key_padding_mask=kpm, is_causal=True, query_logits=ql, key_logits=kl
+        ),
+        tensors,
+    )

@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -200,3 +202,18 @@ def test_elu_feature_map_is_elu_plus_one_with_its_gradient():
 def test_unknown_feature_map_raises():
     with pytest.raises(ValueError, match="unknown feature map 'tanh'; choose elu or relu"):
         feature_map(torch.zeros(1), "tanh")
+
+
+def test_non_causal_blocks_forward_and_backward(monkeypatch):
+    """One position per block in both passes of the non-causal Function: values and gradients."""
+    from subquad.mechanisms import linear
+
+    q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 9, 7, 3, 2))
+    kpm = padding(1, 7, seed=1)
+    expected = dense_linear(q, k, v, kpm, False)
+    monkeypatch.setattr(linear, "_BLOCK_ELEMENTS", 1)
+    out = linear_attention(q, k, v, key_padding_mask=kpm)
+    assert (out - expected).abs().max() <= 1e-12
+    for fm in ("elu", "relu"):
+        fn = functools.partial(linear_attention, key_padding_mask=kpm, config=LinearConfig(feature_map=fm))
+        assert gradcheck(fn, (q, k, v))

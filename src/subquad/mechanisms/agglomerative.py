@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from subquad._blocks import BlockOutput, tracks_grad
+from subquad._blocks import BlockOutput
 from subquad._validate import AttentionShape, check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -123,17 +123,7 @@ def agglomerative_attention(
     if not is_causal:
         sums = torch.matmul(c_r.transpose(-1, -2), values)  # (B, H, 1, Dv): Σ_j c^r_j v_j
         return (c_q * (sums / c_r.sum(2, keepdim=True).clamp_min(config.clip))).to(v.dtype)
-    offset = shape.keys - shape.queries
-    if not tracks_grad(c_q, c_r, values):
-        return _causal(c_q, c_r, values, offset, config.clip).to(v.dtype)
-    # With autograd: whole-tensor prefix sums (block-wise autograd graphs cost more memory than they save).
-    first, L = max(offset, 0), shape.queries
-    sums = torch.cumsum(c_r * values, dim=2)[:, :, first : offset + L]
-    mass = torch.cumsum(c_r, dim=2)[:, :, first : offset + L]
-    out = c_q[:, :, L - sums.shape[2] :] * (sums / mass.clamp_min(config.clip))
-    if offset < 0:  # the first -offset queries see no reference
-        out = torch.cat([out.new_zeros(*out.shape[:2], min(-offset, L), out.shape[3]), out], dim=2)
-    return out.to(v.dtype)
+    return _CausalAgglomerative.apply(c_q, c_r, values, shape.keys - shape.queries, config.clip).to(v.dtype)
 
 
 def _prefix(x: Tensor, carry: Tensor | None) -> Tensor:
@@ -159,15 +149,14 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
     Query i sits at reference position i + offset."""
     B, H, L, _ = c_q.shape
     S, Dv = values.shape[2], values.shape[3]
-    out = BlockOutput((B, H, L, Dv), 2, values, tracks_grad(c_q, c_r, values))
+    out = BlockOutput((B, H, L, Dv), 2, values, track=False)
     if offset < 0:
         out.put(values.new_zeros(B, H, min(-offset, L), Dv))  # queries before the first reference see none
-    block = max(_CHUNK, (_BLOCK_ELEMENTS // (B * H * (Dv + 1))) // _CHUNK * _CHUNK)
+    block = _block_size(B, H, Dv)
     starts = range(0, S, block)
     # The query rows each reference block serves: positions max(start, offset) .. min(stop, offset + L).
     spans = [(max(s, offset), min(s + block, S, offset + L)) for s in starts]
     sizes = [hi - lo for lo, hi in spans if lo < hi]
-    # split, not slices: one backward node for all blocks (each slice's backward fills a full-size zero)
     query_blocks = iter(c_q[:, :, L - sum(sizes) :].split(sizes, dim=2)) if sizes else iter(())
     sums = mass = None
     for start, (lo, hi), c_r_block, v_block in zip(starts, spans, c_r.split(block, dim=2), values.split(block, dim=2)):
@@ -178,6 +167,66 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
             out.put(sums[:, :, lo - start : hi - start] * scale)
         sums, mass = sums[:, :, -1:], mass[:, :, -1:]
     return out.result()
+
+
+def _block_size(B: int, H: int, Dv: int) -> int:
+    return max(_CHUNK, (_BLOCK_ELEMENTS // (B * H * (Dv + 1))) // _CHUNK * _CHUNK)
+
+
+class _CausalAgglomerative(torch.autograd.Function):
+    """Masked agglomerative attention whose backward also runs block by block: it recomputes the
+    running class sums S and masses M forwards, then accumulates the gradients' suffix sums
+    backwards, so only c^q, c^r and the values are saved (no full-size prefix tensor).
+
+    With out_i = c^q_i S_p / M̃_p (p = i + offset, M̃ = max(M, clip)) and a_i = g_i·S_p:
+    ∂c^q_i = a_i / M̃_p, ∂S_p = g_i c^q_i / M̃_p, ∂M_p = −a_i c^q_i / M̃_p² where M_p > clip; then
+    ∂v_j = c^r_j Σ_{p≥j} ∂S_p and ∂c^r_j = v_j·Σ_{p≥j} ∂S_p + Σ_{p≥j} ∂M_p.
+    """
+
+    @staticmethod
+    def forward(ctx, c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(c_q, c_r, values)
+        ctx.offset, ctx.clip = offset, clip
+        return _causal(c_q, c_r, values, offset, clip)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        c_q, c_r, values = ctx.saved_tensors
+        offset, clip = ctx.offset, ctx.clip
+        B, H, L, _ = c_q.shape
+        S, Dv = values.shape[2], values.shape[3]
+        block = _block_size(B, H, Dv)
+        grad = grad.to(values.dtype)
+        grad_q = torch.zeros_like(c_q)
+        grad_sums = torch.zeros_like(values)  # ∂S per position; becomes ∂v in the second pass
+        grad_mass = torch.zeros_like(c_r)
+        sums = mass = None
+        for start in range(0, S, block):  # forwards: the running S, M and their gradients
+            stop = min(start + block, S)
+            sums = _prefix(c_r[:, :, start:stop] * values[:, :, start:stop], sums)
+            mass = _prefix(c_r[:, :, start:stop], mass)
+            lo, hi = max(start, offset), min(stop, offset + L)
+            if lo < hi:
+                rows, queries = slice(lo - start, hi - start), slice(lo - offset, hi - offset)
+                m = mass[:, :, rows]
+                kept = m.clamp_min(clip)
+                g, cq = grad[:, :, queries], c_q[:, :, queries]
+                a = (g * sums[:, :, rows]).sum(-1, keepdim=True)
+                grad_q[:, :, queries] = a / kept
+                grad_sums[:, :, lo:hi] = g * (cq / kept)
+                grad_mass[:, :, lo:hi] = -(a * cq / kept.square()) * (m > clip)
+            sums, mass = sums[:, :, -1:], mass[:, :, -1:]
+        grad_r = torch.empty_like(c_r)
+        later_sums = later_mass = None
+        for start in reversed(range(0, S, block)):  # backwards: suffix sums of ∂S and ∂M
+            stop = min(start + block, S)
+            suffix = _prefix(grad_sums[:, :, start:stop].flip(2), later_sums).flip(2)
+            suffix_mass = _prefix(grad_mass[:, :, start:stop].flip(2), later_mass).flip(2)
+            grad_r[:, :, start:stop] = (values[:, :, start:stop] * suffix).sum(-1, keepdim=True) + suffix_mass
+            grad_sums[:, :, start:stop] = c_r[:, :, start:stop] * suffix
+            later_sums, later_mass = suffix[:, :, :1], suffix_mass[:, :, :1]
+        return grad_q, grad_r, grad_sums, None, None
 
 
 class AgglomerativeInputs(nn.Module):
