@@ -22,6 +22,10 @@ Where this differs from the author's Keras layer, on purpose:
   layer sums pads in).
 - Prefix sums and their normalisers are accumulated in fp32 under fp16/bf16.
 
+The masked form is one autograd Function (``_CausalAgglomerative``): prefix sums block by block
+(a lower-triangular matmul per chunk, carried across blocks), and a backward that recomputes them
+and accumulates suffix sums of the gradients, so only c^q, c^r and the values are saved.
+
 As there, the denominator is clipped at ``clip`` (1e-3), not given an ε: a query whose classes have
 seen no reference mass returns zeros. Cost O(N·m·d/m) = O(N·d): linear time. With L ≠ S and
 ``is_causal`` the queries are the last L positions (bottom-right alignment). ``AgglomerativeDecoder``

@@ -6,7 +6,9 @@ Softmax similarity is replaced by a feature map φ, so the sums over keys factor
 
 with φ = elu(x) + 1 (their default) or ReLU (AdaMRA's). ε keeps a query whose features are all
 zero (possible under ReLU), or that sees no key, at a zero output instead of 0/0. Padded keys get
-φ(k) = 0. The non-causal form costs O(N·D·Dv) time and O(D·Dv) state per head.
+φ(k) = 0. The non-causal form costs O(N·D·Dv) time and O(D·Dv) state per head. It is one
+autograd Function (``_NonCausal``) that runs block by block in both passes, recomputing φ in the
+backward, so only q, k, v and the two sums are saved.
 
 **Causal form.** The sums run over j ≤ i. Writing the normaliser as one more value column (v' = [v, 1])
 makes numerator and denominator one causal product ``y_i = Σ_{j≤i} (a_i·b_j) c_j`` with a = φ(q),
