@@ -52,14 +52,21 @@ def test_causal_chunked_equals_unchunked(chunk):
     assert (out - reference).abs().max() <= 1e-12
 
 
-def test_block_boundaries_carry_the_state(monkeypatch):
-    """Many chunks processed a few at a time (a small block budget) equal one block."""
+@pytest.mark.parametrize(("L", "S"), [(97, 97), (90, 97), (97, 90)])
+def test_block_boundaries_carry_the_state(monkeypatch, L, S):
+    """Many chunks processed one at a time in all three sweeps (forward, ∂q forwards in time, ∂k and
+    ∂v backwards in time) give the dense reference's values and gradients."""
     from subquad.mechanisms import linear
 
-    q, k, v = qkv(1, 2, 97, 97, 4)
-    whole = linear_attention(q, k, v, is_causal=True, config=LinearConfig(chunk=4))
+    q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, L, S, 4, 3))
+    kpm = padding(1, S, seed=2)
+    expected = dense_linear(q, k, v, kpm, True)
+    grads = torch.autograd.grad(expected, (q, k, v), torch.ones_like(expected))
     monkeypatch.setattr(linear, "_BLOCK_STATE_ELEMENTS", 1)  # one chunk per block
-    assert (linear_attention(q, k, v, is_causal=True, config=LinearConfig(chunk=4)) - whole).abs().max() <= 1e-12
+    out = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=LinearConfig(chunk=4))
+    assert (out - expected).abs().max() <= 1e-12
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)), grads, strict=True):
+        assert (got - want).abs().max() <= 1e-10
 
 
 def test_zero_features_and_unseen_keys_give_zeros_not_nan():
@@ -93,9 +100,10 @@ def test_causality_editing_the_future_leaves_the_past_unchanged(L, S):
 
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("fm", ["elu", "relu"])
-def test_gradcheck(is_causal, fm):
-    q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 11, 11, 4, 3))
-    kpm = padding(1, 11, seed=3)
+@pytest.mark.parametrize(("L", "S"), [(11, 11), (7, 11), (11, 7)])
+def test_gradcheck(is_causal, fm, L, S):
+    q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, L, S, 4, 3))
+    kpm = padding(1, S, seed=3)
     config = LinearConfig(feature_map=fm, chunk=4)
     assert gradcheck(
         lambda q, k, v: linear_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config), (q, k, v)

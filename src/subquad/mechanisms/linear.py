@@ -14,11 +14,14 @@ backward, so only q, k, v and the two sums are saved.
 makes numerator and denominator one causal product ``y_i = Σ_{j≤i} (a_i·b_j) c_j`` with a = φ(q),
 b = φ(k), c = v'. It is computed in chunks of ``chunk`` positions: inside a chunk by a masked
 (chunk × chunk) product, across chunks through the running state ``S = Σ b_j c_jᵀ`` (D × Dv+1).
-Chunks are processed a block at a time with the block's chunk states in one cumulative sum, so
-memory stays O(N·D + block·D·Dv), never O(N·D²). The backward pass is the same product run
-forwards and backwards in time (``_CausalDot``), so autograd keeps only the inputs, not a state per
-chunk. With L ≠ S the queries are the last L positions of the keys (bottom-right alignment): keys
-before them enter as the initial state.
+The per-position cost is about 4·chunk·D + 4·D·Dv, least near chunk = √(D·Dv): 64 by default.
+One autograd Function (``_Causal``) runs over blocks of positions in time order, computing φ and
+[v, 1] for the block only, with the block's chunk states from one cumulative sum, so memory stays
+O(N·D + block·D·Dv), never O(N·D²). Its backward is the same product run forwards in time (for ∂q)
+and backwards in time (for ∂k, ∂v), recomputing φ per block: only q, k, v, the output and the
+denominators are saved. With L ≠ S the queries are the last L positions of the keys (bottom-right
+alignment): keys before them enter as the initial state. ``causal_dot`` exposes the bare product,
+differentiable, for mechanisms built on it.
 
 **Decoding.** ``LinearDecoder`` carries S and the normaliser per head (O(D·Dv), whatever the prefix
 length) and runs the same chunked product from that state for each new block of tokens. Sums are
@@ -55,7 +58,7 @@ class LinearConfig(Config):
         "elu", "φ: elu (elu(x) + 1, Katharopoulos et al.) or relu (AdaMRA)", choices=("elu", "relu")
     )
     eps: float = option(1e-6, "ε added to the normaliser φ(q)ᵀ Σ φ(k)", gt=0)
-    chunk: int = option(128, "causal form: positions per chunk of the exact in-chunk product", ge=1)
+    chunk: int = option(64, "causal form: positions per chunk of the exact in-chunk product", ge=1)
 
 
 def feature_map(x: Tensor, name: str) -> Tensor:
@@ -243,6 +246,133 @@ def _key_features(k: Tensor, mask: Tensor | None, start: int, block: int, name: 
     return fk
 
 
+def _chunk_states(updates: Tensor, state: Tensor, reverse: bool = False) -> tuple[Tensor, Tensor]:
+    """From per-chunk ``updates`` ``(B, H, m, ·, ·)`` (consumed), the state entering each chunk,
+    ``state`` plus the chunks before it in time order (after it when ``reverse``), and the state
+    after the last chunk."""
+    if reverse:
+        before, after = _chunk_states(updates.flip(2), state)
+        return before.flip(2), after
+    before = torch.empty_like(updates)
+    before[:, :, 0] = state
+    if updates.shape[2] == 1:
+        return before, state + updates[:, :, 0]
+    updates[:, :, 0] += state
+    torch.cumsum(updates[:, :, :-1], dim=2, out=before[:, :, 1:])
+    return before, before[:, :, -1] + updates[:, :, -1]
+
+
+def _add_matmul_(y: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``y += a @ b`` in place over any leading dims (one fused BLAS call per matrix)."""
+    y.view(-1, *y.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return y
+
+
+def _chunked(x: Tensor, chunk: int) -> Tensor:
+    """``(B, H, n, ·)`` as ``(B, H, n / chunk, chunk, ·)``, zero-padded to whole chunks."""
+    pad = -x.shape[2] % chunk
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    return x.view(*x.shape[:2], -1, chunk, x.shape[-1])
+
+
+class _Causal(torch.autograd.Function):
+    """Causal linear attention, fused: features, chunked causal product and normalisation.
+
+    Forward runs over blocks of positions in time order carrying ``S = Σ φ(k) [v, 1]ᵀ``; each block
+    computes φ for its own positions only. It saves q, k, v, the output and the denominators. The
+    backward recomputes φ per block in two sweeps: forwards in time for ∂q (which needs S), and
+    backwards in time for ∂k and ∂v (which need ``R = Σ_{i later} φ(q_i) G_iᵀ``, G the gradient of
+    the un-normalised product). So no full-size feature or product tensor exists in either pass.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, initial, name: str, eps: float, chunk: int) -> Tensor:  # type: ignore[override]
+        B, H, N, D = q.shape
+        Dv = v.shape[-1]
+        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        chunk = max(1, min(chunk, N))
+        step = chunk * max(1, _BLOCK_STATE_ELEMENTS // (B * H * D * (Dv + 1)))
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+        state = q.new_zeros(B, H, D, Dv + 1, dtype=work) if initial is None else initial.to(work)
+        out = q.new_empty(B, H, N, Dv)
+        den = q.new_empty(B, H, N, 1, dtype=work)
+        for s in range(0, N, step):
+            e = min(s + step, N)
+            a, b, c = _block_inputs(q, k, v, mask, s, e, name, work, chunk)
+            updates = torch.matmul(b.transpose(-1, -2), c)  # (B, H, m, D, Dv + 1): each chunk's Σ φ(k) [v, 1]ᵀ
+            before, state = _chunk_states(updates, state)
+            y = torch.matmul(torch.matmul(a, b.transpose(-1, -2)).masked_fill_(~causal, 0), c)
+            y = _add_matmul_(y, a, before).view(B, H, -1, Dv + 1)[:, :, : e - s]
+            torch.add(y[..., -1:], eps, out=den[:, :, s:e])
+            torch.div(y[..., :-1], den[:, :, s:e], out=out[:, :, s:e])
+        ctx.save_for_backward(q, k, v, mask, initial, out, den)
+        ctx.name, ctx.chunk, ctx.step, ctx.work = name, chunk, step, work
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        q, k, v, mask, initial, out, den = ctx.saved_tensors
+        name, chunk, step, work = ctx.name, ctx.chunk, ctx.step, ctx.work
+        B, H, N, D = q.shape
+        Dv = v.shape[-1]
+        tril = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+
+        def grad_product(s: int, e: int) -> Tensor:
+            """G = ∂loss/∂y for y = [num, den - ε]: out = num / den."""
+            g = grad[:, :, s:e].to(work) / den[:, :, s:e]
+            return _chunked(torch.cat([g, -(g * out[:, :, s:e].to(work)).sum(-1, keepdim=True)], dim=-1), chunk)
+
+        grad_q = torch.empty_like(q) if ctx.needs_input_grad[0] else None
+        if grad_q is not None:  # forwards in time: ∂a_i = Σ_{j≤i} (G_i·c_j) b_j + S_before G_i
+            state = q.new_zeros(B, H, D, Dv + 1, dtype=work) if initial is None else initial.to(work)
+            for s in range(0, N, step):
+                e = min(s + step, N)
+                _, b, c = _block_inputs(None, k, v, mask, s, e, name, work, chunk)
+                G = grad_product(s, e)
+                before, state = _chunk_states(torch.matmul(b.transpose(-1, -2), c), state)
+                ga = torch.matmul(torch.matmul(G, c.transpose(-1, -2)).masked_fill_(~tril, 0), b)
+                ga = _add_matmul_(ga, G, before.transpose(-1, -2)).view(B, H, -1, D)[:, :, : e - s]
+                grad_q[:, :, s:e] = ga * _feature_grad(q[:, :, s:e].to(work), name)
+        grad_k = torch.empty_like(k) if ctx.needs_input_grad[1] else None
+        grad_v = torch.empty_like(v) if ctx.needs_input_grad[2] else None
+        grad_initial = None
+        if grad_k is not None or grad_v is not None or ctx.needs_input_grad[4]:
+            # backwards in time: ∂b_j = Σ_{i≥j} (G_i·c_j) a_i and ∂c_j = Σ_{i≥j} (a_i·b_j) G_i
+            triu = tril.T
+            state = q.new_zeros(B, H, D, Dv + 1, dtype=work)  # R = Σ_{i later} a_i G_iᵀ
+            starts = list(range(0, N, step))
+            for s in reversed(starts):
+                e = min(s + step, N)
+                a, b, c = _block_inputs(q, k, v, mask, s, e, name, work, chunk)
+                G = grad_product(s, e)
+                after, state = _chunk_states(torch.matmul(a.transpose(-1, -2), G), state, reverse=True)
+                if grad_k is not None:
+                    gb = torch.matmul(torch.matmul(c, G.transpose(-1, -2)).masked_fill_(~triu, 0), a)
+                    gb = _add_matmul_(gb, c, after.transpose(-1, -2)).view(B, H, -1, D)[:, :, : e - s]
+                    gb *= _feature_grad(k[:, :, s:e].to(work), name)
+                    if mask is not None:
+                        gb *= mask[:, None, s:e, None]
+                    grad_k[:, :, s:e] = gb
+                if grad_v is not None:
+                    gc = torch.matmul(torch.matmul(b, a.transpose(-1, -2)).masked_fill_(~triu, 0), G[..., :-1])
+                    grad_v[:, :, s:e] = _add_matmul_(gc, b, after[..., :-1]).view(B, H, -1, Dv)[:, :, : e - s]
+            if ctx.needs_input_grad[4]:
+                grad_initial = state.to(initial.dtype)
+        return grad_q, grad_k, grad_v, None, grad_initial, None, None, None
+
+
+def _block_inputs(q, k, v, mask, s: int, e: int, name: str, work: torch.dtype, chunk: int):
+    """φ(q), φ(k) (padded keys zeroed) and [v, 1] for positions ``[s, e)``, in chunks."""
+    fk = feature_map(k[:, :, s:e].to(work), name)
+    if mask is not None:
+        fk *= mask[:, None, s:e, None]
+    v1 = torch.cat([v[:, :, s:e].to(work), v.new_ones(*v.shape[:2], e - s, 1, dtype=work)], dim=-1)
+    fq = None if q is None else _chunked(feature_map(q[:, :, s:e].to(work), name), chunk)
+    return fq, _chunked(fk, chunk), _chunked(v1, chunk)
+
+
 def linear_attention(
     q: Tensor,
     k: Tensor,
@@ -270,22 +400,21 @@ def linear_attention(
     shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, None)
     if scale is not None:
         raise ValueError(f"linear attention has no softmax scale; leave scale=None (got {scale})")
-    B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
+    B, H, L, S, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.value_dim
     if not is_causal:
         return _NonCausal.apply(q, k, v, key_padding_mask, config.feature_map, config.eps)
-    fq, fk, v1 = _features(q, k, v, key_padding_mask, config)
     offset = S - L  # query i sits at key position i + offset
-    initial = None
+    initial, mask = None, key_padding_mask
     if offset > 0:  # keys before the first query: every query sees them
-        initial = torch.matmul(fk[:, :, :offset].transpose(-1, -2), v1[:, :, :offset]).reshape(B * H, D, Dv + 1)
-        fk, v1 = fk[:, :, offset:], v1[:, :, offset:]
+        before = None if mask is None else mask[:, :offset]
+        _, fk, v1 = _features(q[:, :, :0], k[:, :, :offset], v[:, :, :offset], before, config)
+        initial = torch.matmul(fk.transpose(-1, -2), v1)  # (B, H, D, Dv + 1)
+        k, v, mask = k[:, :, offset:], v[:, :, offset:], None if mask is None else mask[:, offset:]
     elif offset < 0:  # the first -offset queries see no key
-        fq = fq[:, :, -offset:]
-    n = fq.shape[2]
-    y = causal_dot(
-        fq.reshape(B * H, n, D), fk.reshape(B * H, n, D), v1.reshape(B * H, n, Dv + 1), initial, config.chunk
-    )
-    out = _normalise(y.view(B, H, n, Dv + 1), config.eps, q.dtype)
+        q = q[:, :, -offset:]
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    mask = None if mask is None else mask.to(work)
+    out = _Causal.apply(q, k, v, mask, initial, config.feature_map, config.eps, config.chunk)
     if offset < 0:
         out = torch.cat([out.new_zeros(B, H, -offset, Dv), out], dim=2)
     return out
