@@ -39,6 +39,7 @@ _BUILTIN_MODULES = (
     "subquad.mechanisms.clustered",
     "subquad.mechanisms.linear",
     "subquad.mechanisms.agglomerative",
+    "subquad.mechanisms.local",
 )
 
 

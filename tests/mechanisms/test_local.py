@@ -1,0 +1,170 @@
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck
+
+import subquad
+import subquad.nn
+from subquad.mechanisms import local
+from subquad.mechanisms.full import full_attention
+from subquad.mechanisms.local import LocalConfig, WindowCache, local_attention
+from subquad.registry import get_mechanism
+
+from ..conftest import padding, qkv
+
+
+def band_mask(L, S, window, is_causal):
+    """The dense (L, S) mask of the window, queries aligned to the last keys."""
+    i = torch.arange(L)[:, None] + (S - L)
+    j = torch.arange(S)[None, :]
+    return ((j <= i) & (j > i - window)) if is_causal else ((j - i).abs() <= window)
+
+
+def dense_local(q, k, v, kpm, is_causal, window):
+    return full_attention(q, k, v, key_padding_mask=kpm, attn_mask=band_mask(q.shape[2], k.shape[2], window, is_causal))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 150), S=st.integers(1, 150),
+    window=st.sampled_from([1, 2, 5, 31, 64, 200]), is_causal=st.booleans(), pad=st.booleans(),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_local_equals_full_under_the_dense_band_mask(B, H, L, S, window, is_causal, pad, seed):
+    q, k, v = qkv(B, H, L, S, 8, 5, seed=seed)
+    kpm = padding(B, S, seed) if pad else None
+    out = local_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=LocalConfig(window=window))
+    assert (out - dense_local(q, k, v, kpm, is_causal, window)).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_window_covering_the_sequence_is_full_attention(is_causal):
+    q, k, v = qkv(2, 2, 90, 90, 8)
+    kpm = padding(2, 90, seed=4)
+    out = local_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=LocalConfig(window=90))
+    assert (out - full_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal)).abs().max() <= 1e-10
+
+
+def test_tiles_in_several_groups_give_the_same_values_and_gradients(monkeypatch):
+    """A tiny group budget makes every tile its own group, in the forward and backward passes."""
+    from subquad import _tiles
+
+    q, k, v = (x.requires_grad_(True) for x in qkv(2, 2, 150, 150, 4, 3))
+    kpm = padding(2, 150, seed=2)
+    expected = dense_local(q, k, v, kpm, True, 20)
+    grads = torch.autograd.grad(expected, (q, k, v), torch.ones_like(expected))
+    monkeypatch.setattr(_tiles, "_GROUP_ELEMENTS", 1)
+    out = local_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=LocalConfig(window=20))
+    assert (out - expected).abs().max() <= 1e-10
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)), grads, strict=True):
+        assert (got - want).abs().max() <= 1e-10
+
+
+def test_a_window_with_only_padded_keys_returns_zeros_with_finite_gradients():
+    q, k, v = (x.requires_grad_(True) for x in qkv(1, 1, 12, 12, 4))
+    kpm = torch.ones(1, 12, dtype=torch.bool)
+    kpm[0, 3:8] = False
+    out = local_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=LocalConfig(window=2))
+    assert (out[0, 0, 4:8] == 0).all() and (out[0, 0, :3] != 0).all()
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+@pytest.mark.parametrize(("L", "S"), [(64, 64), (40, 64)])
+def test_causality_editing_the_future_leaves_the_past_unchanged(L, S):
+    q, k, v = qkv(2, 2, L, S, 8)
+    out = local_attention(q, k, v, is_causal=True, config=LocalConfig(window=9))
+    for t in (0, 17, L - 2):
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        q2[:, :, t + 1 :] = torch.randn_like(q2[:, :, t + 1 :]) * 5
+        k2[:, :, t + 1 + S - L :] = torch.randn_like(k2[:, :, t + 1 + S - L :]) * 5
+        v2[:, :, t + 1 + S - L :] = torch.randn_like(v2[:, :, t + 1 + S - L :]) * 5
+        out2 = local_attention(q2, k2, v2, is_causal=True, config=LocalConfig(window=9))
+        assert (out2[:, :, : t + 1] - out[:, :, : t + 1]).abs().max() <= 1e-7
+        assert (out2[:, :, t + 1 :] - out[:, :, t + 1 :]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gradcheck(is_causal):
+    q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 23, 23, 4, 3))
+    kpm = padding(1, 23, seed=3)
+    fn = functools.partial(local_attention, key_padding_mask=kpm, is_causal=is_causal, config=LocalConfig(window=5))
+    assert gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+def test_low_precision(dtype, tol):
+    q, k, v = qkv(1, 2, 200, 200, 16)
+    ref = local_attention(q, k, v, is_causal=True, config=LocalConfig(window=40))
+    out = local_attention(*(x.to(dtype) for x in (q, k, v)), is_causal=True, config=LocalConfig(window=40))
+    assert out.dtype == dtype
+    assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_scores_are_computed_one_group_of_tiles_at_a_time(monkeypatch):
+    """With a group budget of one tile, the largest score tensor is one tile's (Tq × Tk), not
+    N × window: memory does not grow with the window times the length."""
+    from subquad import _tiles
+
+    q, k, v = qkv(1, 1, 2048, 2048, 4, dtype=torch.float32)
+    seen = []
+    real_matmul = torch.matmul
+
+    def matmul(a, b):
+        out = real_matmul(a, b)
+        seen.append(out.numel())
+        return out
+
+    monkeypatch.setattr(_tiles, "_GROUP_ELEMENTS", 1)
+    monkeypatch.setattr(torch, "matmul", matmul)
+    out = local_attention(q, k, v, config=LocalConfig(window=256))
+    assert max(seen) == local._TILE * (local._TILE + 2 * 256)
+    assert len(seen) == 2 * 2048 // local._TILE  # scores and values, tile by tile
+    assert (out.double() - dense_local(q.double(), k.double(), v.double(), None, False, 256)).abs().max() < 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------
+
+
+def test_window_cache_equals_parallel_token_by_token():
+    q, k, v = qkv(2, 3, 120, 120, 8)
+    config = LocalConfig(window=16)
+    parallel = local_attention(q, k, v, is_causal=True, config=config)
+    cache = WindowCache(get_mechanism("local"), config, None)
+    first = cache.step(q[:, :, :30], k[:, :, :30], v[:, :, :30])
+    steps = [cache.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(30, 120)]
+    assert (torch.cat([first, *steps], dim=2) - parallel).abs().max() <= 1e-12
+    assert cache.keys.shape[2] == 15, "the cache holds window - 1 keys, whatever the prefix"
+
+
+def test_window_cache_rejects_bad_steps():
+    cache = WindowCache(get_mechanism("local"), LocalConfig(window=4), None)
+    cache.step(*qkv(2, 2, 1, 1, 4))
+    with pytest.raises(ValueError, match=r"holds keys of \(B, H, D\) = \(2, 2, 4\), got \(3, 2, 1, 4\)"):
+        cache.step(*qkv(3, 2, 1, 1, 4))
+    with pytest.raises(ValueError, match="as many queries as keys, got 1 and 2"):
+        cache.step(*qkv(2, 2, 1, 2, 4))
+
+
+def test_generate_gives_the_same_tokens_with_and_without_the_cache():
+    torch.manual_seed(0)
+    model = subquad.nn.CausalLM(37, 32, 2, 4, attention=subquad.nn.HeadGroup("local", window=6), max_len=80).double()
+    prompt = torch.randint(0, 37, (2, 9))
+    assert torch.equal(model.generate(prompt, 50), model.generate(prompt, 50, use_cache=False))
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+def test_bad_window_raises():
+    with pytest.raises(ValueError, match="local option window must be >= 1, got 0"):
+        subquad.attention(*qkv(), "local", window=0)
+    with pytest.raises(ValueError, match="local option window must be an int, got 2.5"):
+        subquad.attention(*qkv(), "local", window=2.5)
