@@ -63,44 +63,49 @@ def tile_attention(
     return _TileAttention.apply(q, k, v, q_index, k_index, key_valid, band, scale)
 
 
+def _take(x: Tensor, index: Tensor) -> Tensor:
+    """Rows ``x[r, index[r, ...]]`` of ``x`` ``(R, N, D)`` for ``index`` ``(R, ...)``, as ``(R, ..., D)``."""
+    R, N, D = x.shape
+    flat = (index + torch.arange(R, device=index.device).view(R, *([1] * (index.dim() - 1))) * N).flatten()
+    return x.reshape(R * N, D).index_select(0, flat).view(*index.shape, D)
+
+
 class _Gathered:
     """One group of tiles: gathered rows, positions and the visibility mask."""
 
     def __init__(self, q, k, v, q_index, k_index, key_valid, band: Band, work: torch.dtype) -> None:
         R, L, S = q.shape[0], q.shape[1], k.shape[1]
         offset = S - L
-        rows = torch.arange(R, device=q.device).view(R, 1, 1)
         self.q_ok = q_index >= 0
         self.qi = q_index.clamp(min=0)
-        ki = k_index.clamp(min=0)
-        self.ki = ki
-        self.q = q[rows, self.qi].to(work)  # (R, g, Tq, D)
-        self.k = k[rows, ki].to(work)  # (R, g, Tk, D)
-        self.v = v[rows, ki].to(work)
+        self.ki = ki = k_index.clamp(min=0)
+        self.q = _take(q, self.qi).to(work)  # (R, g, Tq, D)
+        self.k = _take(k, ki).to(work)  # (R, g, Tk, D)
+        self.v = _take(v, ki).to(work)
         k_ok = k_index >= 0
         if key_valid is not None:
-            k_ok = k_ok & key_valid[rows, ki]
+            k_ok = k_ok & torch.gather(key_valid, 1, ki.view(R, -1)).view(ki.shape)
         allowed = self.q_ok.unsqueeze(-1) & k_ok.unsqueeze(-2)  # (R, g, Tq, Tk)
         if band.lo is not None or band.hi is not None or band.own_key:
             # The band depends on positions only: compute it once when every row has the same tiles.
             shared = q_index.stride(0) == 0 and k_index.stride(0) == 0
             qi_, ki_ = (self.qi[:1], ki[:1]) if shared else (self.qi, ki)
-            d = ki_.unsqueeze(-2) - (qi_ + offset).unsqueeze(-1)
+            key_pos, query_pos = ki_.unsqueeze(-2), (qi_ + offset).unsqueeze(-1)
             if band.lo is not None:
-                allowed &= d >= band.lo
+                allowed &= key_pos >= query_pos + band.lo
             if band.hi is not None:
-                allowed &= d <= band.hi
+                allowed &= key_pos <= query_pos + band.hi
             if band.own_key:
-                allowed &= d != 0
+                allowed &= key_pos != query_pos
         self.own = None
         if band.own_key:
             own = (self.qi + offset).clamp(0, S - 1)
             own_ok = self.q_ok & (self.qi + offset >= 0)
             if key_valid is not None:
-                own_ok = own_ok & key_valid[rows, own]
+                own_ok = own_ok & torch.gather(key_valid, 1, own.view(R, -1)).view(own.shape)
             self.own, self.own_ok = own, own_ok
-            self.k_own = k[rows, own].to(work)  # (R, g, Tq, D)
-            self.v_own = v[rows, own].to(work)
+            self.k_own = _take(k, own).to(work)  # (R, g, Tq, D)
+            self.v_own = _take(v, own).to(work)
         self.allowed = allowed
 
     def scores(self, scale: float) -> tuple[Tensor, Tensor | None]:
@@ -133,7 +138,7 @@ class _TileAttention(torch.autograd.Function):
             s, s_own = g.scores(scale)
             m = s.amax(-1) if s_own is None else torch.maximum(s.amax(-1), s_own)
             m = torch.where(torch.isfinite(m), m, 0.0)
-            p = torch.exp(s - m.unsqueeze(-1))
+            p = s.sub_(m.unsqueeze(-1)).exp_()
             o = torch.matmul(p, g.v)
             total = p.sum(-1)
             if s_own is not None:
@@ -165,10 +170,10 @@ class _TileAttention(torch.autograd.Function):
             tiles = slice(start, start + step)
             g = _Gathered(q, k, v, q_index[:, tiles], k_index[:, tiles], key_valid, band, work)
             s, s_own = g.scores(scale)
-            row_lse = lse_safe[rows, g.qi]  # (R, g, Tq)
-            p = torch.exp(s - row_lse.unsqueeze(-1))  # zero where hidden
-            go = grad[rows, g.qi].to(work) * g.q_ok.unsqueeze(-1)
-            delta = (go * out[rows, g.qi].to(work)).sum(-1, keepdim=True)  # (R, g, Tq, 1)
+            row_lse = torch.gather(lse_safe, 1, g.qi.view(R, -1)).view(g.qi.shape)  # (R, g, Tq)
+            p = s.sub_(row_lse.unsqueeze(-1)).exp_()  # zero where hidden
+            go = _take(grad, g.qi).to(work) * g.q_ok.unsqueeze(-1)
+            delta = (go * _take(out, g.qi).to(work)).sum(-1, keepdim=True)  # (R, g, Tq, 1)
             flat_k = (rows * S + g.ki).flatten()
             grad_v.index_add_(0, flat_k, torch.matmul(p.transpose(-1, -2), go).flatten(0, 2))
             ds = p.mul_(torch.matmul(go, g.v.transpose(-1, -2)).sub_(delta)).mul_(scale)

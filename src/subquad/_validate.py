@@ -13,7 +13,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DTYPE_NAMES", "SUPPORTED_DTYPES", "AttentionShape", "check_attention_inputs", "check_dtype"]
+__all__ = [
+    "DTYPE_NAMES",
+    "SUPPORTED_DTYPES",
+    "AttentionShape",
+    "check_attention_inputs",
+    "check_dtype",
+    "check_query_padding_mask",
+]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPE_NAMES = tuple(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
@@ -129,3 +136,18 @@ def _check_padding_mask(mask: object, B: int, S: int, device: torch.device) -> N
         raise ValueError(f"key_padding_mask must have shape (B, S) = ({B}, {S}), got {tuple(mask.shape)}")
     if mask.device != device:
         raise ValueError(f"key_padding_mask is on {mask.device} but q, k, v are on {device}; move it with .to()")
+
+
+def check_query_padding_mask(mask: Tensor | None, shape: AttentionShape, device: torch.device) -> None:
+    """Raise unless ``mask`` is None or a bool ``(B, L)`` tensor on ``device`` (True = real query)."""
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"query_padding_mask must be a bool tensor (True = real query), got {got}")
+    if tuple(mask.shape) != (shape.batch, shape.queries):
+        raise ValueError(
+            f"query_padding_mask must have shape (B, L) = ({shape.batch}, {shape.queries}), got {tuple(mask.shape)}"
+        )
+    if mask.device != device:
+        raise ValueError(f"query_padding_mask is on {mask.device} but q is on {device}; move it with .to()")

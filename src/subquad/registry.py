@@ -40,6 +40,7 @@ _BUILTIN_MODULES = (
     "subquad.mechanisms.linear",
     "subquad.mechanisms.agglomerative",
     "subquad.mechanisms.local",
+    "subquad.mechanisms.routing",
 )
 
 

@@ -68,7 +68,7 @@ import torch
 from torch import Tensor, nn
 
 from subquad._blocks import BlockOutput, tracks_grad
-from subquad._validate import AttentionShape, check_attention_inputs
+from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask
 from subquad.registry import Config, Mechanism, no_causal_form, option
 
 __all__ = [
@@ -154,20 +154,6 @@ def _resolve_state(state: nn.Module | None, config: ClusteredConfig, shape: Atte
             f"but this call needs {want}; build it as ClusteredState(config, {shape.heads}, {shape.head_dim}, seed)"
         )
     return state
-
-
-def _check_query_padding_mask(mask: Tensor | None, shape: AttentionShape, device: torch.device) -> None:
-    if mask is None:
-        return
-    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
-        raise ValueError(f"query_padding_mask must be a bool tensor (True = real query), got {got}")
-    if tuple(mask.shape) != (shape.batch, shape.queries):
-        raise ValueError(
-            f"query_padding_mask must have shape (B, L) = ({shape.batch}, {shape.queries}), got {tuple(mask.shape)}"
-        )
-    if mask.device != device:
-        raise ValueError(f"query_padding_mask is on {mask.device} but q is on {device}; move it with .to()")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,7 +459,7 @@ def _clustered(
     shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
     if is_causal:
         raise ValueError(no_causal_form(config.mechanism))
-    _check_query_padding_mask(query_padding_mask, shape, q.device)
+    check_query_padding_mask(query_padding_mask, shape, q.device)
     state = _resolve_state(state, config, shape)
     B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
     C = min(config.clusters, L)

@@ -1,0 +1,326 @@
+"""Routing attention (Roy, Saffar, Vaswani & Grangier 2021): content-based sparse attention.
+
+Queries and keys are L2-normalised and routed to the nearest of k centroids shared by both
+(spherical k-means: for unit vectors the nearest centroid is the one of largest dot product, so a
+query and a key in one cluster have a large dot product, the paper's MIPS argument). Attention
+stays inside a cluster, with the cost bounded by a cluster capacity w.
+
+**Routing scheme (ours; causal and cost-bounded).** The public implementations let each cluster
+take its top-w tokens over the whole sequence. That leaks the future under causal masking (a later
+token can push an earlier one out of a cluster) and leaves queries that no cluster takes with an
+all-zero output. Here instead:
+
+1. Each token's cluster depends only on its own vector and the centroids.
+2. The keys of a cluster, in position order, are cut into *tiles* of w consecutive members
+   (the key of rank r in its cluster is in tile r // w). A key's tile depends only on the keys
+   of its cluster before it.
+3. Query i of cluster c sees, among the keys of cluster c, those of the tile holding the latest
+   such key at a position ≤ i, and of the tile before it (causal: only those at positions ≤ i;
+   non-causal: also the tile after it, whatever the positions). That is at most 2w keys causal,
+   3w non-causal: O(N·w·D) time.
+4. Every query also attends to its own position's key, which guarantees each real query a real
+   output even when its cluster holds no key near it (in training, queries and keys often occupy
+   different regions, so a cluster can hold queries only).
+
+Under ``is_causal=True`` the output at position i is therefore a function of q_i and of the keys
+and values at positions ≤ i only: the routing, the tile boundaries and the weights all are.
+Queries that share a cluster and a tile group are computed together in query tiles of up to
+``_QUERY_TILE`` through ``subquad._tiles.tile_attention`` (flash-style: saves the log-sum-exp,
+recomputes scores in the backward).
+
+**Centroids** live in ``RoutingState``, owned by the layer: unit vectors drawn from its seed, so a
+fresh model routes and generates before any update; ``clusters=None`` picks k = round(√S) from the
+first sequence seen (the paper's optimum). In training mode each call, after attending with the
+current centroids, moves every centroid by an exponential moving average (``decay``) towards the
+mean of the normalised queries and keys routed to it, leaving out padded keys and padded queries
+(``query_padding_mask``; layers pass it in self-attention). The commitment loss
+β·‖x̂ − sg(μ)‖² of that call is kept on the state; ``routing_loss(model)`` sums it for the training
+loop. With no state the function builds the same initial centroids from seed 0 and updates nothing.
+
+**Decoding.** A causal output depends only on its query and the keys up to it, so the exact
+``KVCache`` decodes it; each step re-routes the cached keys (cost grows with the prefix). A
+bounded cache (per cluster, the keys of its last two tiles) is possible with this scheme and is
+not built yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from subquad._tiles import Band, tile_attention
+from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask
+from subquad.decoding import KVCache
+from subquad.registry import Config, Mechanism, option
+
+__all__ = ["RoutingConfig", "RoutingState", "route", "routing_attention", "routing_loss", "routing_tiles"]
+
+_QUERY_TILE = 64  # queries of one cluster tile group computed together
+_ASSIGN_ELEMENTS = 1 << 22  # position × centroid scores held at once while routing
+
+
+@dataclass(frozen=True)
+class RoutingConfig(Config):
+    mechanism = "routing"
+    clusters: int | None = option(
+        None, "k centroids shared by queries and keys; None: round(sqrt(S)) at first use", ge=1
+    )
+    window: int | None = option(
+        None, "w keys per cluster tile: a query sees its tile and the previous one (and the next, non-causal); "
+        "None: ceil(S / k)", ge=1,
+    )  # fmt: skip
+    decay: float = option(0.999, "EMA decay of the centroids (training mode only)", ge=0, le=1)
+    commitment: float = option(1e-4, "β of the commitment loss β·‖x̂ − sg(μ)‖²", ge=0)
+
+
+def _initial_centroids(heads: int, clusters: int, dim: int, seed: int) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(heads, clusters, dim, generator=generator), dim=-1)
+
+
+class RoutingState(nn.Module):
+    """One layer's routing centroids ``(H, k, D)`` (unit vectors) and its last commitment loss.
+
+    Args:
+        config: a ``RoutingConfig``.
+        num_heads: H; every head has its own centroids.
+        head_dim: D.
+        seed: seeds the initial centroids.
+    """
+
+    def __init__(self, config: RoutingConfig, num_heads: int, head_dim: int, seed: int = 0) -> None:
+        super().__init__()
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.config, self.num_heads, self.head_dim, self.seed = config, num_heads, head_dim, seed % 2**63
+        clusters = config.clusters or 0  # 0: chosen at first use
+        self.register_buffer("centroids", _initial_centroids(num_heads, clusters, head_dim, self.seed))
+        self.loss: Tensor | None = None
+
+    def centroids_for(self, keys: int, device: torch.device) -> Tensor:
+        """The centroids, first built with k = round(√keys) when the config leaves k open."""
+        if self.centroids.shape[1] == 0:
+            clusters = max(1, round(math.sqrt(keys)))
+            self.centroids = _initial_centroids(self.num_heads, clusters, self.head_dim, self.seed).to(device)
+        return self.centroids
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        saved = state_dict.get(prefix + "centroids")
+        if saved is not None and saved.shape != self.centroids.shape:
+            if self.config.clusters is not None or saved.shape[0::2] != self.centroids.shape[0::2]:
+                raise ValueError(
+                    f"routing centroids of shape {tuple(saved.shape)} do not fit this layer's "
+                    f"(heads, clusters, head_dim) = {tuple(self.centroids.shape)}"
+                )
+            self.centroids = torch.empty_like(saved, device=self.centroids.device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @torch.no_grad()
+    def update(self, points: list[tuple[Tensor, Tensor, Tensor | None]]) -> None:
+        """EMA step towards the mean of the real points routed to each centroid.
+
+        Args:
+            points: ``(x̂, cluster, real)`` triples: normalised vectors ``(B, H, N, D)``, their
+                clusters ``(B, H, N)`` and a bool ``(B, N)`` mask of real tokens (None: all real).
+        """
+        H, C, D = self.centroids.shape
+        sums = self.centroids.new_zeros(H, C, D)
+        counts = self.centroids.new_zeros(H, C)
+        for x, cluster, real in points:
+            B, _, N, _ = x.shape
+            weight = x.new_ones(B, 1, N) if real is None else real[:, None].to(x.dtype)
+            weight = weight.expand(B, H, N).transpose(0, 1).reshape(H, B * N)
+            index = cluster.transpose(0, 1).reshape(H, B * N)
+            sums.scatter_add_(
+                1, index[..., None].expand(H, B * N, D), x.transpose(0, 1).reshape(H, B * N, D) * weight[..., None]
+            )
+            counts.scatter_add_(1, index, weight)
+        means = sums / counts.clamp(min=1)[..., None]
+        decay = self.config.decay
+        moved = torch.where(counts[..., None] > 0, decay * self.centroids + (1 - decay) * means, self.centroids)
+        self.centroids.copy_(F.normalize(moved, dim=-1))
+
+    def extra_repr(self) -> str:
+        heads, clusters, dim = self.centroids.shape
+        return f"heads={heads}, clusters={clusters or 'sqrt(S) at first use'}, head_dim={dim}, seed={self.seed}"
+
+
+def route(x: Tensor, centroids: Tensor) -> Tensor:
+    """The nearest centroid ``(B, H, N)`` of each normalised vector ``x̂`` ``(B, H, N, D)``."""
+    B, H, N, _ = x.shape
+    step = max(1, _ASSIGN_ELEMENTS // (B * H * centroids.shape[1]))
+    parts = [torch.matmul(x[:, :, s : s + step], centroids.transpose(-1, -2)).argmax(-1) for s in range(0, N, step)]
+    return torch.cat(parts, dim=2)
+
+
+def routing_tiles(
+    q_cluster: Tensor, k_cluster: Tensor, clusters: int, window: int, is_causal: bool, key_valid: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The query tiles and their keys for the routing scheme in the module docstring.
+
+    Args:
+        q_cluster: ``(R, L)`` query clusters; ``k_cluster``: ``(R, S)`` key clusters.
+        clusters: k.
+        window: w, keys per cluster tile.
+        is_causal: whether a query sees two tiles (its own and the previous) or three.
+        key_valid: bool ``(R, S)``; padded keys join no tile.
+
+    Returns:
+        ``q_index`` ``(R, T, Tq)`` and ``k_index`` ``(R, T, Tk)`` positions, ``-1`` for empty slots.
+    """
+    R, L = q_cluster.shape
+    S = k_cluster.shape[1]
+    dev = q_cluster.device
+    rows = torch.arange(R, device=dev)[:, None]
+    ck = k_cluster if key_valid is None else torch.where(key_valid, k_cluster, clusters)  # padding: cluster k
+    sorted_code, order = (ck * S + torch.arange(S, device=dev)).sort(dim=1)
+    sorted_cluster = sorted_code // S
+    counts = torch.zeros(R, clusters + 1, dtype=torch.long, device=dev).scatter_add_(1, ck, torch.ones_like(ck))
+    starts = counts.cumsum(1) - counts
+    rank = torch.arange(S, device=dev) - starts.gather(1, sorted_cluster)
+    tiles = (counts[:, :clusters] + window - 1) // window  # (R, k) key tiles per cluster
+    base = tiles.cumsum(1) - tiles
+    total = max(1, int(tiles.sum(1).max()))
+    real = sorted_cluster < clusters
+    slot = torch.where(real, (base.gather(1, sorted_cluster.clamp(max=clusters - 1)) + rank // window) * window
+                       + rank % window, total * window)  # fmt: skip
+    table = torch.full((R, total * window + 1), -1, dtype=torch.long, device=dev)
+    table.scatter_(1, slot, torch.where(real, order, -1))
+    table = table[:, :-1].view(R, total, window)  # (R, tiles, w) key positions
+
+    # Each query's tile group: the tile of the latest key of its cluster at a position <= its own.
+    cq = q_cluster
+    position = torch.arange(L, device=dev) + (S - L)
+    seen = torch.searchsorted(sorted_code, cq * S + position, right=True) - starts.gather(1, cq)
+    own_tiles = tiles.gather(1, cq)
+    t = ((seen - 1).clamp(min=0) // window).minimum((own_tiles - 1).clamp(min=0))
+    width = int(tiles.max()) + 1
+    group = cq * width + t
+    q_order = (group * L + torch.arange(L, device=dev)).argsort(dim=1)
+    sorted_group = group.gather(1, q_order)
+    q_rank = torch.arange(L, device=dev) - torch.searchsorted(sorted_group, sorted_group)
+    tile_id = (q_rank % _QUERY_TILE == 0).long().cumsum(1) - 1
+    n_tiles = int(tile_id.max()) + 1
+    q_index = torch.full((R, n_tiles * _QUERY_TILE), -1, dtype=torch.long, device=dev)
+    q_index.scatter_(1, tile_id * _QUERY_TILE + q_rank % _QUERY_TILE, q_order)
+    tile_group = torch.full((R, n_tiles), -1, dtype=torch.long, device=dev).scatter_(1, tile_id, sorted_group)
+
+    # The key tiles each query tile sees.
+    has_group = tile_group >= 0
+    tile_cluster = (tile_group // width).clamp(0, clusters - 1)
+    steps = torch.arange(-1, 1 if is_causal else 2, device=dev)
+    seen_tile = (tile_group % width)[..., None] + steps  # (R, T, 2 or 3)
+    ok = has_group[..., None] & (seen_tile >= 0) & (seen_tile < tiles.gather(1, tile_cluster)[..., None])
+    key_tile = (base.gather(1, tile_cluster)[..., None] + seen_tile).clamp(0, total - 1)
+    k_index = torch.where(ok[..., None], table[rows[..., None], key_tile], -1)  # (R, T, 2 or 3, w)
+    return q_index.view(R, n_tiles, _QUERY_TILE), k_index.view(R, n_tiles, -1)
+
+
+def _resolve_state(state: nn.Module | None, config: RoutingConfig, shape: AttentionShape) -> RoutingState:
+    if state is None:
+        return RoutingState(config, shape.heads, shape.head_dim, 0).eval()  # fixed: nothing to update
+    if not isinstance(state, RoutingState):
+        raise ValueError(f"routing needs a RoutingState, got {type(state).__name__}")
+    H, C, D = state.centroids.shape
+    if (H, D) != (shape.heads, shape.head_dim) or (config.clusters is not None and C not in (0, config.clusters)):
+        want = (shape.heads, config.clusters or "k", shape.head_dim)
+        raise ValueError(
+            f"routing state has centroids of shape (heads, clusters, head_dim) = {(H, C, D)}, "
+            f"but this call needs {want}"
+        )
+    return state
+
+
+def routing_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    config: RoutingConfig | None = None,
+    state: nn.Module | None = None,
+    query_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """Routing attention: softmax inside clusters of queries and keys (module docstring).
+
+    Args:
+        q, k, v: ``(B, H, L, D)``, ``(B, H, S, D)``, ``(B, H, S, Dv)``.
+        key_padding_mask: bool ``(B, S)``, True marks a real key.
+        is_causal: strict causality; queries are the last L positions of the keys.
+        scale: softmax scale, default ``D ** -0.5``.
+        config: ``RoutingConfig``.
+        state: the layer's ``RoutingState`` (centroids; updated in training mode).
+        query_padding_mask: bool ``(B, L)``, True marks a real query; padded queries do not move
+            the centroids.
+
+    Returns:
+        ``(B, H, L, Dv)``.
+    """
+    config = config or RoutingConfig()
+    shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
+    check_query_padding_mask(query_padding_mask, shape, q.device)
+    state = _resolve_state(state, config, shape)
+    B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
+    R = B * H
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    centroids = state.centroids_for(S, q.device).to(work)
+    C = centroids.shape[1]
+    window = config.window or -(-S // C)
+    key_valid = None if key_padding_mask is None else key_padding_mask[:, None].expand(B, H, S).reshape(R, S)
+    with torch.no_grad():
+        q_cluster = route(F.normalize(q.to(work), dim=-1), centroids)
+        k_cluster = route(F.normalize(k.to(work), dim=-1), centroids)
+        q_index, k_index = routing_tiles(q_cluster.view(R, L), k_cluster.view(R, S), C, window, is_causal, key_valid)
+    band = Band(hi=0 if is_causal else None, own_key=True)
+    out = tile_attention(
+        q.reshape(R, L, D), k.reshape(R, S, D), v.reshape(R, S, Dv), q_index, k_index, band, shape.scale, key_valid
+    ).view(B, H, L, Dv)
+    if state.training:
+        qn, kn = F.normalize(q.to(work), dim=-1), F.normalize(k.to(work), dim=-1)
+        state.loss = config.commitment * (
+            _commitment(qn, q_cluster, centroids, query_padding_mask)
+            + _commitment(kn, k_cluster, centroids, key_padding_mask)
+        )
+        state.update([(qn.detach(), q_cluster, query_padding_mask), (kn.detach(), k_cluster, key_padding_mask)])
+    return out
+
+
+def _commitment(x: Tensor, cluster: Tensor, centroids: Tensor, real: Tensor | None) -> Tensor:
+    """Mean over real tokens of ‖x̂ − sg(μ_cluster)‖²."""
+    H = x.shape[1]
+    mu = centroids.detach()[torch.arange(H, device=x.device)[None, :, None], cluster]  # (B, H, N, D)
+    err = (x - mu).pow(2).sum(-1)  # (B, H, N)
+    if real is None:
+        return err.mean()
+    weight = real[:, None].to(err.dtype).expand_as(err)
+    return (err * weight).sum() / weight.sum().clamp(min=1)
+
+
+def routing_loss(model: nn.Module) -> Tensor:
+    """The sum of the commitment losses of the last training-mode forward of every routing layer
+    in ``model``: add it to the training loss. Zero when there are none."""
+    losses = [m.loss for m in model.modules() if isinstance(m, RoutingState) and m.loss is not None]
+    if not losses:
+        return torch.zeros(())
+    return torch.stack(losses).sum()
+
+
+MECHANISM = Mechanism(
+    name="routing",
+    fn=routing_attention,
+    config=RoutingConfig,
+    summary="content-based sparse attention: online spherical k-means routing, causal cluster tiles",
+    paper="Roy, Saffar, Vaswani & Grangier 2021, Efficient Content-Based Sparse Attention with Routing Transformers",
+    causal=True,
+    cross=True,
+    tensor_args=("query_padding_mask",),
+    state=RoutingState,
+    decoder=KVCache,
+)

@@ -1,0 +1,302 @@
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck
+
+import subquad
+import subquad.nn
+from subquad.mechanisms.full import full_attention
+from subquad.mechanisms.routing import RoutingConfig, RoutingState, route, routing_attention, routing_loss
+from subquad.nn import HeadGroup
+
+from ..conftest import padding, qkv, randn
+
+
+def state(clusters, heads=2, dim=6, seed=1):
+    return RoutingState(RoutingConfig(clusters=clusters), heads, dim, seed=seed).double().eval()
+
+
+def visible(q, k, centroids, window, is_causal, kpm):
+    """The dense (B, H, L, S) mask of the routing scheme, built position by position in Python from
+    the clusters: key tiles of `window` members per cluster in position order; a query sees its
+    cluster's tile holding the latest key at or before it and the tile before (and after, when not
+    causal), at positions <= its own when causal, plus its own position's key."""
+    B, H, L, _ = q.shape
+    S = k.shape[2]
+    cq, ck = route(F.normalize(q, dim=-1), centroids), route(F.normalize(k, dim=-1), centroids)
+    mask = torch.zeros(B, H, L, S, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            members, tile_of = {}, {}
+            for j in range(S):
+                if kpm is None or kpm[b, j]:
+                    c = int(ck[b, h, j])
+                    tile_of[j] = (c, members.get(c, 0) // window)
+                    members[c] = members.get(c, 0) + 1
+            for i in range(L):
+                p, c = i + S - L, int(cq[b, h, i])
+                earlier = [j for j in tile_of if j <= p and tile_of[j][0] == c]
+                tiles = -(-members.get(c, 0) // window)
+                t = min(tile_of[earlier[-1]][1] if earlier else 0, max(tiles - 1, 0))
+                seen = {t - 1, t} if is_causal else {t - 1, t, t + 1}
+                for j, (cj, tj) in tile_of.items():
+                    mask[b, h, i, j] = cj == c and tj in seen and (j <= p or not is_causal)
+                if 0 <= p < S and (kpm is None or kpm[b, p]):
+                    mask[b, h, i, p] = True
+    return mask
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    L=st.integers(1, 40), S=st.integers(1, 40), clusters=st.integers(1, 6), window=st.integers(1, 12),
+    is_causal=st.booleans(), pad=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_routing_equals_full_under_the_dense_mask_of_its_own_assignments(L, S, clusters, window, is_causal, pad, seed):
+    q, k, v = qkv(2, 2, L, S, 6, seed=seed)
+    kpm = padding(2, S, seed) if pad else None
+    st_ = state(clusters, seed=seed)
+    config = RoutingConfig(clusters=clusters, window=window)
+    out = routing_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=st_)
+    mask = visible(q, k, st_.centroids, window, is_causal, kpm)
+    assert (out - full_attention(q, k, v, attn_mask=mask)).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_one_cluster_with_enough_capacity_is_full_attention(is_causal):
+    q, k, v = qkv(2, 2, 50, 50, 6)
+    kpm = padding(2, 50, seed=5)
+    config = RoutingConfig(clusters=1, window=50)
+    out = routing_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=state(1))
+    assert (out - full_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal)).abs().max() <= 1e-10
+
+
+def test_with_one_tile_per_cluster_queries_see_their_cluster_and_themselves():
+    """Capacity at least S: the mask is exactly 'same cluster (and j <= i), or j = i'."""
+    q, k, v = qkv(1, 2, 60, 60, 6, seed=3)
+    st_ = state(4)
+    cq = route(F.normalize(q, dim=-1), st_.centroids)
+    ck = route(F.normalize(k, dim=-1), st_.centroids)
+    i, j = torch.arange(60)[:, None], torch.arange(60)[None, :]
+    for is_causal in (False, True):
+        mask = (cq[..., :, None] == ck[..., None, :]) & ((j <= i) if is_causal else True) | (i == j)
+        out = routing_attention(q, k, v, is_causal=is_causal, config=RoutingConfig(clusters=4, window=60), state=st_)
+        assert (out - full_attention(q, k, v, attn_mask=mask)).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("L", [64, 48])
+def test_causality_editing_the_future_changes_no_earlier_output(L):
+    """Future edits that move tokens between clusters (and so shift tile boundaries) leave every
+    earlier output unchanged."""
+    S = 64
+    q, k, v = qkv(2, 2, L, S, 6, seed=7)
+    st_ = state(3)
+    config = RoutingConfig(clusters=3, window=4)
+    out = routing_attention(q, k, v, is_causal=True, config=config, state=st_)
+    for t in (0, 20, L - 2):
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        q2[:, :, t + 1 :] = randn(*q2[:, :, t + 1 :].shape, seed=t) * 3
+        k2[:, :, t + 1 + S - L :] = randn(*k2[:, :, t + 1 + S - L :].shape, seed=t + 1) * 3
+        v2[:, :, t + 1 + S - L :] = randn(*v2[:, :, t + 1 + S - L :].shape, seed=t + 2) * 3
+        ck = route(F.normalize(k, dim=-1), st_.centroids)
+        ck2 = route(F.normalize(k2, dim=-1), st_.centroids)
+        assert (ck != ck2).any(), "the edit moves keys between clusters"
+        out2 = routing_attention(q2, k2, v2, is_causal=True, config=config, state=st_)
+        assert (out2[:, :, : t + 1] - out[:, :, : t + 1]).abs().max() <= 1e-7
+        assert (out2[:, :, t + 1 :] - out[:, :, t + 1 :]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_every_real_query_gets_a_real_output(is_causal):
+    """Even with queries and keys in disjoint regions (every cluster holds only queries or only
+    keys), no real query's output is zero: it always sees its own key."""
+    q, k, v = qkv(2, 4, 200, 200, 8, dtype=torch.float32)
+    q, k = q.abs() + 1, -(k.abs() + 1)  # opposite orthants: no shared cluster
+    kpm = padding(2, 200, seed=2)
+    out = routing_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=RoutingConfig(clusters=8))
+    zero = (out == 0).all(-1)  # (B, H, L)
+    assert not zero[kpm[:, None].expand_as(zero)].any()
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gradcheck(is_causal):
+    q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 15, 15, 4, 3))
+    kpm = padding(1, 15, seed=3)
+    fn = functools.partial(
+        routing_attention, key_padding_mask=kpm, is_causal=is_causal,
+        config=RoutingConfig(clusters=3, window=3), state=state(3, dim=4),
+    )  # fmt: skip
+    assert gradcheck(fn, (q, k, v), fast_mode=True)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+def test_low_precision(dtype, tol):
+    q, k, v = qkv(1, 2, 128, 128, 16, seed=4)
+    config = RoutingConfig(clusters=4, window=16)
+    ref = routing_attention(q, k, v, is_causal=True, config=config)
+    out = routing_attention(*(x.to(dtype) for x in (q, k, v)), is_causal=True, config=config)
+    assert out.dtype == dtype
+    # Rounding can move a token near a cluster boundary: compare where routing agrees.
+    assert (out.double() - ref).abs().median() <= tol * ref.abs().max()
+
+
+# --------------------------------------------------------------------------------------------
+# Centroids
+# --------------------------------------------------------------------------------------------
+
+
+def test_default_clusters_are_sqrt_of_the_length_and_survive_a_state_dict_round_trip():
+    layer = subquad.nn.MultiheadAttention(32, 4, "routing", seed=3)
+    x = randn(1, 100, 32, dtype=torch.float32)
+    out = layer(x)
+    assert layer.states["0"].centroids.shape == (4, 10, 8)
+    copy = subquad.nn.MultiheadAttention(32, 4, "routing", seed=99)
+    copy.load_state_dict(layer.state_dict())
+    assert torch.equal(copy.states["0"].centroids, layer.states["0"].centroids)
+    layer.eval(), copy.eval()
+    assert torch.equal(copy(x), layer.eval()(x))
+    assert out.shape == x.shape
+
+
+def test_a_fresh_layer_routes_with_unit_centroids_from_its_seed():
+    a = RoutingState(RoutingConfig(clusters=5), 2, 8, seed=4)
+    b = RoutingState(RoutingConfig(clusters=5), 2, 8, seed=4)
+    c = RoutingState(RoutingConfig(clusters=5), 2, 8, seed=5)
+    assert torch.equal(a.centroids, b.centroids) and not torch.equal(a.centroids, c.centroids)
+    assert torch.allclose(a.centroids.norm(dim=-1), torch.ones(2, 5))
+
+
+def test_ema_update_moves_centroids_towards_their_real_members_only():
+    """In training mode one call moves each centroid by (1 - decay) towards the mean of the real
+    normalised queries and keys routed to it; padded keys and padded queries change nothing."""
+    torch.manual_seed(0)
+    q, k, v = qkv(2, 1, 30, 30, 4)
+    kpm = padding(2, 30, seed=6)
+    config = RoutingConfig(clusters=3, decay=0.9)
+    st_ = RoutingState(config, 1, 4, seed=2).double().train()
+    before = st_.centroids.clone()
+    routing_attention(q, k, v, key_padding_mask=kpm, config=config, state=st_, query_padding_mask=kpm)
+    qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    cq, ck = route(qn, before), route(kn, before)
+    expected = before.clone()
+    for c in range(3):
+        members = torch.cat([qn[0, 0][(cq[0, 0] == c) & kpm[0]], qn[1, 0][(cq[1, 0] == c) & kpm[1]],
+                             kn[0, 0][(ck[0, 0] == c) & kpm[0]], kn[1, 0][(ck[1, 0] == c) & kpm[1]]])  # fmt: skip
+        if len(members):
+            expected[0, c] = F.normalize(0.9 * before[0, c] + 0.1 * members.mean(0), dim=-1)
+    assert (st_.centroids - expected).abs().max() <= 1e-12
+    # Garbage at padded positions changes neither the update nor the real outputs.
+    st2 = RoutingState(config, 1, 4, seed=2).double().train()
+    q2, k2 = q.clone(), k.clone()
+    q2[~kpm[:, None].expand(2, 1, 30)] = 1e3
+    k2[~kpm[:, None].expand(2, 1, 30)] = -1e3
+    routing_attention(q2, k2, v, key_padding_mask=kpm, config=config, state=st2, query_padding_mask=kpm)
+    assert (st2.centroids - expected).abs().max() <= 1e-12
+
+
+def test_eval_mode_and_the_functional_form_do_not_update():
+    q, k, v = qkv(1, 2, 20, 20, 6)
+    st_ = state(3)
+    before = st_.centroids.clone()
+    routing_attention(q, k, v, config=RoutingConfig(clusters=3), state=st_)
+    assert torch.equal(st_.centroids, before) and st_.loss is None
+    a = routing_attention(q, k, v, config=RoutingConfig(clusters=3))
+    assert torch.equal(a, routing_attention(q, k, v, config=RoutingConfig(clusters=3)))
+
+
+def test_commitment_loss_is_beta_times_the_distance_to_the_centroids_and_reaches_the_inputs():
+    torch.manual_seed(0)
+    model = subquad.nn.CausalLM(31, 16, 1, 2, attention=HeadGroup("routing", clusters=3), max_len=40).double()
+    tokens = torch.randint(0, 31, (2, 20))
+    model(tokens).sum().backward()
+    loss = routing_loss(model)
+    assert loss.item() > 0 and loss.requires_grad
+    model.zero_grad()
+    model(tokens)
+    routing_loss(model).backward()
+    assert model.backbone.blocks[0].attn.q_proj.weight.grad.abs().sum() > 0
+    assert routing_loss(torch.nn.Linear(2, 2)).item() == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Layers and models
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_layer_mixes_local_and_routing_heads():
+    """Heads split between local and routing: each group equals its mechanism alone."""
+    torch.manual_seed(0)
+    groups = [HeadGroup("local", 2, window=4), HeadGroup("routing", 2, clusters=3, window=5)]
+    layer = subquad.nn.MultiheadAttention(16, 4, groups).double().eval()
+    x = randn(2, 30, 16)
+    out = layer(x, is_causal=True)
+    q = layer._split_heads(layer.q_proj(x))
+    k = layer._split_heads(layer.k_proj(x))
+    v = layer._split_heads(layer.v_proj(x))
+    heads = torch.cat(
+        [
+            subquad.attention(q[:, :2], k[:, :2], v[:, :2], "local", is_causal=True, window=4),
+            routing_attention(q[:, 2:], k[:, 2:], v[:, 2:], is_causal=True, state=layer.states["1"],
+                              config=RoutingConfig(clusters=3, window=5)),
+        ],
+        dim=1,
+    )  # fmt: skip
+    expected = layer.out_proj(heads.transpose(1, 2).reshape(2, 30, 16))
+    assert (out - expected).abs().max() <= 1e-12
+
+
+def test_a_tiny_causal_lm_with_local_and_routing_heads_overfits_and_generates_like_no_cache():
+    torch.manual_seed(0)
+    groups = [HeadGroup("local", 2, window=8), HeadGroup("routing", 2, clusters=4)]
+    model = subquad.nn.CausalLM(23, 32, 2, 4, attention=["local", groups], max_len=64)
+    tokens = torch.randint(0, 23, (4, 32))
+    optimiser = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(60):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 23), tokens[:, 1:].reshape(-1))
+        optimiser.zero_grad()
+        (loss + routing_loss(model)).backward()
+        optimiser.step()
+        losses.append(loss.item())
+    assert losses[0] > 2.9 and losses[-1] < 0.5
+    model.eval()
+    prompt = tokens[:2, :10]
+    assert torch.equal(model.generate(prompt, 30), model.generate(prompt, 30, use_cache=False))
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"clusters": 0}, "routing option clusters must be >= 1, got 0"),
+        ({"window": 0}, "routing option window must be >= 1, got 0"),
+        ({"decay": 1.5}, "routing option decay must be <= 1, got 1.5"),
+        ({"commitment": -1.0}, "routing option commitment must be >= 0, got -1.0"),
+    ],
+)
+def test_bad_options_raise(options, message):
+    with pytest.raises(ValueError, match=message):
+        subquad.attention(*qkv(), "routing", **options)
+
+
+def test_bad_state_and_masks_raise():
+    q, k, v = qkv(2, 2, 10, 10, 6)
+    with pytest.raises(ValueError, match="routing needs a RoutingState, got Linear"):
+        routing_attention(q, k, v, state=torch.nn.Linear(1, 1))
+    with pytest.raises(ValueError, match=r"centroids of shape \(heads, clusters, head_dim\) = \(3, 4, 6\)"):
+        routing_attention(q, k, v, state=RoutingState(RoutingConfig(clusters=4), 3, 6))
+    with pytest.raises(ValueError, match=r"query_padding_mask must have shape \(B, L\) = \(2, 10\), got \(2, 9\)"):
+        routing_attention(q, k, v, query_padding_mask=torch.ones(2, 9, dtype=torch.bool))
+    with pytest.raises(ValueError, match="seed must be an int, got 1.5"):
+        RoutingState(RoutingConfig(), 2, 6, seed=1.5)
+    layer = subquad.nn.MultiheadAttention(12, 2, "routing", clusters=4)
+    with pytest.raises(ValueError, match=r"routing centroids of shape \(2, 5, 6\) do not fit"):
+        layer.load_state_dict({**layer.state_dict(), "states.0.centroids": torch.zeros(2, 5, 6)})
