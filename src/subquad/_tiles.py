@@ -25,15 +25,18 @@ __all__ = ["Band", "tile_attention"]
 _GROUP_ELEMENTS = 1 << 22  # score entries computed at once (about 16 MB in fp32)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Band:
     """Which tile keys a query sees: ``lo <= key - (query + offset) <= hi`` (None: unbounded);
     with ``own_key`` the query's own position is left out of the tile keys and added as an extra
-    key it always sees (when that key is real)."""
+    key it always sees (when that key is real). ``relative``, a bool ``(Tq, Tk)`` matrix, replaces
+    ``lo``/``hi`` when every tile has the same layout relative to its queries (local windows): slot
+    ``(a, b)`` is visible when ``relative[a, b]``."""
 
     lo: int | None = None
     hi: int | None = None
     own_key: bool = False
+    relative: Tensor | None = None
 
 
 def tile_attention(
@@ -85,18 +88,27 @@ class _Gathered:
         k_ok = k_index >= 0
         if key_valid is not None:
             k_ok = k_ok & torch.gather(key_valid, 1, ki.view(R, -1)).view(ki.shape)
-        allowed = self.q_ok.unsqueeze(-1) & k_ok.unsqueeze(-2)  # (R, g, Tq, Tk)
-        if band.lo is not None or band.hi is not None or band.own_key:
+        # Hidden slots as broadcastable masks: padded or empty keys (R, g, 1, Tk), and the band;
+        # a relative band enters the score product as an additive 0 / -inf bias.
+        self.hidden = [] if bool(k_ok.all()) else [~k_ok.unsqueeze(-2)]
+        self.bias = None
+        if band.relative is not None:
+            self.bias = torch.zeros(band.relative.shape, dtype=work, device=q.device)
+            self.bias.masked_fill_(~band.relative, -torch.inf)
+        elif band.lo is not None or band.hi is not None or band.own_key:
             # The band depends on positions only: compute it once when every row has the same tiles.
             shared = q_index.stride(0) == 0 and k_index.stride(0) == 0
             qi_, ki_ = (self.qi[:1], ki[:1]) if shared else (self.qi, ki)
             key_pos, query_pos = ki_.unsqueeze(-2), (qi_ + offset).unsqueeze(-1)
-            if band.lo is not None:
-                allowed &= key_pos >= query_pos + band.lo
-            if band.hi is not None:
-                allowed &= key_pos <= query_pos + band.hi
-            if band.own_key:
-                allowed &= key_pos != query_pos
+            hidden = None
+            for far in (
+                None if band.lo is None else key_pos < query_pos + band.lo,
+                None if band.hi is None else key_pos > query_pos + band.hi,
+                key_pos == query_pos if band.own_key else None,
+            ):
+                if far is not None:
+                    hidden = far if hidden is None else hidden.logical_or_(far)
+            self.hidden.append(hidden)
         self.own = None
         if band.own_key:
             own = (self.qi + offset).clamp(0, S - 1)
@@ -106,11 +118,16 @@ class _Gathered:
             self.own, self.own_ok = own, own_ok
             self.k_own = _take(k, own).to(work)  # (R, g, Tq, D)
             self.v_own = _take(v, own).to(work)
-        self.allowed = allowed
 
     def scores(self, scale: float) -> tuple[Tensor, Tensor | None]:
         """Masked scores ``(R, g, Tq, Tk)`` and the own-key scores ``(R, g, Tq)`` (-inf where hidden)."""
-        s = torch.matmul(self.q, self.k.transpose(-1, -2)).mul_(scale).masked_fill_(~self.allowed, -torch.inf)
+        if self.bias is None:
+            s = torch.matmul(self.q, self.k.transpose(-1, -2)).mul_(scale)
+        else:  # bias + scale · q kᵀ in one product
+            q, k = self.q.flatten(0, 1), self.k.flatten(0, 1)
+            s = torch.baddbmm(self.bias, q, k.transpose(-1, -2), alpha=scale).view(*self.q.shape[:-1], -1)
+        for hidden in self.hidden:
+            s.masked_fill_(hidden, -torch.inf)
         s_own = None
         if self.own is not None:
             s_own = (self.q * self.k_own).sum(-1).mul_(scale).masked_fill_(~self.own_ok, -torch.inf)
