@@ -60,7 +60,7 @@ from subquad.registry import Config, Mechanism, option
 
 __all__ = ["RoutingConfig", "RoutingState", "route", "routing_attention", "routing_loss", "routing_tiles"]
 
-_QUERY_TILE = 64  # queries of one cluster tile group computed together
+_QUERY_TILE = 32  # queries of one cluster tile group computed together (groups average ~w/2 queries)
 _ASSIGN_ELEMENTS = 1 << 22  # position × centroid scores held at once while routing
 
 
