@@ -5,12 +5,15 @@ to ``Tk`` key positions (``-1`` marks an empty slot); each query sits in at most
 attends to the tile's keys that a positional rule allows, plus, optionally, its own position's key.
 The rule is a band on ``d = key position - (query position + offset)``: ``lo <= d <= hi``, where
 ``offset = S - L`` aligns the last query with the last key (bottom-right, as causal attention
-does). Padded keys never receive weight; a query with no visible key returns zeros.
+does). Optionally the last ``Tq`` key slots of a tile hold its queries' own positions, each seen
+only by its own query (routing uses this so that every query sees at least its own key). Padded
+keys never receive weight; a query with no visible key returns zeros.
 
 ``tile_attention`` is one autograd Function that computes tiles a group at a time, so memory
-holds one group's gathered keys and scores, never one per tile at once. Like flash attention it
-saves only its inputs, the output and each query's log-sum-exp; the backward recomputes the
-scores group by group. Scores, softmax statistics and sums are fp32 for fp16/bf16 inputs.
+holds one group's gathered keys and scores, never one per tile at once. It saves only its inputs
+and the output; the backward recomputes each group's scores and softmax (torch's fused softmax,
+which beats a hand-written exp where many slots are masked). Scores and softmax are fp32 for
+fp16/bf16 inputs.
 """
 
 from __future__ import annotations
@@ -27,15 +30,18 @@ _GROUP_ELEMENTS = 1 << 22  # score entries computed at once (about 16 MB in fp32
 
 @dataclass(frozen=True, eq=False)
 class Band:
-    """Which tile keys a query sees: ``lo <= key - (query + offset) <= hi`` (None: unbounded);
-    with ``own_key`` the query's own position is left out of the tile keys and added as an extra
-    key it always sees (when that key is real). ``relative``, a bool ``(Tq, Tk)`` matrix, replaces
-    ``lo``/``hi`` when every tile has the same layout relative to its queries (local windows): slot
-    ``(a, b)`` is visible when ``relative[a, b]``."""
+    """Which tile keys a query sees: ``lo <= key - (query + offset) <= hi`` (None: unbounded).
+
+    With ``own_slots`` the last ``Tq`` key slots of each tile are the tile's queries' own
+    positions: a query sees only its own there, and the other slots hide its position so that it
+    counts once. ``relative``, a bool ``(Tq, Tk)`` matrix, replaces ``lo``/``hi`` when every tile
+    has the same layout relative to its queries (local windows): slot ``(a, b)`` is visible when
+    ``relative[a, b]``.
+    """
 
     lo: int | None = None
     hi: int | None = None
-    own_key: bool = False
+    own_slots: bool = False
     relative: Tensor | None = None
 
 
@@ -74,7 +80,7 @@ def _take(x: Tensor, index: Tensor) -> Tensor:
 
 
 class _Gathered:
-    """One group of tiles: gathered rows, positions and the visibility mask."""
+    """One group of tiles: gathered rows and the hidden slots."""
 
     def __init__(self, q, k, v, q_index, k_index, key_valid, band: Band, work: torch.dtype) -> None:
         R, L, S = q.shape[0], q.shape[1], k.shape[1]
@@ -95,32 +101,27 @@ class _Gathered:
         if band.relative is not None:
             self.bias = torch.zeros(band.relative.shape, dtype=work, device=q.device)
             self.bias.masked_fill_(~band.relative, -torch.inf)
-        elif band.lo is not None or band.hi is not None or band.own_key:
+        elif band.lo is not None or band.hi is not None or band.own_slots:
             # The band depends on positions only: compute it once when every row has the same tiles.
             shared = q_index.stride(0) == 0 and k_index.stride(0) == 0
             qi_, ki_ = (self.qi[:1], ki[:1]) if shared else (self.qi, ki)
-            key_pos, query_pos = ki_.unsqueeze(-2), (qi_ + offset).unsqueeze(-1)
-            hidden = None
-            for far in (
-                None if band.lo is None else key_pos < query_pos + band.lo,
-                None if band.hi is None else key_pos > query_pos + band.hi,
-                key_pos == query_pos if band.own_key else None,
-            ):
-                if far is not None:
-                    hidden = far if hidden is None else hidden.logical_or_(far)
+            key_pos, query_pos = ki_.unsqueeze(-2), (qi_ + offset).unsqueeze(-1)  # (·, g, 1, Tk), (·, g, Tq, 1)
+            hidden = torch.zeros(torch.broadcast_shapes(key_pos.shape, query_pos.shape), dtype=torch.bool,
+                                 device=q.device)  # fmt: skip
+            shared_slots = slice(None, -self.q.shape[2]) if band.own_slots else slice(None)
+            tile_pos = key_pos[..., shared_slots]
+            if band.lo is not None:
+                hidden[..., shared_slots] |= tile_pos < query_pos + band.lo
+            if band.hi is not None:
+                hidden[..., shared_slots] |= tile_pos > query_pos + band.hi
+            if band.own_slots:
+                hidden[..., shared_slots] |= tile_pos == query_pos
+                own = torch.eye(self.q.shape[2], dtype=torch.bool, device=q.device)
+                hidden[..., self.q.shape[2] * -1 :] |= ~own  # own slot b serves query b only
             self.hidden.append(hidden)
-        self.own = None
-        if band.own_key:
-            own = (self.qi + offset).clamp(0, S - 1)
-            own_ok = self.q_ok & (self.qi + offset >= 0)
-            if key_valid is not None:
-                own_ok = own_ok & torch.gather(key_valid, 1, own.view(R, -1)).view(own.shape)
-            self.own, self.own_ok = own, own_ok
-            self.k_own = _take(k, own).to(work)  # (R, g, Tq, D)
-            self.v_own = _take(v, own).to(work)
 
-    def scores(self, scale: float) -> tuple[Tensor, Tensor | None]:
-        """Masked scores ``(R, g, Tq, Tk)`` and the own-key scores ``(R, g, Tq)`` (-inf where hidden)."""
+    def probabilities(self, scale: float) -> Tensor:
+        """Softmax weights ``(R, g, Tq, Tk)`` over the visible slots; zero rows where none is."""
         if self.bias is None:
             s = torch.matmul(self.q, self.k.transpose(-1, -2)).mul_(scale)
         else:  # bias + scale · q kᵀ in one product
@@ -128,14 +129,13 @@ class _Gathered:
             s = torch.baddbmm(self.bias, q, k.transpose(-1, -2), alpha=scale).view(*self.q.shape[:-1], -1)
         for hidden in self.hidden:
             s.masked_fill_(hidden, -torch.inf)
-        s_own = None
-        if self.own is not None:
-            s_own = (self.q * self.k_own).sum(-1).mul_(scale).masked_fill_(~self.own_ok, -torch.inf)
-        return s, s_own
+        blind = s.amax(-1, keepdim=True) == -torch.inf  # rows that see no key: softmax gives NaN
+        p = torch.softmax(s, dim=-1)
+        return p.masked_fill_(blind, 0.0) if bool(blind.any()) else p
 
 
-def _groups(T: int, per_tile: int, R: int) -> range:
-    return range(0, T, max(1, _GROUP_ELEMENTS // max(1, R * per_tile)))
+def _groups(T: int, per_tile: int, R: int) -> int:
+    return max(1, _GROUP_ELEMENTS // max(1, R * per_tile))
 
 
 class _TileAttention(torch.autograd.Function):
@@ -143,37 +143,24 @@ class _TileAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, q_index, k_index, key_valid, band: Band, scale: float) -> Tensor:  # type: ignore[override]
         R, L, _ = q.shape
         T, Tq = q_index.shape[1:]
-        Tk = k_index.shape[2]
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         out = q.new_zeros(R, L, v.shape[-1])
-        lse = q.new_full((R, L), -torch.inf, dtype=work)
-        step = _groups(T, Tq * Tk, R).step
+        step = _groups(T, Tq * k_index.shape[2], R)
         rows = torch.arange(R, device=q.device).view(R, 1, 1)
         for start in range(0, T, step):
             tiles = slice(start, start + step)
             g = _Gathered(q, k, v, q_index[:, tiles], k_index[:, tiles], key_valid, band, work)
-            s, s_own = g.scores(scale)
-            m = s.amax(-1) if s_own is None else torch.maximum(s.amax(-1), s_own)
-            m = torch.where(torch.isfinite(m), m, 0.0)
-            p = s.sub_(m.unsqueeze(-1)).exp_()
-            o = torch.matmul(p, g.v)
-            total = p.sum(-1)
-            if s_own is not None:
-                p_own = torch.exp(s_own - m)
-                o += p_own.unsqueeze(-1) * g.v_own
-                total += p_own
-            o = o / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+            o = torch.matmul(g.probabilities(scale), g.v)
             ok = g.q_ok
             out[rows.expand_as(g.qi)[ok], g.qi[ok]] = o[ok].to(out.dtype)
-            lse[rows.expand_as(g.qi)[ok], g.qi[ok]] = (m + total.log())[ok]
-        ctx.save_for_backward(q, k, v, q_index, k_index, key_valid, out, lse)
+        ctx.save_for_backward(q, k, v, q_index, k_index, key_valid, out)
         ctx.band, ctx.scale, ctx.step, ctx.work = band, scale, step, work
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):  # type: ignore[override]
-        q, k, v, q_index, k_index, key_valid, out, lse = ctx.saved_tensors
+        q, k, v, q_index, k_index, key_valid, out = ctx.saved_tensors
         band, scale, step, work = ctx.band, ctx.scale, ctx.step, ctx.work
         R, L, D = q.shape
         S, Dv = k.shape[1], v.shape[2]
@@ -182,29 +169,18 @@ class _TileAttention(torch.autograd.Function):
         grad_k = torch.zeros(R * S, D, dtype=work, device=q.device)
         grad_v = torch.zeros(R * S, Dv, dtype=work, device=q.device)
         rows = torch.arange(R, device=q.device).view(R, 1, 1)
-        lse_safe = torch.where(torch.isfinite(lse), lse, 0.0)
         for start in range(0, T, step):
             tiles = slice(start, start + step)
             g = _Gathered(q, k, v, q_index[:, tiles], k_index[:, tiles], key_valid, band, work)
-            s, s_own = g.scores(scale)
-            row_lse = torch.gather(lse_safe, 1, g.qi.view(R, -1)).view(g.qi.shape)  # (R, g, Tq)
-            p = s.sub_(row_lse.unsqueeze(-1)).exp_()  # zero where hidden
+            p = g.probabilities(scale)
             go = _take(grad, g.qi).to(work) * g.q_ok.unsqueeze(-1)
             delta = (go * _take(out, g.qi).to(work)).sum(-1, keepdim=True)  # (R, g, Tq, 1)
             flat_k = (rows * S + g.ki).flatten()
             grad_v.index_add_(0, flat_k, torch.matmul(p.transpose(-1, -2), go).flatten(0, 2))
             ds = p.mul_(torch.matmul(go, g.v.transpose(-1, -2)).sub_(delta)).mul_(scale)
-            gq = torch.matmul(ds, g.k)
             grad_k.index_add_(0, flat_k, torch.matmul(ds.transpose(-1, -2), g.q).flatten(0, 2))
-            if s_own is not None:
-                p_own = torch.exp(s_own - row_lse).unsqueeze(-1)  # (R, g, Tq, 1)
-                flat_own = (rows * S + g.own).flatten()
-                grad_v.index_add_(0, flat_own, (p_own * go).flatten(0, 2))
-                ds_own = p_own * ((go * g.v_own).sum(-1, keepdim=True) - delta) * scale
-                gq += ds_own * g.k_own
-                grad_k.index_add_(0, flat_own, (ds_own * g.q).flatten(0, 2))
             ok = g.q_ok
-            grad_q[rows.expand_as(g.qi)[ok], g.qi[ok]] = gq[ok]
+            grad_q[rows.expand_as(g.qi)[ok], g.qi[ok]] = torch.matmul(ds, g.k)[ok]
         return (
             grad_q.to(q.dtype),
             grad_k.view(R, S, D).to(k.dtype),

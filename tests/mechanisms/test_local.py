@@ -111,15 +111,15 @@ def test_scores_are_computed_one_group_of_tiles_at_a_time(monkeypatch):
 
     q, k, v = qkv(1, 1, 2048, 2048, 4, dtype=torch.float32)
     seen = []
-    scores = _tiles._Gathered.scores
+    probabilities = _tiles._Gathered.probabilities
 
     def record(self, scale):
-        s, s_own = scores(self, scale)
-        seen.append(s.numel())
-        return s, s_own
+        p = probabilities(self, scale)
+        seen.append(p.numel())
+        return p
 
     monkeypatch.setattr(_tiles, "_GROUP_ELEMENTS", 1)
-    monkeypatch.setattr(_tiles._Gathered, "scores", record)
+    monkeypatch.setattr(_tiles._Gathered, "probabilities", record)
     out = local_attention(q, k, v, config=LocalConfig(window=256))
     assert seen == [local._TILE * (local._TILE + 2 * 256)] * (2048 // local._TILE)
     assert (out.double() - dense_local(q.double(), k.double(), v.double(), None, False, 256)).abs().max() < 1e-5

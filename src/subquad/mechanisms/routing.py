@@ -278,7 +278,10 @@ def routing_attention(
         q_cluster = route(F.normalize(q.to(work), dim=-1), centroids)
         k_cluster = route(F.normalize(k.to(work), dim=-1), centroids)
         q_index, k_index = routing_tiles(q_cluster.view(R, L), k_cluster.view(R, S), C, window, is_causal, key_valid)
-    band = Band(hi=0 if is_causal else None, own_key=True)
+    # Each query tile's last slots are its queries' own keys (always visible to their own query).
+    own = torch.where(q_index >= 0, q_index + (S - L), -1)
+    k_index = torch.cat([k_index, torch.where(own >= 0, own, -1)], dim=2)
+    band = Band(hi=0 if is_causal else None, own_slots=True)
     out = tile_attention(
         q.reshape(R, L, D), k.reshape(R, S, D), v.reshape(R, S, Dv), q_index, k_index, band, shape.scale, key_valid
     ).view(B, H, L, Dv)
