@@ -41,7 +41,8 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     mech = get_mechanism(cell["mechanism"])
     config = make_config(mech, **cell["options"])
     B, H, N, D = cell["batch"], cell["heads"], cell["length"], cell["head_dim"]
-    state = mech.state(config, H, D, cell["seed"]).to(device) if mech.state is not None else None
+    # Inference mode: a state that learns (routing centroids) must not move between timed calls.
+    state = mech.state(config, H, D, cell["seed"]).to(device).eval() if mech.state is not None else None
     call = _make_call(mech, config, state, cell["causal"], cell["backward"], cell["seed"])
 
     call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"]))  # start thread pools
