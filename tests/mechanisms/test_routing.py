@@ -10,7 +10,14 @@ from torch.autograd import gradcheck
 import subquad
 import subquad.nn
 from subquad.mechanisms.full import full_attention
-from subquad.mechanisms.routing import RoutingConfig, RoutingState, route, routing_attention, routing_loss
+from subquad.mechanisms.routing import (
+    RoutingCache,
+    RoutingConfig,
+    RoutingState,
+    route,
+    routing_attention,
+    routing_loss,
+)
 from subquad.nn import HeadGroup
 
 from ..conftest import padding, qkv, randn
@@ -266,6 +273,42 @@ def test_a_tiny_causal_lm_with_local_and_routing_heads_overfits_and_generates_li
     model.eval()
     prompt = tokens[:2, :10]
     assert torch.equal(model.generate(prompt, 30), model.generate(prompt, 30, use_cache=False))
+
+
+def test_routing_cache_equals_parallel_token_by_token_over_200_steps():
+    """The ring of each cluster's last two tiles gives the parallel causal outputs, after a prompt
+    and then token by token, with a cache whose size does not depend on the prefix."""
+    from subquad.registry import get_mechanism
+
+    q, k, v = qkv(2, 3, 200, 200, 6, seed=9)
+    config = RoutingConfig(clusters=5, window=7)
+    st_ = state(5, heads=3, dim=6)
+    parallel = routing_attention(q, k, v, is_causal=True, config=config, state=st_)
+    cache = RoutingCache(get_mechanism("routing"), config, st_)
+    first = cache.step(q[:, :, :40], k[:, :, :40], v[:, :, :40])
+    steps = [cache.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(40, 200)]
+    assert (torch.cat([first, *steps], dim=2) - parallel).abs().max() <= 1e-12
+    assert cache.keys.shape == (2, 3, 5, 14, 6), "clusters × 2 windows per head, whatever the prefix"
+    assert (cache.count.sum(-1) == 200).all()
+
+
+def test_generate_with_a_fixed_window_uses_the_bounded_cache_and_matches_no_cache():
+    torch.manual_seed(0)
+    groups = [HeadGroup("local", 2, window=5), HeadGroup("routing", 2, clusters=3, window=4)]
+    model = subquad.nn.CausalLM(29, 16, 2, 4, attention=tuple(groups), max_len=64).double().eval()
+    prompt = torch.randint(0, 29, (2, 7))
+    assert torch.equal(model.generate(prompt, 40), model.generate(prompt, 40, use_cache=False))
+
+
+def test_routing_cache_rejects_bad_steps():
+    from subquad.registry import get_mechanism
+
+    cache = RoutingCache(get_mechanism("routing"), RoutingConfig(clusters=2, window=3), None)
+    cache.step(*qkv(2, 2, 1, 1, 4))
+    with pytest.raises(ValueError, match=r"holds keys of \(B, H, D\) = \(2, 2, 4\), got \(3, 2, 1, 4\)"):
+        cache.step(*qkv(3, 2, 1, 1, 4))
+    with pytest.raises(ValueError, match="as many queries as keys, got 1 and 2"):
+        cache.step(*qkv(2, 2, 1, 2, 4))
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,10 +37,12 @@ mean of the normalised queries and keys routed to it, leaving out padded keys an
 β·‖x̂ − sg(μ)‖² of that call is kept on the state; ``routing_loss(model)`` sums it for the training
 loop. With no state the function builds the same initial centroids from seed 0 and updates nothing.
 
-**Decoding.** A causal output depends only on its query and the keys up to it, so the exact
-``KVCache`` decodes it; each step re-routes the cached keys (cost grows with the prefix). A
-bounded cache (per cluster, the keys of its last two tiles) is possible with this scheme and is
-not built yet.
+**Decoding.** A causal output depends only on its query and on the keys up to it, and a query
+sees at most its cluster's last two tiles. ``RoutingCache`` therefore keeps, per head and
+cluster, a ring of 2w slots holding those two tiles (a new tile clears the slots of the one two
+back), so each token costs O(k·D + w·D) and the cache O(k·w·D) per head, whatever the prefix.
+This needs a fixed ``window``: with ``window=None`` the tile size follows the sequence length, so
+the cache falls back to an exact KV cache that re-routes the prefix at each step.
 """
 
 from __future__ import annotations
@@ -58,7 +60,15 @@ from subquad._validate import AttentionShape, check_attention_inputs, check_quer
 from subquad.decoding import KVCache
 from subquad.registry import Config, Mechanism, option
 
-__all__ = ["RoutingConfig", "RoutingState", "route", "routing_attention", "routing_loss", "routing_tiles"]
+__all__ = [
+    "RoutingCache",
+    "RoutingConfig",
+    "RoutingState",
+    "route",
+    "routing_attention",
+    "routing_loss",
+    "routing_tiles",
+]
 
 _QUERY_TILE = 32  # queries of one cluster tile group computed together (groups average ~w/2 queries)
 _ASSIGN_ELEMENTS = 1 << 22  # position × centroid scores held at once while routing
@@ -315,6 +325,77 @@ def routing_loss(model: nn.Module) -> Tensor:
     return torch.stack(losses).sum()
 
 
+class RoutingCache:
+    """Decoding cache of causal routing attention: per head and cluster, the keys and values of
+    the cluster's last two tiles (module docstring). A KV cache when the config's window is None."""
+
+    recurrent = True
+    description = "per cluster, its last two tiles of keys (O(clusters·window) per head, whatever the prefix)"
+
+    def __init__(self, mechanism: Mechanism, config: RoutingConfig, state: nn.Module | None) -> None:
+        self.config = config
+        self.kv = KVCache(mechanism, config, state) if config.window is None else None
+        self.state = state
+        self.keys: Tensor | None = None  # (B, H, k, 2w, D): two tiles per cluster, as a ring
+        self.values: Tensor | None = None
+        self.positions: Tensor | None = None  # (B, H, k, 2w), -1 for an empty slot
+        self.count: Tensor | None = None  # (B, H, k) keys routed to each cluster so far
+        self.length = 0
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the cache and the new keys."""
+        if self.kv is not None:
+            return self.kv.step(q, k, v)
+        shape = check_attention_inputs(q, k, v, None, True, None)
+        if shape.queries != shape.keys:
+            raise ValueError(f"a decoding step takes as many queries as keys, got {shape.queries} and {shape.keys}")
+        if self.keys is not None and (self.keys.shape[:2] + self.keys.shape[-1:]) != (k.shape[:2] + k.shape[-1:]):
+            B, H, _, _, D = self.keys.shape
+            raise ValueError(
+                f"the cache holds keys of (B, H, D) = ({B}, {H}, {D}), got {tuple(k.shape)}; "
+                "start a new cache for a new batch"
+            )
+        state = self.state if self.state is not None else RoutingState(self.config, shape.heads, shape.head_dim, 0)
+        state = _resolve_state(state, self.config, shape)
+        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        centroids = state.centroids_for(self.length + shape.keys, q.device).to(work)
+        outputs = [
+            self._one(q[:, :, t], k[:, :, t], v[:, :, t], centroids, shape.scale, work) for t in range(shape.keys)
+        ]
+        return torch.stack(outputs, dim=2)
+
+    @torch.no_grad()
+    def _one(self, q: Tensor, k: Tensor, v: Tensor, centroids: Tensor, scale: float, work: torch.dtype) -> Tensor:
+        """One token: ``(B, H, D)`` query, key and value at position ``self.length``."""
+        B, H, D = k.shape
+        C, w = centroids.shape[1], self.config.window
+        if self.keys is None:
+            self.keys = k.new_zeros(B, H, C, 2 * w, D)
+            self.values = v.new_zeros(B, H, C, 2 * w, v.shape[-1])
+            self.positions = torch.full((B, H, C, 2 * w), -1, dtype=torch.long, device=k.device)
+            self.count = torch.zeros(B, H, C, dtype=torch.long, device=k.device)
+        route_one = lambda x: route(F.normalize(x.to(work), dim=-1)[:, :, None], centroids)[:, :, 0]  # noqa: E731
+        cq, ck = route_one(q), route_one(k)
+        b, h = torch.arange(B, device=k.device)[:, None], torch.arange(H, device=k.device)[None, :]
+        rank = self.count[b, h, ck]  # (B, H): the new key's rank in its cluster
+        half = (rank // w) % 2  # tiles alternate between the ring's two halves
+        starting = (rank % w == 0)[..., None] & ((torch.arange(2 * w, device=k.device) // w) == half[..., None])
+        self.positions[b, h, ck] = self.positions[b, h, ck].masked_fill(starting, -1)  # a tile two back leaves
+        slot = half * w + rank % w
+        self.keys[b, h, ck, slot] = k
+        self.values[b, h, ck, slot] = v
+        self.positions[b, h, ck, slot] = self.length
+        self.count[b, h, ck] += 1
+        # The query's cluster's two tiles, except its own key, which joins as the last slot.
+        seen = self.positions[b, h, cq]  # (B, H, 2w)
+        keys = torch.cat([self.keys[b, h, cq], k[:, :, None]], dim=2).to(work)
+        values = torch.cat([self.values[b, h, cq], v[:, :, None]], dim=2).to(work)
+        visible = torch.cat([(seen >= 0) & (seen != self.length), seen.new_ones(B, H, 1, dtype=torch.bool)], dim=2)
+        scores = torch.matmul(keys, q.to(work)[..., None])[..., 0].mul_(scale).masked_fill_(~visible, -torch.inf)
+        self.length += 1
+        return torch.matmul(torch.softmax(scores, dim=-1)[:, :, None], values)[:, :, 0].to(q.dtype)
+
+
 MECHANISM = Mechanism(
     name="routing",
     fn=routing_attention,
@@ -325,5 +406,5 @@ MECHANISM = Mechanism(
     cross=True,
     tensor_args=("query_padding_mask",),
     state=RoutingState,
-    decoder=KVCache,
+    decoder=RoutingCache,
 )
