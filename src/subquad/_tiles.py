@@ -105,19 +105,30 @@ class _Gathered:
             # The band depends on positions only: compute it once when every row has the same tiles.
             shared = q_index.stride(0) == 0 and k_index.stride(0) == 0
             qi_, ki_ = (self.qi[:1], ki[:1]) if shared else (self.qi, ki)
+            Tq = self.q.shape[2]
             key_pos, query_pos = ki_.unsqueeze(-2), (qi_ + offset).unsqueeze(-1)  # (·, g, 1, Tk), (·, g, Tq, 1)
-            hidden = torch.zeros(torch.broadcast_shapes(key_pos.shape, query_pos.shape), dtype=torch.bool,
-                                 device=q.device)  # fmt: skip
-            shared_slots = slice(None, -self.q.shape[2]) if band.own_slots else slice(None)
-            tile_pos = key_pos[..., shared_slots]
-            if band.lo is not None:
-                hidden[..., shared_slots] |= tile_pos < query_pos + band.lo
-            if band.hi is not None:
-                hidden[..., shared_slots] |= tile_pos > query_pos + band.hi
+            if band.own_slots:  # tile slots hide the query's own position; own slot b serves query b
+                key_pos = key_pos[..., :-Tq]
+            lo, hi = band.lo, band.hi
+            if band.own_slots and hi == 0:
+                hi = -1  # d <= 0 and d != 0 in one comparison
+            parts = []
+            if lo is not None:
+                parts.append(key_pos < query_pos + lo)
+            if hi is not None:
+                parts.append(key_pos > query_pos + hi)
+            if band.own_slots and band.hi != 0:
+                parts.append(key_pos == query_pos)
+            hidden = (
+                parts[0] if parts else torch.zeros_like(key_pos.expand(*query_pos.shape[:-1], -1), dtype=torch.bool)
+            )
+            for part in parts[1:]:
+                hidden = hidden | part
             if band.own_slots:
-                hidden[..., shared_slots] |= tile_pos == query_pos
-                own = torch.eye(self.q.shape[2], dtype=torch.bool, device=q.device)
-                hidden[..., self.q.shape[2] * -1 :] |= ~own  # own slot b serves query b only
+                own = ~torch.eye(Tq, dtype=torch.bool, device=q.device)
+                hidden = torch.cat([hidden, own.expand(*hidden.shape[:-1], Tq)], dim=-1)
+            if self.hidden:  # one pass over the scores: fold the empty and padded slots in
+                hidden = hidden | self.hidden.pop()
             self.hidden.append(hidden)
 
     def probabilities(self, scale: float) -> Tensor:
