@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LinearConfig", "LinearDecoder", "causal_dot", "feature_map", "linear_attention"]
 
-_BLOCK_STATE_ELEMENTS = 1 << 21  # chunk states held at once: rows × chunks × D × Dc
-_BLOCK_ELEMENTS = 1 << 20  # non-causal form: positions × rows × width per block of keys or queries
+_BLOCK_STATE_ELEMENTS = 1 << 18  # chunk states held at once: rows × chunks × D × Dc
+_BLOCK_ELEMENTS = 1 << 18  # non-causal form: positions × rows × width per block of keys or queries
 
 
 @dataclass(frozen=True)
