@@ -30,7 +30,7 @@ def test_list_json(capsys):
 
 
 def test_bench_runs_a_small_grid_and_writes_its_files(tmp_path, capsys):
-    argv = ["bench", "--lengths", "32", "--heads", "1", "--head-dim", "4", "--causal", "no", "--backward", "no"]
+    argv = ["bench", "--lengths", "32", "--heads", "4", "--head-dim", "4", "--causal", "no", "--backward", "no"]
     argv += ["--repeats", "2", "--max-seconds", "0.2", "--out", str(tmp_path), "--full.backend", "eager", "sdpa"]
     argv += ["--centres", "4", "--spread", "0.2"]
     assert main(argv) == 0

@@ -41,6 +41,7 @@ _BUILTIN_MODULES = (
     "subquad.mechanisms.agglomerative",
     "subquad.mechanisms.local",
     "subquad.mechanisms.routing",
+    "subquad.mechanisms.multires",
 )
 
 
