@@ -42,6 +42,7 @@ _BUILTIN_MODULES = (
     "subquad.mechanisms.local",
     "subquad.mechanisms.routing",
     "subquad.mechanisms.multires",
+    "subquad.mechanisms.sparse",
 )
 
 

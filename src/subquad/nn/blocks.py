@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint as recompute
 
 from subquad.nn.attention import AttentionSpec, MultiheadAttention
 
@@ -34,6 +36,9 @@ class TransformerBlock(nn.Module):
         mlp_ratio: MLP hidden width as a multiple of ``dim``.
         dropout: on the attention and MLP outputs, before each residual sum.
         seed: seeds the attention's state modules.
+        checkpoint: recompute the block's activations in the backward pass instead of keeping them
+            (Child et al. 2019, "saving memory by recomputing attention weights"): only the block's
+            input is saved during training.
         **options: the mechanism's options when ``attention`` is a name.
     """
 
@@ -47,9 +52,13 @@ class TransformerBlock(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         seed: int = 0,
+        checkpoint: bool = False,
         **options: Any,
     ) -> None:
         super().__init__()
+        if not isinstance(checkpoint, bool):
+            raise ValueError(f"checkpoint must be True or False, got {checkpoint!r}")
+        self.checkpoint = checkpoint
         self.norm1 = nn.LayerNorm(dim)
         self.attn = MultiheadAttention(dim, num_heads, attention, bias=bias, seed=seed, **options)
         self.norm2 = nn.LayerNorm(dim)
@@ -64,6 +73,11 @@ class TransformerBlock(nn.Module):
         is_causal: bool = False,
         cache: list[Any] | None = None,
     ) -> Tensor:
+        if self.checkpoint and cache is None and torch.is_grad_enabled():
+            return recompute(self._forward, x, key_padding_mask, is_causal, None, use_reentrant=False)
+        return self._forward(x, key_padding_mask, is_causal, cache)
+
+    def _forward(self, x: Tensor, key_padding_mask: Tensor | None, is_causal: bool, cache: list[Any] | None) -> Tensor:
         h = self.norm1(x)
         h = self.attn(h, key_padding_mask=key_padding_mask, is_causal=is_causal, cache=cache)
         x = x + self.dropout(h)

@@ -100,11 +100,14 @@ class _Backbone(nn.Module):
         seed: int,
         position: str = "learned",
         conv_width: int = 8,
+        checkpoint: bool = False,
     ) -> None:
         super().__init__()
         self.embed = TokenEmbedding(vocab_size, dim, max_len, position, conv_width)
         self.blocks = nn.ModuleList(
-            TransformerBlock(dim, num_heads, spec, mlp_ratio=mlp_ratio, dropout=dropout, seed=seed + 1000 * i)
+            TransformerBlock(
+                dim, num_heads, spec, mlp_ratio=mlp_ratio, dropout=dropout, seed=seed + 1000 * i, checkpoint=checkpoint
+            )
             for i, spec in enumerate(layer_specs(attention, depth))
         )
         self.norm = nn.LayerNorm(dim)
@@ -146,6 +149,7 @@ class Encoder(nn.Module):
         seed: seeds the mechanisms' state modules.
         position, conv_width: how order enters (``TokenEmbedding``): learned positions, a causal
             convolution of ``conv_width`` tokens, or both.
+        checkpoint: recompute each block's activations in the backward pass (less memory, more time).
 
     Shape:
         tokens ``(B, N)`` long; key_padding_mask bool ``(B, N)``, True = real; output ``(B, num_classes)``.
@@ -166,11 +170,13 @@ class Encoder(nn.Module):
         seed: int = 0,
         position: str = "learned",
         conv_width: int = 8,
+        checkpoint: bool = False,
     ) -> None:
         super().__init__()
         self.backbone = _Backbone(
-            vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed, position, conv_width
-        )
+            vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed, position, conv_width,
+            checkpoint,
+        )  # fmt: skip
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
@@ -203,6 +209,7 @@ class CausalLM(nn.Module):
         seed: seeds the mechanisms' state modules.
         position, conv_width: how order enters (``TokenEmbedding``): learned positions, a causal
             convolution of ``conv_width`` tokens (Spellings 2019), or both.
+        checkpoint: recompute each block's activations in the backward pass (less memory, more time).
 
     Shape:
         tokens ``(B, N)`` long; output logits ``(B, N, vocab_size)``.
@@ -222,11 +229,13 @@ class CausalLM(nn.Module):
         seed: int = 0,
         position: str = "learned",
         conv_width: int = 8,
+        checkpoint: bool = False,
     ) -> None:
         super().__init__()
         self.backbone = _Backbone(
-            vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed, position, conv_width
-        )
+            vocab_size, dim, depth, num_heads, attention, max_len, mlp_ratio, dropout, seed, position, conv_width,
+            checkpoint,
+        )  # fmt: skip
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.backbone.embed.tokens.weight  # tied
 

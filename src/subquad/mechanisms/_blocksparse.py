@@ -1,0 +1,361 @@
+"""Block-sparse softmax attention: only the listed blocks of the (L, S) score matrix are computed.
+
+**Layout.** A pattern is computed as one or more *parts*, each a list of *groups*. A group is a
+batch of query blocks that all see the same number ``W`` of keys:
+
+- ``queries`` ``(n, bq)``: the query indices of each block (``L`` marks an empty slot). A part
+  covers each query at most once, in any order: the strided pattern lists them transposed.
+- ``keys`` ``(Hk, n, W)``: the key indices each block attends to, per head (``Hk = H``) or shared
+  (``Hk = 1``); out-of-range indices are allowed and are masked.
+- ``allowed(start, stop)``: the exact element mask of blocks ``start:stop``, broadcastable to
+  ``(B, H, n, bq, W)``. It is evaluated from the pattern's ``mask_mod`` on the blocks' positions, so
+  causality inside a diagonal block is exact, not block-level.
+
+Blocks are read a chunk at a time, by gathering the listed rows or, for regular layouts, through
+views (``query_view``, ``key_view``: windows, strides) that copy nothing. Memory is O(chunk) above
+the inputs and outputs: no (L, S) tensor exists, and blocks a part does not list are never touched
+(in particular the upper triangle of a causal pattern).
+
+**Kernel.** Each chunk's blocks form the batch of one call of torch's CPU flash-attention kernel
+(``fused``), which returns the log-sum-exp beside the output and accumulates in fp32 for half
+inputs; or of the reference matmul-softmax-matmul (``eager``), with the softmax in fp32 or wider.
+
+**Softmax.** Each part gives, per query, its normalised output ``o_p`` and log-sum-exp ``lse_p``.
+Parts hold disjoint key sets, so the pattern's softmax is their log-sum-exp merge, done chunk by
+chunk in place: ``out = Σ_p exp(lse_p − lse) o_p`` with ``lse = log Σ_p exp(lse_p)``. A query with
+no visible key has ``lse = −inf`` and returns zeros.
+
+**Backward.** ``_BlockSparse`` saves only q, k, v, the output and ``lse``. The backward recomputes
+each chunk's probabilities ``P = exp(S − lse)`` from the merged ``lse`` (as FlashAttention does), so
+every part's gradients are those of the merged softmax: ``dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O))``.
+Key and value gradients are scattered back with ``index_add_``. Memory stays linear in N.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["Group", "block_sparse_attention", "fused_kernel_available", "work_dtype"]
+
+_TILE_ELEMENTS = 1 << 19  # scores (B·H·blocks·bq·W) computed at once: about 2 MB in fp32
+_FUSED_TILE_ELEMENTS = 1 << 22  # the same for the fused kernel, which never holds them all at once
+_BACKWARD_TILE_ELEMENTS = 1 << 20  # the fused backward returns key gradients per block: keep chunks small
+
+
+@dataclass(frozen=True)
+class Group:
+    """Query blocks of one size that see one number of keys (see the module docstring).
+
+    Regular layouts also give views that read the same rows without a gather: ``query_view(q_ext,
+    start, stop)`` of the queries padded at the end by ``query_pad`` rows, and ``key_view(x_ext,
+    pad, start, stop)`` of keys or values padded by ``pad >= key_pad`` rows at both ends.
+    """
+
+    queries: Tensor  # (n, bq) long; L = empty slot
+    keys: Tensor  # (Hk, n, W) long
+    allowed: Callable[[int, int], Tensor]  # (start, stop) -> bool broadcastable to (B, H, stop-start, bq, W)
+    query_view: Callable[[Tensor, int, int], Tensor] | None = None  # -> (B, H, n, bq, D)
+    key_view: Callable[[Tensor, int, int, int], Tensor] | None = None  # -> (B, H, n, W, F)
+    query_pad: int = 0
+    key_pad: int = 0
+    uniform: bool = False  # the element mask is the same for every block (and every key is in range)
+    in_range: bool = False  # every key index lies in [0, S): no range mask needed
+    dense: bool = False  # every listed key is allowed (with in_range): no element mask at all
+    key_source: Callable[[Tensor, int], Tensor] | None = None  # (x_ext, pad) -> the sequence key_view reads
+    causal: bool = False  # the element mask is exactly j <= i in square blocks (bq = W)
+    view_writes: bool = False  # query_view reads no real query outside the block: outputs go through it
+
+
+Part = Sequence[Group]
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of scores and softmax statistics: fp32 for half inputs, else the input's."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def block_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    parts: Sequence[Part],
+    key_padding_mask: Tensor | None,
+    scale: float,
+    kernel: str = "fused",
+) -> Tensor:
+    """Softmax attention over the union of ``parts`` (disjoint key sets per query); differentiable.
+
+    Args:
+        q, k, v: ``(B, H, L, D)``, ``(B, H, S, D)``, ``(B, H, S, Dv)``.
+        parts: each a sequence of ``Group``.
+        key_padding_mask: bool ``(B, S)``, True marks a real key, or None.
+        scale: the softmax scale.
+        kernel: ``fused`` runs each chunk through torch's CPU flash-attention kernel, which also
+            returns the log-sum-exp (``eager`` where it is unavailable, or when Dv ≠ D); ``eager`` is
+            matmul, softmax in fp32+, matmul: the reference.
+
+    Returns:
+        ``(B, H, L, Dv)`` in q's dtype; zero rows for queries that see no key.
+    """
+    fused = kernel == "fused" and fused_kernel_available(q.device) and q.shape[-1] == v.shape[-1]
+    return _BlockSparse.apply(q, k, v, key_padding_mask, tuple(parts), scale, fused)
+
+
+class _Chunk:
+    """One chunk of a group: the gathered indices and the element mask, shared by both passes."""
+
+    def __init__(
+        self, group: Group, start: int, stop: int, H: int, L: int, S: int, pad: int, key_padding_mask: Tensor | None
+    ) -> None:
+        self.group, self.start, self.stop, self.pad = group, start, stop, pad
+        self.queries = group.queries[start:stop]  # (n, bq)
+        # Rows read for the empty slot L: any real row will do, as its probabilities are zero in the
+        # backward pass and its forward output is written to the discarded row L.
+        self.reads = self.queries.masked_fill(self.queries == L, 0)
+        keys = group.keys[:, start:stop]  # (Hk, n, W)
+        heads = torch.arange(H, device=keys.device).view(H, 1, 1) * (S + 2 * pad)
+        self.flat = (heads + pad + keys.clamp(0, S - 1)).reshape(-1)  # rows of the (B, H·(S + 2 pad), ·) keys
+        self.shape = (H, *keys.shape[1:])  # (H, n, W)
+        if group.uniform:
+            allowed = group.allowed(start, start + 1)  # (.., 1, bq, W): broadcast over the blocks
+        elif group.in_range:
+            allowed = group.allowed(start, stop)
+        else:
+            allowed = group.allowed(start, stop) & (keys >= 0).unsqueeze(-2) & (keys < S).unsqueeze(-2)
+        self.causal = group.causal and key_padding_mask is None
+        # Nothing masked: the fused kernel runs without a mask.
+        self.open = group.dense and group.in_range and key_padding_mask is None
+        if key_padding_mask is not None:
+            real = key_padding_mask[:, keys.clamp(0, S - 1)]  # (B, Hk, n, W)
+            allowed = allowed & real.unsqueeze(-2)  # (B, Hk, n, 1, W)
+        self.allowed = allowed
+
+    def gather(self, x: Tensor, sources: dict) -> Tensor:
+        """This chunk's keys (or values) from ``x`` ``(B, H, S + 2 pad, F)``: ``(B, H, n, W, F)``.
+        ``sources`` keeps each ``key_source`` sequence for the whole pass (built once)."""
+        if self.group.key_view is not None:
+            if self.group.key_source is not None:
+                key = (id(self.group.key_source), id(x))
+                if key not in sources:
+                    sources[key] = self.group.key_source(x, self.pad)
+                x = sources[key]
+            return self.group.key_view(x, self.pad, self.start, self.stop)
+        B, F_ = x.shape[0], x.shape[-1]
+        return x.reshape(B, -1, F_).index_select(1, self.flat).view(B, *self.shape, F_)
+
+    def take(self, x: Tensor, view: bool = True) -> Tensor:
+        """This chunk's rows of queries (``view``) or of per-query tensors ``x`` ``(B, H, L(+pad), F)``:
+        ``(B, H, n, bq, F)``."""
+        if view and self.group.query_view is not None:
+            return self.group.query_view(x, self.start, self.stop)
+        return x[:, :, self.reads]
+
+    def merge(self, out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+        """Merge this chunk's softmax over its keys into the one over earlier parts' (disjoint) keys:
+        ``out = (e^lse out + e^block_lse block_out) / e^total``, ``total = log(e^lse + e^block_lse)``."""
+        if self.group.view_writes:
+            out_rows, lse_rows = self.take(out), self.take(lse)  # views: updated in place
+        else:
+            out_rows, lse_rows = out[:, :, self.queries], lse[:, :, self.queries]
+        total = torch.logaddexp(lse_rows, block_lse)
+        safe = total.masked_fill(total == float("-inf"), 0.0)  # rows that see no key in either
+        out_rows.mul_((lse_rows - safe).exp_()).add_(block_out.mul_((block_lse - safe).exp_()))
+        lse_rows.copy_(total)
+        if not self.group.view_writes:
+            out[:, :, self.queries], lse[:, :, self.queries] = out_rows, lse_rows
+
+    def write(self, out: Tensor, block_out: Tensor) -> None:
+        """Put ``block_out`` ``(B, H, n, bq, F)`` into the rows of ``out`` ``(B, H, L + pad, F)``."""
+        if self.group.view_writes:
+            self.group.query_view(out, self.start, self.stop).copy_(block_out)
+        else:
+            out[:, :, self.queries] = block_out.to(out.dtype)
+
+
+def _pads(parts: Sequence[Part]) -> tuple[int, int]:
+    """Rows to pad the queries with at the end and the keys at both ends: what the views read past
+    the ends. Usually none: padding copies the inputs."""
+    groups = [g for part in parts for g in part]
+    return max([0] + [g.query_pad for g in groups]), max([0] + [g.key_pad for g in groups])
+
+
+def _padded(x: Tensor, front: int, back: int) -> Tensor:
+    return F.pad(x, (0, 0, front, back)) if front or back else x
+
+
+def _chunks(group: Group, B: int, H: int, L: int, S: int, pad: int, key_padding_mask: Tensor | None, tile: int):
+    n, bq = group.queries.shape
+    W = group.keys.shape[-1]
+    per_chunk = max(1, tile // max(1, B * H * bq * W))
+    for start in range(0, n, per_chunk):
+        yield _Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask)
+
+
+def _scores(qc: Tensor, kc: Tensor, allowed: Tensor) -> Tensor:
+    """Scaled scores ``(B, H, n, bq, W)`` with disallowed entries at −inf."""
+    return torch.matmul(qc, kc.transpose(-1, -2)).masked_fill_(~allowed, float("-inf"))
+
+
+def fused_kernel_available(device: torch.device) -> bool:
+    """Whether torch's CPU flash-attention kernel (which also returns the log-sum-exp) can run here."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _as_batch(x: Tensor) -> Tensor:
+    """``(B, H, n, r, F)`` -> ``(n, B·H, r, F)``: one chunk's blocks as the batch of a fused call."""
+    B, H, n = x.shape[:3]
+    return x.permute(2, 0, 1, 3, 4).reshape(n, B * H, *x.shape[3:])
+
+
+def _from_batch(x: Tensor, B: int, H: int) -> Tensor:
+    """Inverse of ``_as_batch``."""
+    n = x.shape[0]
+    return x.reshape(n, B, H, *x.shape[2:]).movedim(0, 2)
+
+
+def _additive(allowed: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
+    """The element mask as the fused kernel's additive mask ``(n | 1, B·H | 1, bq, W)``."""
+    while allowed.dim() < 5:
+        allowed = allowed.unsqueeze(0)
+    if allowed.shape[0] == 1 and allowed.shape[1] == 1:
+        allowed = allowed[0, 0].unsqueeze(1)  # (n | 1, 1, bq, W)
+    else:
+        allowed = allowed.expand(B, H, *allowed.shape[2:]).movedim(2, 0).flatten(1, 2)  # (n | 1, B·H, bq, W)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def _chunk_forward(q_ext, kf, vf, sources, c: _Chunk, scale: float, fused: bool) -> tuple[Tensor, Tensor]:
+    """One chunk's normalised output ``(B, H, n, bq, Dv)`` and log-sum-exp ``(B, H, n, bq)``."""
+    B, H = q_ext.shape[:2]
+    qc, kc, vc = c.take(q_ext), c.gather(kf, sources), c.gather(vf, sources)
+    if fused:
+        mask = None if c.causal or c.open else _additive(c.allowed, B, H, qc.dtype)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _as_batch(qc), _as_batch(kc), _as_batch(vc), is_causal=c.causal, attn_mask=mask, scale=scale
+        )
+        lse = _from_batch(lse, B, H)
+        if mask is not None:  # the kernel reports lse = 0 for a row with no key
+            lse = lse.masked_fill(~c.allowed.any(-1), float("-inf"))
+        return _from_batch(o, B, H), lse
+    work = work_dtype(qc.dtype)
+    s = _scores(qc.to(work) * scale, kc.to(work), c.allowed)  # (B, H, n, bq, W)
+    top = s.amax(-1, keepdim=True)
+    top = top.masked_fill_(top == float("-inf"), 0.0)
+    p = s.sub_(top).exp_()
+    total = p.sum(-1, keepdim=True)  # (B, H, n, bq, 1)
+    o = torch.matmul(p, vc.to(work)).div_(total.clamp_min(torch.finfo(work).tiny))
+    return o, (top + total.log()).squeeze(-1)
+
+
+def _forward(q, k, v, key_padding_mask, parts, scale, fused):
+    """Outputs and log-sum-exps of every part, merged; in the work dtype."""
+    B, H, L, _ = q.shape
+    S, Dv = k.shape[2], v.shape[3]
+    work = work_dtype(q.dtype)
+    query_pad, pad = _pads(parts)
+    q_ext = _padded(q, 0, query_pad)  # (B, H, L + query_pad, D)
+    kf, vf = _padded(k, pad, pad), _padded(v, pad, pad)  # (B, H, S + 2 pad, ·)
+    rows = L + max(1, query_pad)  # row L receives the empty slots
+    out = lse = None
+    sources: dict = {}
+    for part in parts:
+        if out is None:  # the first part writes, the others merge into what is there
+            covered = torch.zeros(rows, dtype=torch.bool, device=q.device)
+            for group in part:
+                covered[group.queries.flatten()] = True
+            # Rows the first part leaves out start as "no key seen": zero output, lse = −inf.
+            alloc = q.new_empty if bool(covered[:L].all()) else q.new_zeros
+            out = alloc(B, H, rows, Dv, dtype=work)
+            lse = q.new_full((B, H, rows, 1), float("-inf"), dtype=work)
+            merge = False
+        for group in part:
+            for c in _chunks(
+                group, B, H, L, S, pad, key_padding_mask, _FUSED_TILE_ELEMENTS if fused else _TILE_ELEMENTS
+            ):
+                o, chunk_lse = _chunk_forward(q_ext, kf, vf, sources, c, scale, fused)
+                if merge:
+                    c.merge(out, lse, o.to(work), chunk_lse.to(work).unsqueeze(-1))
+                else:
+                    c.write(out, o)
+                    c.write(lse, chunk_lse.unsqueeze(-1))
+        merge = True
+    return out[:, :, :L], lse[:, :, :L, 0]
+
+
+class _BlockSparse(torch.autograd.Function):
+    """Block-sparse attention whose backward recomputes every chunk (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, parts, scale, fused):  # type: ignore[override]
+        out, lse = _forward(q, k, v, key_padding_mask, parts, scale, fused)
+        ctx.save_for_backward(q, k, v, key_padding_mask, out, lse)
+        ctx.parts, ctx.scale, ctx.fused = parts, scale, fused
+        return out.to(q.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        q, k, v, key_padding_mask, out, lse = ctx.saved_tensors
+        B, H, L, D = q.shape
+        S, Dv = k.shape[2], v.shape[3]
+        work = out.dtype
+        # The empty slot L gets lse = +inf, so its probabilities are 0; queries that see no key too.
+        lse = F.pad(lse.masked_fill(lse == float("-inf"), float("inf")), (0, 1), value=float("inf"))
+        dtype = q.dtype if ctx.fused else work
+        query_pad, pad = _pads(ctx.parts)
+        q_ext = _padded(q.to(dtype), 0, query_pad)
+        g_ext, out_ext = grad.to(dtype), out.to(dtype)
+        kf, vf = (_padded(x.to(dtype), pad, pad) for x in (k, v))  # (B, H, S + 2 pad, ·)
+        grad_q = torch.zeros(B, H, L + 1, D, dtype=work, device=q.device)
+        grad_k = torch.zeros(B, H * (S + 2 * pad), D, dtype=work, device=q.device)
+        grad_v = torch.zeros(B, H * (S + 2 * pad), Dv, dtype=work, device=q.device)
+        delta = None if ctx.fused else (g_ext * out_ext).sum(-1)  # (B, H, L): rowsum(dO ∘ O)
+        sources: dict = {}
+        for part in ctx.parts:
+            for group in part:
+                for c in _chunks(
+                    group, B, H, L, S, pad, key_padding_mask, _BACKWARD_TILE_ELEMENTS if ctx.fused else _TILE_ELEMENTS
+                ):
+                    rows = c.queries
+                    qc, gc = c.take(q_ext), c.take(g_ext, view=False)
+                    kc, vc = c.gather(kf, sources), c.gather(vf, sources)
+                    if ctx.fused:
+                        dq, dk, dv = _chunk_backward_fused(
+                            qc, kc, vc, gc, c.take(out_ext, view=False), lse[:, :, rows], c, ctx.scale
+                        )
+                    else:
+                        dq, dk, dv = _chunk_backward(
+                            qc, kc, vc, gc, lse[:, :, rows], delta[:, :, c.reads], c, ctx.scale
+                        )
+                    grad_q.index_add_(2, rows.reshape(-1), dq.flatten(2, 3).to(work))
+                    grad_k.index_add_(1, c.flat, dk.reshape(B, -1, D).to(work))
+                    grad_v.index_add_(1, c.flat, dv.reshape(B, -1, Dv).to(work))
+        grad_q = grad_q[:, :, :L].to(q.dtype)
+        grad_k = grad_k.view(B, H, S + 2 * pad, D)[:, :, pad : pad + S].to(k.dtype)
+        grad_v = grad_v.view(B, H, S + 2 * pad, Dv)[:, :, pad : pad + S].to(v.dtype)
+        return grad_q, grad_k, grad_v, None, None, None, None
+
+
+def _chunk_backward(qc, kc, vc, gc, lse, delta, c: _Chunk, scale: float):
+    """Gradients of one chunk from the merged softmax: ``P = exp(S − lse)``,
+    ``dS = P ∘ (dO Vᵀ − delta)``; returns ``(dq, dk, dv)`` as ``(B, H, n, ·, ·)``."""
+    p = _scores(qc * scale, kc, c.allowed).sub_(lse.unsqueeze(-1)).exp_()  # (B, H, n, bq, W)
+    dv = torch.matmul(p.transpose(-1, -2), gc)
+    ds = torch.matmul(gc, vc.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(p)
+    return torch.matmul(ds, kc) * scale, torch.matmul(ds.transpose(-1, -2), qc) * scale, dv
+
+
+def _chunk_backward_fused(qc, kc, vc, gc, oc, lse, c: _Chunk, scale: float):
+    """The same through the fused kernel's backward, given the merged output and log-sum-exp."""
+    B, H = qc.shape[:2]
+    mask = None if c.causal or c.open else _additive(c.allowed, B, H, qc.dtype)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _as_batch(gc), _as_batch(qc), _as_batch(kc), _as_batch(vc), _as_batch(oc),
+        _as_batch(lse.unsqueeze(-1)).squeeze(-1), 0.0, c.causal, attn_mask=mask, scale=scale,
+    )  # fmt: skip
+    return _from_batch(dq, B, H), _from_batch(dk, B, H), _from_batch(dv, B, H)
