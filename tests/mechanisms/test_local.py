@@ -48,15 +48,20 @@ def test_a_window_covering_the_sequence_is_full_attention(is_causal):
     assert (out - full_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal)).abs().max() <= 1e-10
 
 
-def test_tiles_in_several_groups_give_the_same_values_and_gradients(monkeypatch):
-    """A tiny group budget makes every tile its own group, in the forward and backward passes."""
-    from subquad import _tiles
+def _one_block_per_chunk(monkeypatch):
+    from subquad.mechanisms import _blocksparse
 
+    for budget in ("_TILE_ELEMENTS", "_FUSED_TILE_ELEMENTS", "_BACKWARD_TILE_ELEMENTS"):
+        monkeypatch.setattr(_blocksparse, budget, 1)
+
+
+def test_blocks_one_at_a_time_give_the_same_values_and_gradients(monkeypatch):
+    """A tiny budget makes every block its own chunk, in the forward and backward passes."""
     q, k, v = (x.requires_grad_(True) for x in qkv(2, 2, 150, 150, 4, 3))
     kpm = padding(2, 150, seed=2)
     expected = dense_local(q, k, v, kpm, True, 20)
     grads = torch.autograd.grad(expected, (q, k, v), torch.ones_like(expected))
-    monkeypatch.setattr(_tiles, "_GROUP_ELEMENTS", 1)
+    _one_block_per_chunk(monkeypatch)
     out = local_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=LocalConfig(window=20))
     assert (out - expected).abs().max() <= 1e-10
     for got, want in zip(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)), grads, strict=True):
@@ -104,24 +109,24 @@ def test_low_precision(dtype, tol):
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
-def test_scores_are_computed_one_group_of_tiles_at_a_time(monkeypatch):
-    """With a group budget of one tile, the largest score tensor is one tile's (Tq × Tk), not
-    N × window: memory does not grow with the window times the length."""
-    from subquad import _tiles
+def test_each_block_reads_only_its_window(monkeypatch):
+    """A block of queries holds keys for its windows only (block + 2·window of them), never the
+    sequence: memory does not grow with N × window."""
+    from subquad.mechanisms import _blocksparse
 
     q, k, v = qkv(1, 1, 2048, 2048, 4, dtype=torch.float32)
     seen = []
-    probabilities = _tiles._Gathered.probabilities
+    chunk = _blocksparse._Chunk.__init__
 
-    def record(self, scale):
-        p = probabilities(self, scale)
-        seen.append(p.numel())
-        return p
+    def record(self, *args, **kwargs):
+        chunk(self, *args, **kwargs)
+        seen.append((tuple(self.queries.shape), self.shape[-1]))
 
-    monkeypatch.setattr(_tiles, "_GROUP_ELEMENTS", 1)
-    monkeypatch.setattr(_tiles._Gathered, "probabilities", record)
+    _one_block_per_chunk(monkeypatch)
+    monkeypatch.setattr(_blocksparse._Chunk, "__init__", record)
     out = local_attention(q, k, v, config=LocalConfig(window=256))
-    assert seen == [local._TILE * (local._TILE + 2 * 256)] * (2048 // local._TILE)
+    assert set(seen) == {((1, local._BLOCK), local._BLOCK + 2 * 256)}
+    assert len(seen) == 2048 // local._BLOCK
     assert (out.double() - dense_local(q.double(), k.double(), v.double(), None, False, 256)).abs().max() < 1e-5
 
 

@@ -40,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Group", "block_sparse_attention", "fused_kernel_available", "work_dtype"]
+from subquad.masks import MaskMod
+
+__all__ = ["Group", "band_groups", "block_sparse_attention", "fused_kernel_available", "work_dtype"]
 
 _TILE_ELEMENTS = 1 << 19  # scores (B·H·blocks·bq·W) computed at once: about 2 MB in fp32
 _FUSED_TILE_ELEMENTS = 1 << 22  # the same for the fused kernel, which never holds them all at once
@@ -359,3 +361,38 @@ def _chunk_backward_fused(qc, kc, vc, gc, oc, lse, c: _Chunk, scale: float):
         _as_batch(lse.unsqueeze(-1)).squeeze(-1), 0.0, c.causal, attn_mask=mask, scale=scale,
     )  # fmt: skip
     return _from_batch(dq, B, H), _from_batch(dk, B, H), _from_batch(dv, B, H)
+
+
+def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod: MaskMod, device) -> list[Group]:
+    """Blocks of consecutive queries, each against the keys from ``left`` before its first query's
+    position to ``right`` after its last one. Blocks whose window lies inside the sequence read
+    views of the inputs; the few at either end gather, with the keys outside masked."""
+    n, W = -(-L // block), block + left + right
+    queries = torch.arange(n * block, device=device).view(n, block)
+    keys = (queries[:, :1] + offset - left) + torch.arange(W, device=device)  # (n, W)
+    queries = queries.masked_fill(queries >= L, L)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    # Inner blocks: their whole window lies inside the sequence.
+    inner_lo, inner_hi = max(0, -(-(left - offset) // block)), max(0, (L - right) // block)
+    groups = []
+    for lo, hi in ((0, inner_lo), (inner_lo, inner_hi), (max(inner_lo, inner_hi), n)):
+        if lo >= hi:
+            continue
+        inner = (lo, hi) == (inner_lo, inner_hi)
+        rows, cols = queries[lo:hi], keys[lo:hi]
+
+        def allowed(start: int, stop: int, rows=rows, cols=cols) -> Tensor:
+            return mask_mod(zero, zero, rows[start:stop, :, None], cols[start:stop, None, :])  # (n, bq, W)
+
+        def query_view(q: Tensor, start: int, stop: int, lo=lo) -> Tensor:
+            return q.narrow(2, (lo + start) * block, (stop - start) * block).unflatten(2, (stop - start, block))
+
+        def key_view(x: Tensor, pad: int, start: int, stop: int, lo=lo) -> Tensor:
+            begin = offset - left + pad + (lo + start) * block
+            windows = x.narrow(2, begin, (stop - start - 1) * block + W).unfold(2, W, block)  # (B, H, n, F, W)
+            return windows.transpose(-1, -2)
+
+        # Inner blocks: views, and one element mask for all (the pattern depends on p − j only).
+        views = {"query_view": query_view, "key_view": key_view, "uniform": True, "view_writes": True} if inner else {}
+        groups.append(Group(rows, cols.unsqueeze(0), allowed, **views))
+    return groups

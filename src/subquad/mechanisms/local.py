@@ -5,12 +5,14 @@ keys and its own (``i - window < j <= i``); non-causal, ``window`` on each side
 (``|i - j| <= window``). With L ≠ S the queries are the last L positions of the keys (bottom-right
 alignment, as in causal attention). Softmax is exact over the window.
 
-**Computation.** Queries go in tiles of ``_TILE`` consecutive positions; a tile's keys are the
-contiguous range its queries' windows cover (``_TILE + window - 1`` keys causal,
-``_TILE + 2·window`` non-causal) and the exact band is applied inside it. Tiles run a group at a
-time through ``subquad._tiles.tile_attention`` (one autograd Function, flash-style: it saves the
-output and each query's log-sum-exp and recomputes scores in the backward), so memory is
-O(N·D) plus one group's scores, never O(N·window).
+**Computation.** Queries go in blocks of ``_BLOCK`` consecutive positions; a block's keys are the
+contiguous range its queries' windows cover (``_BLOCK + window - 1`` keys causal,
+``_BLOCK + 2·window`` non-causal), read as overlapping views of k and v (no copy), with the exact
+band as the element mask, which is the same for every inner block. This is the local step of the
+block-sparse engine (``_blocksparse.band_groups``) shared with the Sparse Transformer's strided
+pattern: torch's CPU flash-attention kernel per batch of blocks, one autograd Function that saves
+the output and log-sum-exp and recomputes blocks in the backward, so memory is O(N·D) plus one
+batch of blocks, never O(N·window).
 
 **Decoding.** ``WindowCache`` keeps the last ``window - 1`` keys and values: each new token attends
 to them and itself, so decoding cost and memory do not grow with the prompt.
@@ -24,16 +26,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from subquad._tiles import Band, tile_attention
 from subquad._validate import check_attention_inputs
+from subquad.masks import MaskMod
+from subquad.mechanisms._blocksparse import band_groups, block_sparse_attention
 from subquad.registry import Config, Mechanism, option
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["LocalConfig", "WindowCache", "local_attention", "window_tiles"]
+__all__ = ["LocalConfig", "WindowCache", "local_attention", "window_mask"]
 
-_TILE = 128  # queries per tile: fewer copies of each key, more of the band's bounding box wasted
+_BLOCK = 64  # queries per block: the band's bounding box wastes block / (block + window) of the keys
 
 
 @dataclass(frozen=True)
@@ -42,19 +45,15 @@ class LocalConfig(Config):
     window: int = option(256, "w: causal sees the last w keys (itself included); non-causal w on each side", ge=1)
 
 
-def window_tiles(L: int, S: int, window: int, is_causal: bool, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Tiles of consecutive queries and the key range their windows cover: ``(T, Tq)`` and
-    ``(T, Tk)`` positions, ``-1`` outside the sequence."""
-    offset = S - L
-    tile = min(_TILE, L)
-    starts = torch.arange(0, L, tile, device=device)
-    q_index = starts[:, None] + torch.arange(tile, device=device)
-    q_index = torch.where(q_index < L, q_index, -1)
-    before = window - 1 if is_causal else window
-    after = 0 if is_causal else window
-    k_index = (starts + offset - before)[:, None] + torch.arange(tile + before + after, device=device)
-    k_index = torch.where((k_index >= 0) & (k_index < S), k_index, -1)
-    return q_index, k_index
+def window_mask(window: int, is_causal: bool, offset: int) -> MaskMod:
+    """The window as a mask_mod: ``p - window < j <= p`` (causal) or ``|p - j| <= window``, with
+    ``p = q_idx + offset``."""
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        distance = q_idx + offset - kv_idx
+        return ((distance >= 0) & (distance < window)) if is_causal else distance.abs() <= window
+
+    return mask_mod
 
 
 def local_attention(
@@ -83,27 +82,11 @@ def local_attention(
     """
     config = config or LocalConfig()
     shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
-    B, H, L, S = shape.batch, shape.heads, shape.queries, shape.keys
-    w = config.window
-    q_index, k_index = window_tiles(L, S, w, is_causal, q.device)
-    R = B * H
-    key_valid = None if key_padding_mask is None else key_padding_mask[:, None].expand(B, H, S).reshape(R, S)
-    # Every tile's keys start at the same place relative to its first query: one band for all.
-    tile, keys = q_index.shape[1], k_index.shape[1]
-    before = w - 1 if is_causal else w
-    d = torch.arange(keys, device=q.device) - before - torch.arange(tile, device=q.device)[:, None]
-    band = Band(relative=(d >= -before) & (d <= (0 if is_causal else w)))
-    out = tile_attention(
-        q.reshape(R, L, shape.head_dim),
-        k.reshape(R, S, shape.head_dim),
-        v.reshape(R, S, shape.value_dim),
-        q_index.expand(R, *q_index.shape),
-        k_index.expand(R, *k_index.shape),
-        band,
-        shape.scale,
-        key_valid,
-    )
-    return out.view(B, H, L, shape.value_dim)
+    L, S, w = shape.queries, shape.keys, config.window
+    offset = S - L
+    left, right = (w - 1, 0) if is_causal else (w, w)
+    groups = band_groups(L, offset, left, right, min(_BLOCK, L), window_mask(w, is_causal, offset), q.device)
+    return block_sparse_attention(q, k, v, [groups], key_padding_mask, shape.scale)
 
 
 class WindowCache:
@@ -142,7 +125,7 @@ MECHANISM = Mechanism(
     name="local",
     fn=local_attention,
     config=LocalConfig,
-    summary="sliding-window softmax attention over w keys (causal) or w each side, in tiles; window cache",
+    summary="sliding-window softmax attention over w keys (causal) or w each side, block-sparse; window cache",
     paper="Roy, Saffar, Vaswani & Grangier 2021 (local heads of the Routing Transformer); Parmar et al. 2018",
     causal=True,
     cross=True,

@@ -65,7 +65,7 @@ from torch import Tensor
 from subquad._validate import AttentionShape, check_attention_inputs
 from subquad.decoding import KVCache
 from subquad.masks import MaskMod, and_masks, causal_mask, or_masks
-from subquad.mechanisms._blocksparse import Group, block_sparse_attention, fused_kernel_available
+from subquad.mechanisms._blocksparse import Group, band_groups, block_sparse_attention, fused_kernel_available
 from subquad.registry import Config, Mechanism, option
 
 __all__ = [
@@ -207,41 +207,6 @@ def _query_slots(positions: Tensor, offset: int, L: int) -> Tensor:
     """Query index of each key position (``L`` where no query sits there)."""
     index = positions - offset
     return index.masked_fill((index < 0) | (index >= L), L)
-
-
-def _band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod: MaskMod, device) -> list[Group]:
-    """Blocks of consecutive queries, each against the keys from ``left`` before its first query's
-    position to ``right`` after its last one. Blocks whose window lies inside the sequence read
-    views of the inputs; the few at either end gather, with the keys outside masked."""
-    n, W = -(-L // block), block + left + right
-    queries = torch.arange(n * block, device=device).view(n, block)
-    keys = (queries[:, :1] + offset - left) + torch.arange(W, device=device)  # (n, W)
-    queries = queries.masked_fill(queries >= L, L)
-    zero = torch.zeros((), dtype=torch.long, device=device)
-    # Inner blocks: their whole window lies inside the sequence.
-    inner_lo, inner_hi = max(0, -(-(left - offset) // block)), max(0, (L - right) // block)
-    groups = []
-    for lo, hi in ((0, inner_lo), (inner_lo, inner_hi), (max(inner_lo, inner_hi), n)):
-        if lo >= hi:
-            continue
-        inner = (lo, hi) == (inner_lo, inner_hi)
-        rows, cols = queries[lo:hi], keys[lo:hi]
-
-        def allowed(start: int, stop: int, rows=rows, cols=cols) -> Tensor:
-            return mask_mod(zero, zero, rows[start:stop, :, None], cols[start:stop, None, :])  # (n, bq, W)
-
-        def query_view(q: Tensor, start: int, stop: int, lo=lo) -> Tensor:
-            return q.narrow(2, (lo + start) * block, (stop - start) * block).unflatten(2, (stop - start, block))
-
-        def key_view(x: Tensor, pad: int, start: int, stop: int, lo=lo) -> Tensor:
-            begin = offset - left + pad + (lo + start) * block
-            windows = x.narrow(2, begin, (stop - start - 1) * block + W).unfold(2, W, block)  # (B, H, n, F, W)
-            return windows.transpose(-1, -2)
-
-        # Inner blocks: views, and one element mask for all (the pattern depends on p − j only).
-        views = {"query_view": query_view, "key_view": key_view, "uniform": True, "view_writes": True} if inner else {}
-        groups.append(Group(rows, cols.unsqueeze(0), allowed, **views))
-    return groups
 
 
 def _strided_view(x: Tensor, first: int, blocks: int, block_step: int, rows: int, row_step: int) -> Tensor:
@@ -387,7 +352,7 @@ def _sparse_parts(config: SparseConfig, shape: AttentionShape, causal: bool, dev
         right = 0 if causal else l - 1
         if config.step == "merged":  # j = p belongs to the column part
             local = and_masks(local, _not(column))
-        parts.append(_band_groups(L, offset, l - 1, right, block, local, device))
+        parts.append(band_groups(L, offset, l - 1, right, block, local, device))
     if config.step in ("column", "merged"):
         rows = -(-S // l)
         columns = torch.arange(l, device=device)[:, None] + l * torch.arange(rows, device=device)  # (l, rows)
