@@ -131,6 +131,22 @@ class _Gathered:
                 hidden = hidden | self.hidden.pop()
             self.hidden.append(hidden)
 
+    def fused_output(self, scale: float) -> Tensor:
+        """The attention output ``(R, g, Tq, Dv)`` through torch's CPU flash-attention kernel, with the
+        hidden slots as an additive mask (zero rows where none is visible, as the kernel returns)."""
+        R, g, Tq, D = self.q.shape
+        Tk = self.k.shape[2]
+        mask = torch.zeros(R, g, Tq, Tk, dtype=self.q.dtype, device=self.q.device)
+        if self.bias is not None:
+            mask += self.bias
+        for hidden in self.hidden:
+            mask.masked_fill_(hidden, -torch.inf)
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            self.q.view(R * g, 1, Tq, D), self.k.view(R * g, 1, Tk, D), self.v.view(R * g, 1, Tk, -1),
+            attn_mask=mask.view(R * g, 1, Tq, Tk), scale=scale,
+        )  # fmt: skip
+        return out.view(R, g, Tq, -1)
+
     def probabilities(self, scale: float) -> Tensor:
         """Softmax weights ``(R, g, Tq, Tk)`` over the visible slots; zero rows where none is."""
         if self.bias is None:
@@ -143,6 +159,15 @@ class _Gathered:
         blind = s.amax(-1, keepdim=True) == -torch.inf  # rows that see no key: softmax gives NaN
         p = torch.softmax(s, dim=-1)
         return p.masked_fill_(blind, 0.0) if bool(blind.any()) else p
+
+
+def _fused_available(q: Tensor, v: Tensor) -> bool:
+    """Whether torch's CPU flash-attention kernel can run the forward (it needs Dv = D)."""
+    return (
+        q.device.type == "cpu"
+        and q.shape[-1] == v.shape[-1]
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    )
 
 
 def _groups(T: int, per_tile: int, R: int) -> int:
@@ -158,10 +183,11 @@ class _TileAttention(torch.autograd.Function):
         out = q.new_zeros(R, L, v.shape[-1])
         step = _groups(T, Tq * k_index.shape[2], R)
         rows = torch.arange(R, device=q.device).view(R, 1, 1)
+        fused = _fused_available(q, v)
         for start in range(0, T, step):
             tiles = slice(start, start + step)
             g = _Gathered(q, k, v, q_index[:, tiles], k_index[:, tiles], key_valid, band, work)
-            o = torch.matmul(g.probabilities(scale), g.v)
+            o = g.fused_output(scale) if fused else torch.matmul(g.probabilities(scale), g.v)
             ok = g.q_ok
             out[rows.expand_as(g.qi)[ok], g.qi[ok]] = o[ok].to(out.dtype)
         ctx.save_for_backward(q, k, v, q_index, k_index, key_valid, out)
