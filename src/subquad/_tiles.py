@@ -1,7 +1,8 @@
 """Exact softmax attention over tiles: groups of queries that share a set of keys.
 
-Local and routing attention both reduce to this. A tile lists up to ``Tq`` query positions and up
-to ``Tk`` key positions (``-1`` marks an empty slot); each query sits in at most one tile and
+Routing attention reduces to this (its tiles are gathered by cluster; a regular band such as a
+sliding window is cheaper through ``mechanisms._blocksparse``). A tile lists up to ``Tq`` query
+positions and up to ``Tk`` key positions (``-1`` marks an empty slot); each query sits in at most one tile and
 attends to the tile's keys that a positional rule allows, plus, optionally, its own position's key.
 The rule is a band on ``d = key position - (query position + offset)``: ``lo <= d <= hi``, where
 ``offset = S - L`` aligns the last query with the last key (bottom-right, as causal attention
