@@ -1,9 +1,9 @@
 """Exact softmax attention over tiles: groups of queries that share a set of keys.
 
-Routing attention reduces to this (its tiles are gathered by cluster; a regular band such as a
-sliding window is cheaper through ``mechanisms._blocksparse``). A tile lists up to ``Tq`` query
-positions and up to ``Tk`` key positions (``-1`` marks an empty slot); each query sits in at most one tile and
-attends to the tile's keys that a positional rule allows, plus, optionally, its own position's key.
+Routing attention reduces to this: its tiles are gathered by cluster, per (batch, head) row. (A
+regular band such as a sliding window is cheaper through ``mechanisms._blocksparse``.) A tile
+lists up to ``Tq`` query positions and up to ``Tk`` key positions (``-1`` marks an empty slot);
+each query sits in at most one tile and attends to the tile's keys that a positional rule allows.
 The rule is a band on ``d = key position - (query position + offset)``: ``lo <= d <= hi``, where
 ``offset = S - L`` aligns the last query with the last key (bottom-right, as causal attention
 does). Optionally the last ``Tq`` key slots of a tile hold its queries' own positions, each seen
@@ -11,10 +11,10 @@ only by its own query (routing uses this so that every query sees at least its o
 keys never receive weight; a query with no visible key returns zeros.
 
 ``tile_attention`` is one autograd Function that computes tiles a group at a time, so memory
-holds one group's gathered keys and scores, never one per tile at once. It saves only its inputs
-and the output; the backward recomputes each group's scores and softmax (torch's fused softmax,
-which beats a hand-written exp where many slots are masked). Scores and softmax are fp32 for
-fp16/bf16 inputs.
+holds one group's gathered keys and scores, never one per tile at once. The forward runs each
+group through torch's CPU flash-attention kernel where it exists (the hidden slots as an additive
+mask), else an eager softmax; it saves only its inputs and the output, and the backward recomputes
+each group's softmax. Scores and softmax are fp32 for fp16/bf16 inputs.
 """
 
 from __future__ import annotations
@@ -29,21 +29,18 @@ __all__ = ["Band", "tile_attention"]
 _GROUP_ELEMENTS = 1 << 22  # score entries computed at once (about 16 MB in fp32)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Band:
     """Which tile keys a query sees: ``lo <= key - (query + offset) <= hi`` (None: unbounded).
 
     With ``own_slots`` the last ``Tq`` key slots of each tile are the tile's queries' own
     positions: a query sees only its own there, and the other slots hide its position so that it
-    counts once. ``relative``, a bool ``(Tq, Tk)`` matrix, replaces ``lo``/``hi`` when every tile
-    has the same layout relative to its queries (local windows): slot ``(a, b)`` is visible when
-    ``relative[a, b]``.
+    counts once.
     """
 
     lo: int | None = None
     hi: int | None = None
     own_slots: bool = False
-    relative: Tensor | None = None
 
 
 def tile_attention(
@@ -95,19 +92,11 @@ class _Gathered:
         k_ok = k_index >= 0
         if key_valid is not None:
             k_ok = k_ok & torch.gather(key_valid, 1, ki.view(R, -1)).view(ki.shape)
-        # Hidden slots as broadcastable masks: padded or empty keys (R, g, 1, Tk), and the band;
-        # a relative band enters the score product as an additive 0 / -inf bias.
+        # Hidden slots, as one mask broadcastable to (R, g, Tq, Tk): empty or padded keys, and the band.
         self.hidden = [] if bool(k_ok.all()) else [~k_ok.unsqueeze(-2)]
-        self.bias = None
-        if band.relative is not None:
-            self.bias = torch.zeros(band.relative.shape, dtype=work, device=q.device)
-            self.bias.masked_fill_(~band.relative, -torch.inf)
-        elif band.lo is not None or band.hi is not None or band.own_slots:
-            # The band depends on positions only: compute it once when every row has the same tiles.
-            shared = q_index.stride(0) == 0 and k_index.stride(0) == 0
-            qi_, ki_ = (self.qi[:1], ki[:1]) if shared else (self.qi, ki)
+        if band.lo is not None or band.hi is not None or band.own_slots:
             Tq = self.q.shape[2]
-            key_pos, query_pos = ki_.unsqueeze(-2), (qi_ + offset).unsqueeze(-1)  # (·, g, 1, Tk), (·, g, Tq, 1)
+            key_pos, query_pos = ki.unsqueeze(-2), (self.qi + offset).unsqueeze(-1)  # (R, g, 1, Tk), (R, g, Tq, 1)
             if band.own_slots:  # tile slots hide the query's own position; own slot b serves query b
                 key_pos = key_pos[..., :-Tq]
             lo, hi = band.lo, band.hi
@@ -138,8 +127,6 @@ class _Gathered:
         R, g, Tq, D = self.q.shape
         Tk = self.k.shape[2]
         mask = torch.zeros(R, g, Tq, Tk, dtype=self.q.dtype, device=self.q.device)
-        if self.bias is not None:
-            mask += self.bias
         for hidden in self.hidden:
             mask.masked_fill_(hidden, -torch.inf)
         out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -150,11 +137,7 @@ class _Gathered:
 
     def probabilities(self, scale: float) -> Tensor:
         """Softmax weights ``(R, g, Tq, Tk)`` over the visible slots; zero rows where none is."""
-        if self.bias is None:
-            s = torch.matmul(self.q, self.k.transpose(-1, -2)).mul_(scale)
-        else:  # bias + scale · q kᵀ in one product
-            q, k = self.q.flatten(0, 1), self.k.flatten(0, 1)
-            s = torch.baddbmm(self.bias, q, k.transpose(-1, -2), alpha=scale).view(*self.q.shape[:-1], -1)
+        s = torch.matmul(self.q, self.k.transpose(-1, -2)).mul_(scale)
         for hidden in self.hidden:
             s.masked_fill_(hidden, -torch.inf)
         blind = s.amax(-1, keepdim=True) == -torch.inf  # rows that see no key: softmax gives NaN
