@@ -129,8 +129,9 @@ def test_every_real_query_gets_a_real_output(is_causal):
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_gradcheck(is_causal):
-    q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 15, 15, 4, 3))
+@pytest.mark.parametrize("Dv", [3, 4])  # Dv = D runs the forward through the fused kernel
+def test_gradcheck(is_causal, Dv):
+    q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 15, 15, 4, Dv))
     kpm = padding(1, 15, seed=3)
     fn = functools.partial(
         routing_attention, key_padding_mask=kpm, is_causal=is_causal,
