@@ -330,7 +330,7 @@ class RoutingCache:
     the cluster's last two tiles (module docstring). A KV cache when the config's window is None."""
 
     recurrent = True
-    description = "per cluster, its last two tiles of keys (O(clusters·window) per head, whatever the prefix)"
+    description = "per cluster, its last two tiles of keys (O(clusters·window) per head); a KV cache if window=None"
 
     def __init__(self, mechanism: Mechanism, config: RoutingConfig, state: nn.Module | None) -> None:
         self.config = config
