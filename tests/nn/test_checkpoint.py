@@ -27,6 +27,27 @@ def test_recomputation_gives_identical_gradients(attention):
     assert all(block.checkpoint for block in recomputed.backbone.blocks)
 
 
+def test_recomputation_with_training_state_matches_and_updates_once():
+    # Routing moves its centroids in training mode after attending. The recomputed forward must
+    # route with the centroids the original forward used, and must not move them a second time.
+    torch.manual_seed(0)
+    routing = (HeadGroup("local", 2, window=8), HeadGroup("routing", 2, clusters=4, decay=0.5))
+    plain = CausalLM(30, 32, 2, 4, attention=routing, max_len=64).double().train()
+    recomputed = CausalLM(30, 32, 2, 4, attention=routing, max_len=64, checkpoint=True).double()
+    recomputed.load_state_dict(plain.state_dict())
+    recomputed.train()
+    tokens = torch.randint(0, 30, (2, 50), generator=torch.Generator().manual_seed(1))
+    before = {name: b.clone() for name, b in plain.named_buffers()}
+    loss, grads = _gradients(plain, tokens)
+    loss_ckpt, grads_ckpt = _gradients(recomputed, tokens)
+    assert torch.equal(loss, loss_ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ckpt))
+    moved = [name for name, b in plain.named_buffers() if "centroids" in name and not torch.equal(b, before[name])]
+    assert moved  # decay 0.5: the centroids did move, once
+    for (name, b), (_, b_ckpt) in zip(plain.named_buffers(), recomputed.named_buffers()):
+        assert torch.equal(b, b_ckpt), name
+
+
 def _saved_bytes(block: TransformerBlock, x: torch.Tensor) -> int:
     """Bytes autograd keeps for the backward pass during one forward."""
     total = 0

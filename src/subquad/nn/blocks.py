@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,7 +40,9 @@ class TransformerBlock(nn.Module):
         seed: seeds the attention's state modules.
         checkpoint: recompute the block's activations in the backward pass instead of keeping them
             (Child et al. 2019, "saving memory by recomputing attention weights"): only the block's
-            input is saved during training.
+            input is saved during training. State that a training forward moves (routing's
+            centroids) is put back as it was for the recomputation, which therefore repeats the
+            original forward exactly and leaves the state moved once.
         **options: the mechanism's options when ``attention`` is a name.
     """
 
@@ -74,7 +78,16 @@ class TransformerBlock(nn.Module):
         cache: list[Any] | None = None,
     ) -> Tensor:
         if self.checkpoint and cache is None and torch.is_grad_enabled():
-            return recompute(self._forward, x, key_padding_mask, is_causal, None, use_reentrant=False)
+            buffers = [(m, name, b.clone()) for m in self.modules() for name, b in m._buffers.items() if b is not None]
+            return recompute(
+                self._forward,
+                x,
+                key_padding_mask,
+                is_causal,
+                None,
+                use_reentrant=False,
+                context_fn=lambda: (contextlib.nullcontext(), _restored(buffers)),
+            )
         return self._forward(x, key_padding_mask, is_causal, cache)
 
     def _forward(self, x: Tensor, key_padding_mask: Tensor | None, is_causal: bool, cache: list[Any] | None) -> Tensor:
@@ -82,3 +95,17 @@ class TransformerBlock(nn.Module):
         h = self.attn(h, key_padding_mask=key_padding_mask, is_causal=is_causal, cache=cache)
         x = x + self.dropout(h)
         return x + self.mlp(self.norm2(x))
+
+
+@contextlib.contextmanager
+def _restored(buffers: list[tuple[nn.Module, str, Tensor]]) -> Iterator[None]:
+    """Run with each module buffer set to its saved value, then put the current ones back: what
+    the recomputation changes in them is discarded."""
+    current = [(m, name, m._buffers[name]) for m, name, _ in buffers]
+    for m, name, saved in buffers:
+        m._buffers[name] = saved.clone()
+    try:
+        yield
+    finally:
+        for m, name, b in current:
+            m._buffers[name] = b
