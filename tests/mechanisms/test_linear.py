@@ -207,6 +207,16 @@ def test_elu_feature_map_is_elu_plus_one_with_its_gradient():
         assert (feature_map(x, "elu") - expected).abs().max() <= 1e-15
 
 
+def test_elu_feature_map_in_float32_is_accurate():
+    # fp32 and lower take exp through exp2; the error stays that of float32 arithmetic
+    x = torch.linspace(-12, 12, 100001)
+    expected = torch.nn.functional.elu(x.double()) + 1
+    with torch.no_grad():
+        y = feature_map(x, "elu")
+    assert y.dtype == torch.float32
+    assert ((y.double() - expected).abs() / expected).max() <= 1e-6
+
+
 def test_unknown_feature_map_raises():
     with pytest.raises(ValueError, match="unknown feature map 'tanh'; choose elu or relu"):
         feature_map(torch.zeros(1), "tanh")

@@ -16,8 +16,9 @@ b = φ(k), c = v'. It is computed in chunks of ``chunk`` positions: inside a chu
 (chunk × chunk) product, across chunks through the running state ``S = Σ b_j c_jᵀ`` (D × Dv+1).
 The per-position cost is about 4·chunk·D + 4·D·Dv, least near chunk = √(D·Dv): 64 by default.
 One autograd Function (``_Causal``) runs over blocks of positions in time order, computing φ and
-[v, 1] for the block only, with the block's chunk states from one cumulative sum, so memory stays
-O(N·D + block·D·Dv), never O(N·D²). Its backward is the same product run forwards in time (for ∂q)
+v for the block only, with the block's chunk states as running sums, so memory stays
+O(N·D + block·D·Dv), never O(N·D²). Its forward carries the normaliser's state Σ φ(k) beside S
+rather than as a ones column, since (D × Dv+1) products run a quarter slower than (D × Dv) ones. Its backward is the same product run forwards in time (for ∂q)
 and backwards in time (for ∂k, ∂v), recomputing φ per block: only q, k, v, the output and the
 denominators are saved. With L ≠ S the queries are the last L positions of the keys (bottom-right
 alignment): keys before them enter as the initial state. ``causal_dot`` exposes the bare product,
@@ -49,6 +50,7 @@ __all__ = ["LinearConfig", "LinearDecoder", "causal_dot", "feature_map", "linear
 
 _BLOCK_STATE_ELEMENTS = 1 << 18  # chunk states held at once: rows × chunks × D × Dc
 _BLOCK_ELEMENTS = 1 << 18  # non-causal form: positions × rows × width per block of keys or queries
+_LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,12 @@ def feature_map(x: Tensor, name: str) -> Tensor:
     if name == "elu":  # elu(x) + 1 = exp(min(x, 0)) + max(x, 0): a third faster on CPU than F.elu
         if torch.is_grad_enabled() and x.requires_grad:
             return torch.exp(x.clamp(max=0)) + F.relu(x)
-        return x.clamp(max=0).exp_().add_(F.relu(x))
+        if x.dtype == torch.float64:
+            return x.clamp(max=0).exp_().add_(F.relu(x))
+        # fp32 and lower: exp(u) = 2^(u·log2 e), as torch's exp2 is twice as fast as exp on CPU;
+        # t = x·log2 e is the one pass that reads x, the rest run on t (max(x, 0) = max(t, 0) / log2 e)
+        t = torch.mul(x, _LOG2E)
+        return t.clamp(max=0).exp2_().add_(t.clamp_(min=0), alpha=1 / _LOG2E)
     if name == "relu":
         return F.relu(x)
     raise ValueError(f"unknown feature map {name!r}; choose elu or relu")
@@ -88,13 +95,12 @@ def _causal_dot_blocked(a: Tensor, b: Tensor, c: Tensor, initial: Tensor | None,
         a, b, c = (F.pad(x, (0, 0, 0, pad)) for x in (a, b, c))
     a, b, c = (x.view(R, chunks, chunk, x.shape[-1]) for x in (a, b, c))
     state = a.new_zeros(R, 1, Da, Dc) if initial is None else initial.unsqueeze(1)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=a.device).tril()
     per_block = max(1, _BLOCK_STATE_ELEMENTS // (R * Da * Dc))
     out = a.new_empty(R, chunks, chunk, Dc)
     for start in range(0, chunks, per_block):
         block = slice(start, start + per_block)
         ab, bb, cb = a[:, block], b[:, block], c[:, block]
-        scores = torch.matmul(ab, bb.transpose(-1, -2)).masked_fill_(~causal, 0)  # (R, n, chunk, chunk)
+        scores = torch.matmul(ab, bb.transpose(-1, -2)).tril_()  # (R, n, chunk, chunk)
         updates = torch.matmul(bb.transpose(-1, -2), cb)  # (R, n, Da, Dc): each chunk's Σ b cᵀ
         before = F.pad(torch.cumsum(updates[:, :-1], dim=1), (0, 0, 0, 0, 1, 0)) + state  # entering each chunk
         out[:, block] = torch.matmul(scores, cb) + torch.matmul(ab, before)
@@ -190,15 +196,17 @@ class _NonCausal(torch.autograd.Function):
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         block = max(1, _BLOCK_ELEMENTS // (B * H * max(D, Dv)))
         kv = q.new_zeros(B, H, D, Dv, dtype=work)
-        z = q.new_zeros(B, H, D, 1, dtype=work)
+        z = q.new_zeros(B, H, 1, D, dtype=work)
         for start in range(0, S, block):
             fk = _key_features(k, mask, start, block, name, work)
-            kv += torch.matmul(fk.transpose(-1, -2), v[:, :, start : start + block].to(work))
-            z += fk.sum(2).unsqueeze(-1)
+            _add_matmul_(kv, fk.transpose(-1, -2), v[:, :, start : start + block].to(work))
+            z += fk.sum(2, keepdim=True)
         out = q.new_empty(B, H, L, Dv)
         for start in range(0, L, block):
             fq = feature_map(q[:, :, start : start + block].to(work), name)
-            out[:, :, start : start + block] = torch.matmul(fq, kv).div_(torch.matmul(fq, z).add_(eps))
+            den = (fq * z).sum(-1, keepdim=True).add_(eps)  # a product with one column is slow in BLAS
+            torch.div(torch.matmul(fq, kv), den, out=out[:, :, start : start + block])
+        z = z.transpose(-1, -2)
         ctx.save_for_backward(q, k, v, mask, kv, z)
         ctx.name, ctx.eps, ctx.block, ctx.work = name, eps, block, work
         return out
@@ -255,10 +263,8 @@ def _chunk_states(updates: Tensor, state: Tensor, reverse: bool = False) -> tupl
         return before.flip(2), after
     before = torch.empty_like(updates)
     before[:, :, 0] = state
-    if updates.shape[2] == 1:
-        return before, state + updates[:, :, 0]
-    updates[:, :, 0] += state
-    torch.cumsum(updates[:, :, :-1], dim=2, out=before[:, :, 1:])
+    for i in range(1, updates.shape[2]):  # a few adds: faster on CPU than cumsum over dim 2
+        torch.add(before[:, :, i - 1], updates[:, :, i - 1], out=before[:, :, i])
     return before, before[:, :, -1] + updates[:, :, -1]
 
 
@@ -293,19 +299,23 @@ class _Causal(torch.autograd.Function):
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         chunk = max(1, min(chunk, N))
         step = chunk * max(1, _BLOCK_STATE_ELEMENTS // (B * H * D * (Dv + 1)))
-        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-        state = q.new_zeros(B, H, D, Dv + 1, dtype=work) if initial is None else initial.to(work)
+        if initial is None:
+            state, z = q.new_zeros(B, H, D, Dv, dtype=work), q.new_zeros(B, H, D, dtype=work)
+        else:
+            state, z = initial[..., :Dv].to(work), initial[..., Dv].to(work)
         out = q.new_empty(B, H, N, Dv)
         den = q.new_empty(B, H, N, 1, dtype=work)
         for s in range(0, N, step):
             e = min(s + step, N)
-            a, b, c = _block_inputs(q, k, v, mask, s, e, name, work, chunk)
-            updates = torch.matmul(b.transpose(-1, -2), c)  # (B, H, m, D, Dv + 1): each chunk's Σ φ(k) [v, 1]ᵀ
-            before, state = _chunk_states(updates, state)
-            y = torch.matmul(torch.matmul(a, b.transpose(-1, -2)).masked_fill_(~causal, 0), c)
-            y = _add_matmul_(y, a, before).view(B, H, -1, Dv + 1)[:, :, : e - s]
-            torch.add(y[..., -1:], eps, out=den[:, :, s:e])
-            torch.div(y[..., :-1], den[:, :, s:e], out=out[:, :, s:e])
+            a, b, c = _block_inputs(q, k, v, mask, s, e, name, work, chunk, ones=False)
+            # the normaliser runs beside the values, not as a ones column: 65-wide products are slow
+            before, state = _chunk_states(torch.matmul(b.transpose(-1, -2), c), state)  # (B, H, m, D, Dv)
+            z_before, z = _chunk_states(b.sum(3), z)  # (B, H, m, D)
+            scores = torch.matmul(a, b.transpose(-1, -2)).tril_()
+            y = _add_matmul_(torch.matmul(scores, c), a, before).view(B, H, -1, Dv)[:, :, : e - s]
+            d = scores.sum(-1).add_((a * z_before.unsqueeze(-2)).sum(-1)).add_(eps)
+            den[:, :, s:e] = d.view(B, H, -1, 1)[:, :, : e - s]
+            torch.div(y, den[:, :, s:e], out=out[:, :, s:e])
         ctx.save_for_backward(q, k, v, mask, initial, out, den)
         ctx.name, ctx.chunk, ctx.step, ctx.work = name, chunk, step, work
         return out
@@ -317,7 +327,6 @@ class _Causal(torch.autograd.Function):
         name, chunk, step, work = ctx.name, ctx.chunk, ctx.step, ctx.work
         B, H, N, D = q.shape
         Dv = v.shape[-1]
-        tril = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
 
         def grad_product(s: int, e: int) -> Tensor:
             """G = ∂loss/∂y for y = [num, den - ε]: out = num / den."""
@@ -332,7 +341,7 @@ class _Causal(torch.autograd.Function):
                 _, b, c = _block_inputs(None, k, v, mask, s, e, name, work, chunk)
                 G = grad_product(s, e)
                 before, state = _chunk_states(torch.matmul(b.transpose(-1, -2), c), state)
-                ga = torch.matmul(torch.matmul(G, c.transpose(-1, -2)).masked_fill_(~tril, 0), b)
+                ga = torch.matmul(torch.matmul(G, c.transpose(-1, -2)).tril_(), b)
                 ga = _add_matmul_(ga, G, before.transpose(-1, -2)).view(B, H, -1, D)[:, :, : e - s]
                 grad_q[:, :, s:e] = ga * _feature_grad(q[:, :, s:e].to(work), name)
         grad_k = torch.empty_like(k) if ctx.needs_input_grad[1] else None
@@ -340,7 +349,6 @@ class _Causal(torch.autograd.Function):
         grad_initial = None
         if grad_k is not None or grad_v is not None or ctx.needs_input_grad[4]:
             # backwards in time: ∂b_j = Σ_{i≥j} (G_i·c_j) a_i and ∂c_j = Σ_{i≥j} (a_i·b_j) G_i
-            triu = tril.T
             state = q.new_zeros(B, H, D, Dv + 1, dtype=work)  # R = Σ_{i later} a_i G_iᵀ
             starts = list(range(0, N, step))
             for s in reversed(starts):
@@ -349,26 +357,29 @@ class _Causal(torch.autograd.Function):
                 G = grad_product(s, e)
                 after, state = _chunk_states(torch.matmul(a.transpose(-1, -2), G), state, reverse=True)
                 if grad_k is not None:
-                    gb = torch.matmul(torch.matmul(c, G.transpose(-1, -2)).masked_fill_(~triu, 0), a)
+                    gb = torch.matmul(torch.matmul(c, G.transpose(-1, -2)).triu_(), a)
                     gb = _add_matmul_(gb, c, after.transpose(-1, -2)).view(B, H, -1, D)[:, :, : e - s]
                     gb *= _feature_grad(k[:, :, s:e].to(work), name)
                     if mask is not None:
                         gb *= mask[:, None, s:e, None]
                     grad_k[:, :, s:e] = gb
                 if grad_v is not None:
-                    gc = torch.matmul(torch.matmul(b, a.transpose(-1, -2)).masked_fill_(~triu, 0), G[..., :-1])
+                    gc = torch.matmul(torch.matmul(b, a.transpose(-1, -2)).triu_(), G[..., :-1])
                     grad_v[:, :, s:e] = _add_matmul_(gc, b, after[..., :-1]).view(B, H, -1, Dv)[:, :, : e - s]
             if ctx.needs_input_grad[4]:
                 grad_initial = state.to(initial.dtype)
         return grad_q, grad_k, grad_v, None, grad_initial, None, None, None
 
 
-def _block_inputs(q, k, v, mask, s: int, e: int, name: str, work: torch.dtype, chunk: int):
-    """φ(q), φ(k) (padded keys zeroed) and [v, 1] for positions ``[s, e)``, in chunks."""
+def _block_inputs(q, k, v, mask, s: int, e: int, name: str, work: torch.dtype, chunk: int, ones: bool = True):
+    """φ(q), φ(k) (padded keys zeroed) and [v, 1] (v alone unless ``ones``) for positions ``[s, e)``,
+    in chunks."""
     fk = feature_map(k[:, :, s:e].to(work), name)
     if mask is not None:
         fk *= mask[:, None, s:e, None]
-    v1 = torch.cat([v[:, :, s:e].to(work), v.new_ones(*v.shape[:2], e - s, 1, dtype=work)], dim=-1)
+    v1 = v[:, :, s:e].to(work).contiguous()  # read by two products: copied once, not by each
+    if ones:
+        v1 = torch.cat([v1, v.new_ones(*v.shape[:2], e - s, 1, dtype=work)], dim=-1)
     fq = None if q is None else _chunked(feature_map(q[:, :, s:e].to(work), name), chunk)
     return fq, _chunked(fk, chunk), _chunked(v1, chunk)
 
