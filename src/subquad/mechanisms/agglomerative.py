@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from subquad._blocks import BlockOutput
 from subquad._validate import AttentionShape, check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -153,24 +152,22 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
     Query i sits at reference position i + offset."""
     B, H, L, _ = c_q.shape
     S, Dv = values.shape[2], values.shape[3]
-    out = BlockOutput((B, H, L, Dv), 2, values, track=False)
+    out = values.new_empty(B, H, L, Dv)
     if offset < 0:
-        out.put(values.new_zeros(B, H, min(-offset, L), Dv))  # queries before the first reference see none
+        out[:, :, : min(-offset, L)] = 0  # queries before the first reference see none
     block = _block_size(B, H, Dv)
     starts = range(0, S, block)
     # The query rows each reference block serves: positions max(start, offset) .. min(stop, offset + L).
     spans = [(max(s, offset), min(s + block, S, offset + L)) for s in starts]
-    sizes = [hi - lo for lo, hi in spans if lo < hi]
-    query_blocks = iter(c_q[:, :, L - sum(sizes) :].split(sizes, dim=2)) if sizes else iter(())
     sums = mass = None
     for start, (lo, hi), c_r_block, v_block in zip(starts, spans, c_r.split(block, dim=2), values.split(block, dim=2)):
         sums = _prefix(c_r_block * v_block, sums)
         mass = _prefix(c_r_block, mass)
         if lo < hi:
-            scale = next(query_blocks) / mass[:, :, lo - start : hi - start].clamp_min(clip)
-            out.put(sums[:, :, lo - start : hi - start] * scale)
+            scale = c_q[:, :, lo - offset : hi - offset] / mass[:, :, lo - start : hi - start].clamp_min(clip)
+            torch.mul(sums[:, :, lo - start : hi - start], scale, out=out[:, :, lo - offset : hi - offset])
         sums, mass = sums[:, :, -1:], mass[:, :, -1:]
-    return out.result()
+    return out
 
 
 def _block_size(B: int, H: int, Dv: int) -> int:
