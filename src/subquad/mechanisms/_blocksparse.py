@@ -148,7 +148,11 @@ class _Chunk:
                 x = sources[key]
             return self.group.key_view(x, self.pad, self.start, self.stop)
         B, F_ = x.shape[0], x.shape[-1]
-        return x.reshape(B, -1, F_).index_select(1, self.flat).view(B, *self.shape, F_)
+        rows = x.reshape(-1, F_)  # index_select along dim 0 of a matrix: several times faster on CPU
+        flat = self.flat
+        if B > 1:
+            flat = (torch.arange(B, device=x.device)[:, None] * (rows.shape[0] // B) + flat).flatten()
+        return rows.index_select(0, flat).view(B, *self.shape, F_)
 
     def take(self, x: Tensor, view: bool = True) -> Tensor:
         """This chunk's rows of queries (``view``) or of per-query tensors ``x`` ``(B, H, L(+pad), F)``:

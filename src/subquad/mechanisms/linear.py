@@ -17,11 +17,12 @@ b = φ(k), c = v'. It is computed in chunks of ``chunk`` positions: inside a chu
 The per-position cost is about 4·chunk·D + 4·D·Dv, least near chunk = √(D·Dv): 64 by default.
 One autograd Function (``_Causal``) runs over blocks of positions in time order, computing φ and
 v for the block only, with the block's chunk states as running sums, so memory stays
-O(N·D + block·D·Dv), never O(N·D²). Its forward carries the normaliser's state Σ φ(k) beside S
-rather than as a ones column, since (D × Dv+1) products run a quarter slower than (D × Dv) ones. Its backward is the same product run forwards in time (for ∂q)
-and backwards in time (for ∂k, ∂v), recomputing φ per block: only q, k, v, the output and the
-denominators are saved. With L ≠ S the queries are the last L positions of the keys (bottom-right
-alignment): keys before them enter as the initial state. ``causal_dot`` exposes the bare product,
+O(N·D + block·D·Dv), never O(N·D²). Its forward carries the normaliser's state Σ φ(k) beside
+S rather than as a ones column: (D × Dv+1) products run a quarter slower than (D × Dv) ones.
+Its backward is the same product run forwards in time (for ∂q) and backwards in time (for ∂k,
+∂v), recomputing φ per block: only q, k, v, the output and the denominators are saved. With
+L ≠ S the queries are the last L positions of the keys (bottom-right alignment): keys before them
+enter as the initial state. ``causal_dot`` exposes the bare product,
 differentiable, for mechanisms built on it.
 
 **Decoding.** ``LinearDecoder`` carries S and the normaliser per head (O(D·Dv), whatever the prefix
