@@ -107,7 +107,7 @@ def _run_list(args: argparse.Namespace) -> int:
         )
         print(f"  cached decoding: {d['decoding'] or 'none (generate with use_cache=False)'}")
         if d["tensor_args"]:
-            print(f"  extra tensor arguments: {', '.join(d['tensor_args'])}")
+            print(f"  extra call arguments: {', '.join(d['tensor_args'])}")
         print("  options:" if d["options"] else "  options: none")
         for o in d["options"]:
             choices = f"  {{{', '.join(map(str, o['choices']))}}}" if o["choices"] else ""

@@ -144,8 +144,8 @@ class Mechanism:
         paper: the paper and section it implements.
         causal, cross: whether ``is_causal=True`` and L != S are supported.
         dtypes: the floating dtypes it computes in.
-        tensor_args: extra tensor arguments ``fn`` takes (e.g. class logits), all optional for
-            ``fn`` unless ``inputs`` produces them in layers.
+        tensor_args: extra keyword arguments ``fn`` takes, tensors (e.g. class logits) or a
+            ``mask_mod`` callable, all optional for ``fn`` unless ``inputs`` produces them in layers.
         state: an ``nn.Module`` class built as ``state(config, num_heads, head_dim, seed)`` holding
             what persists across calls (centroids, hash planes); passed to ``fn`` as ``state``.
         inputs: an ``nn.Module`` class built as ``inputs(config, embed_dim, num_heads)`` that a layer
