@@ -321,6 +321,29 @@ def test_pattern_from_the_sparse_mask_mod_equals_sparse():
     assert (out - sparse_attention(q, k, v, is_causal=True, config=config)).abs().max() <= 1e-12
 
 
+def test_a_named_layout_is_built_once_and_follows_a_replaced_registration():
+    built = []
+
+    def band(width):
+        def factory(config, L, S):
+            built.append(width)
+            return lambda b, h, i, j: (i - j).abs() <= width
+
+        return factory
+
+    q, k, v = qkv(1, 2, 40, 40, 4)
+    i, j = torch.arange(40)[:, None], torch.arange(40)[None, :]
+    register_pattern("test-once", band(2), replace=True)
+    for _ in range(3):
+        out = subquad.attention(q, k, v, "pattern", name="test-once", block=8)
+        assert (out - full_attention(q, k, v, attn_mask=(i - j).abs() <= 2)).abs().max() <= 1e-12
+    assert built == [2]  # one layout for three calls
+    register_pattern("test-once", band(5), replace=True)
+    out = subquad.attention(q, k, v, "pattern", name="test-once", block=8)
+    assert (out - full_attention(q, k, v, attn_mask=(i - j).abs() <= 5)).abs().max() <= 1e-12
+    assert built == [2, 5]
+
+
 def test_registered_pattern_reaches_layers_by_name():
     register_pattern("test-band", lambda config, L, S: lambda b, h, i, j: (i - j).abs() <= config.window, replace=True)
     torch.manual_seed(0)

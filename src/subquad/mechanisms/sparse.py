@@ -516,6 +516,15 @@ def _pattern_groups(mask_mod: MaskMod, shape: AttentionShape, block: int, head_o
     return groups
 
 
+@functools.lru_cache(maxsize=16)
+def _named_pattern_groups(
+    config: PatternConfig, factory: PatternFactory, shape: AttentionShape, is_causal: bool, device
+) -> list[Group]:
+    """The layout of a registered pattern (``factory``: a replaced registration is a new key)."""
+    mod = pattern_mask_mod(config, shape.queries, shape.keys, is_causal)
+    return _pattern_groups(mod, shape, config.block, config.head_offset, device)
+
+
 def pattern_attention(
     q: Tensor,
     k: Tensor,
@@ -548,8 +557,11 @@ def pattern_attention(
         raise ValueError(
             f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool tensor, got {type(mask_mod).__name__}"
         )
-    mod = pattern_mask_mod(config, shape.queries, shape.keys, is_causal, mask_mod)
-    groups = _pattern_groups(mod, shape, config.block, config.head_offset, q.device)
+    if mask_mod is None:  # a named pattern's layout depends only on these: computed once
+        groups = _named_pattern_groups(config, PATTERNS[config.name], shape, is_causal, q.device)
+    else:  # a user's function may close over anything: its layout is evaluated on every call
+        mod = pattern_mask_mod(config, shape.queries, shape.keys, is_causal, mask_mod)
+        groups = _pattern_groups(mod, shape, config.block, config.head_offset, q.device)
     return block_sparse_attention(q, k, v, [groups], key_padding_mask, shape.scale, config.kernel)
 
 
