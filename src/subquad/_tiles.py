@@ -1,20 +1,26 @@
-"""Exact softmax attention over tiles: groups of queries that share a set of keys.
+"""Exact softmax attention of query blocks to windows of a key table.
 
-Routing attention reduces to this: its tiles are gathered by cluster, per (batch, head) row. (A
-regular band such as a sliding window is cheaper through ``mechanisms._blocksparse``.) A tile
-lists up to ``Tq`` query positions and up to ``Tk`` key positions (``-1`` marks an empty slot);
-each query sits in at most one tile and attends to the tile's keys that a positional rule allows.
-The rule is a band on ``d = key position - (query position + offset)``: ``lo <= d <= hi``, where
-``offset = S - L`` aligns the last query with the last key (bottom-right, as causal attention
-does). Optionally the last ``Tq`` key slots of a tile hold its queries' own positions, each seen
-only by its own query (routing uses this so that every query sees at least its own key). Padded
-keys never receive weight; a query with no visible key returns zeros.
+Routing attention reduces to this (a regular band such as a sliding window is cheaper through
+``mechanisms._blocksparse``). Per (batch, head) row, a *table* lists key positions in slots
+(``-1``: empty), cut into tiles of ``tile`` slots. Queries come in *blocks* of up to ``Tq``;
+block b owns the window of table slots starting at tile ``start[b]``, and its query i sees the
+window's first ``seen[b, i]`` slots, which must hold real keys:
 
-``tile_attention`` is one autograd Function that computes tiles a group at a time, so memory
-holds one group's gathered keys and scores, never one per tile at once. The forward runs each
-group through torch's CPU flash-attention kernel where it exists (the hidden slots as an additive
-mask), else an eager softmax; it saves only its inputs and the output, and the backward recomputes
-each group's softmax. Scores and softmax are fp32 for fp16/bf16 inputs.
+    out_i = Σ_{j < seen_i} softmax_j(scale · q_i · k_{w_j}) v_{w_j}        (w_j: the j-th window slot)
+
+Optionally query i also sees its own key, at position ``i + S − L`` (``own[i]``; it must not be
+in its window), merged through the log-sum-exp: with ``ℓ`` the window's and ``s = scale · q_i ·
+k_{i+S−L}``, ``λ = logaddexp(ℓ, s)`` and ``out = e^{ℓ − λ} out_window + e^{s − λ} v_{i+S−L}``.
+A query that sees no key returns zeros.
+
+``window_attention`` is one autograd Function. It runs the blocks in chunks of similar shape: a
+block at most half full runs narrower (the next power of two holding its queries, at least
+``_MIN_BLOCK``), and the keys of a chunk's windows are cut to the longest need in it, so blocks
+whose queries see few keys cost few. Each chunk goes through torch's CPU flash-attention kernel
+where it exists (the unseen slots as an additive mask), else an eager softmax. Chunk buffers are
+allocated once per call and reused: on CPU a fresh large tensor costs more in page faults than the
+copy into it. The Function saves its inputs, the output and the log-sum-exp; the backward
+recomputes each chunk's probabilities. Scores and softmax are fp32 for fp16/bf16 inputs.
 """
 
 from __future__ import annotations
@@ -24,125 +30,49 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Band", "tile_attention"]
+__all__ = ["Windows", "window_attention"]
 
-_GROUP_ELEMENTS = 1 << 22  # score entries computed at once (about 16 MB in fp32)
+_GROUP_ELEMENTS = 1 << 20  # score entries computed at once (about 4 MB in fp32)
+_MIN_BLOCK = 16  # the narrowest query block run
 
 
 @dataclass(frozen=True)
-class Band:
-    """Which tile keys a query sees: ``lo <= key - (query + offset) <= hi`` (None: unbounded).
+class Windows:
+    """Query blocks and the key-table windows they see (module docstring).
 
-    With ``own_slots`` the last ``Tq`` key slots of each tile are the tile's queries' own
-    positions: a query sees only its own there, and the other slots hide its position so that it
-    counts once.
+    Shapes: R rows (batch × heads), M table slots, nb blocks of Tq query slots.
+
+    Attributes:
+        table: ``(R, M)`` key positions, ``-1`` for an empty slot.
+        tile: slots per table tile; windows start on tile boundaries.
+        queries: ``(R, nb, Tq)`` query positions, ``-1`` for an empty slot (empty slots last in
+            a block); every position in exactly one slot.
+        start: ``(R, nb)`` the first table tile of each block's window.
+        seen: ``(R, nb, Tq)`` or ``(R, nb, 1)``: how many leading window slots each query sees.
+        own: bool ``(R, L)``: query i also sees the key at position ``i + S − L``; or None.
     """
 
-    lo: int | None = None
-    hi: int | None = None
-    own_slots: bool = False
+    table: Tensor
+    tile: int
+    queries: Tensor
+    start: Tensor
+    seen: Tensor
+    own: Tensor | None = None
 
 
-def tile_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_index: Tensor,
-    k_index: Tensor,
-    band: Band,
-    scale: float,
-    key_valid: Tensor | None = None,
-) -> Tensor:
-    """Softmax attention of each tile's queries to its keys.
+def window_attention(q: Tensor, k: Tensor, v: Tensor, windows: Windows, scale: float) -> Tensor:
+    """Softmax attention of each query to the keys its block's window (and ``own``) shows it.
 
     Args:
         q, k, v: ``(R, L, D)``, ``(R, S, D)``, ``(R, S, Dv)`` (rows are batch × heads).
-        q_index: ``(R, T, Tq)`` query positions per tile, ``-1`` for an empty slot; a position
-            appears at most once per row.
-        k_index: ``(R, T, Tk)`` key positions per tile, ``-1`` for an empty slot.
-        band: the positional rule.
+        windows: the blocks and windows.
         scale: the softmax scale.
-        key_valid: bool ``(R, S)``, False for padded keys.
 
     Returns:
-        ``(R, L, Dv)``; zeros for queries in no tile or with no visible key.
+        ``(R, L, Dv)``; zeros for queries with no visible key.
     """
-    return _TileAttention.apply(q, k, v, q_index, k_index, key_valid, band, scale)
-
-
-def _take(x: Tensor, index: Tensor) -> Tensor:
-    """Rows ``x[r, index[r, ...]]`` of ``x`` ``(R, N, D)`` for ``index`` ``(R, ...)``, as ``(R, ..., D)``."""
-    R, N, D = x.shape
-    flat = (index + torch.arange(R, device=index.device).view(R, *([1] * (index.dim() - 1))) * N).flatten()
-    return x.reshape(R * N, D).index_select(0, flat).view(*index.shape, D)
-
-
-class _Gathered:
-    """One group of tiles: gathered rows and the hidden slots."""
-
-    def __init__(self, q, k, v, q_index, k_index, key_valid, band: Band, work: torch.dtype) -> None:
-        R, L, S = q.shape[0], q.shape[1], k.shape[1]
-        offset = S - L
-        self.q_ok = q_index >= 0
-        self.qi = q_index.clamp(min=0)
-        self.ki = ki = k_index.clamp(min=0)
-        self.q = _take(q, self.qi).to(work)  # (R, g, Tq, D)
-        self.k = _take(k, ki).to(work)  # (R, g, Tk, D)
-        self.v = _take(v, ki).to(work)
-        k_ok = k_index >= 0
-        if key_valid is not None:
-            k_ok = k_ok & torch.gather(key_valid, 1, ki.view(R, -1)).view(ki.shape)
-        # Hidden slots, as one mask broadcastable to (R, g, Tq, Tk): empty or padded keys, and the band.
-        self.hidden = [] if bool(k_ok.all()) else [~k_ok.unsqueeze(-2)]
-        if band.lo is not None or band.hi is not None or band.own_slots:
-            Tq = self.q.shape[2]
-            key_pos, query_pos = ki.unsqueeze(-2), (self.qi + offset).unsqueeze(-1)  # (R, g, 1, Tk), (R, g, Tq, 1)
-            if band.own_slots:  # tile slots hide the query's own position; own slot b serves query b
-                key_pos = key_pos[..., :-Tq]
-            lo, hi = band.lo, band.hi
-            if band.own_slots and hi == 0:
-                hi = -1  # d <= 0 and d != 0 in one comparison
-            parts = []
-            if lo is not None:
-                parts.append(key_pos < query_pos + lo)
-            if hi is not None:
-                parts.append(key_pos > query_pos + hi)
-            if band.own_slots and band.hi != 0:
-                parts.append(key_pos == query_pos)
-            hidden = (
-                parts[0] if parts else torch.zeros_like(key_pos.expand(*query_pos.shape[:-1], -1), dtype=torch.bool)
-            )
-            for part in parts[1:]:
-                hidden = hidden | part
-            if band.own_slots:
-                own = ~torch.eye(Tq, dtype=torch.bool, device=q.device)
-                hidden = torch.cat([hidden, own.expand(*hidden.shape[:-1], Tq)], dim=-1)
-            if self.hidden:  # one pass over the scores: fold the empty and padded slots in
-                hidden = hidden | self.hidden.pop()
-            self.hidden.append(hidden)
-
-    def fused_output(self, scale: float) -> Tensor:
-        """The attention output ``(R, g, Tq, Dv)`` through torch's CPU flash-attention kernel, with the
-        hidden slots as an additive mask (zero rows where none is visible, as the kernel returns)."""
-        R, g, Tq, D = self.q.shape
-        Tk = self.k.shape[2]
-        mask = torch.zeros(R, g, Tq, Tk, dtype=self.q.dtype, device=self.q.device)
-        for hidden in self.hidden:
-            mask.masked_fill_(hidden, -torch.inf)
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            self.q.view(R * g, 1, Tq, D), self.k.view(R * g, 1, Tk, D), self.v.view(R * g, 1, Tk, -1),
-            attn_mask=mask.view(R * g, 1, Tq, Tk), scale=scale,
-        )  # fmt: skip
-        return out.view(R, g, Tq, -1)
-
-    def probabilities(self, scale: float) -> Tensor:
-        """Softmax weights ``(R, g, Tq, Tk)`` over the visible slots; zero rows where none is."""
-        s = torch.matmul(self.q, self.k.transpose(-1, -2)).mul_(scale)
-        for hidden in self.hidden:
-            s.masked_fill_(hidden, -torch.inf)
-        blind = s.amax(-1, keepdim=True) == -torch.inf  # rows that see no key: softmax gives NaN
-        p = torch.softmax(s, dim=-1)
-        return p.masked_fill_(blind, 0.0) if bool(blind.any()) else p
+    w = windows
+    return _WindowAttention.apply(q, k, v, w.table, w.tile, w.queries, w.start, w.seen, w.own, scale)
 
 
 def _fused_available(q: Tensor, v: Tensor) -> bool:
@@ -154,61 +84,197 @@ def _fused_available(q: Tensor, v: Tensor) -> bool:
     )
 
 
-def _groups(T: int, per_tile: int, R: int) -> int:
-    return max(1, _GROUP_ELEMENTS // max(1, R * per_tile))
+def _take(buffer: Tensor, x: Tensor, index: Tensor) -> Tensor:
+    """Rows ``x[index]`` of ``x`` ``(N, D)``, written into the front of ``buffer``: ``(*index.shape, D)``."""
+    out = buffer[: index.numel() * x.shape[1]].view(index.numel(), x.shape[1])
+    if x.dtype == buffer.dtype:
+        torch.index_select(x, 0, index.flatten(), out=out)
+    else:
+        out.copy_(x.index_select(0, index.flatten()))
+    return out.view(*index.shape, x.shape[1])
 
 
-class _TileAttention(torch.autograd.Function):
+class _Plan:
+    """Flat row indices of the blocks, sorted by width and by the window slots they need, in chunks."""
+
+    def __init__(self, R: int, L: int, S: int, table: Tensor, tile: int, queries: Tensor, start: Tensor,
+                 seen: Tensor) -> None:  # fmt: skip
+        M, (nb, Tq) = table.shape[1], queries.shape[1:]
+        rows = torch.arange(R, device=table.device)[:, None]
+        self.dummy = R * L  # row R·L of the outputs takes the empty query slots
+        self.keys = torch.where(table >= 0, table + rows * S, 0).flatten()  # (R·M) rows of k
+        need = seen.amax(-1).flatten()  # (R·nb)
+        used = (queries >= 0).sum(-1).flatten()
+        width = torch.full_like(used, _MIN_BLOCK)  # the next power of two holding a block's queries
+        while bool((width < used).any()):
+            width = torch.where(width < used, width * 2, width)
+        width = torch.where(used > Tq // 2, Tq, width.clamp(max=Tq))  # at most half full: narrower
+        order = (width * (int(need.max()) + 1) + need).argsort()
+        self.queries = torch.where(queries >= 0, queries + rows[..., None] * L, R * L).view(R * nb, Tq)[order]
+        self.start = (start * tile + rows * M).flatten()[order]  # each window's first slot
+        self.seen = seen.reshape(R * nb, -1)[order]  # (R·nb, Tq or 1)
+        self.longest = max(1, int(need.max()))  # buffers hold `step` blocks of Tq queries and this many keys
+        self.Tq, self.step = Tq, max(1, _GROUP_ELEMENTS // (Tq * self.longest))
+        self.chunks = _chunks(width[order].tolist(), need[order].tolist(), self.step)
+
+    def chunk(self, first: int, end: int, Tq: int, Tk: int, q, k, v, buffers: dict[str, Tensor]) -> _Chunk:
+        blocks = slice(first, end)
+        slots = (self.start[blocks, None] + torch.arange(Tk, device=self.start.device)).clamp_(max=len(self.keys) - 1)
+        seen = self.seen[blocks, :Tq]
+        return _Chunk(self.queries[blocks, :Tq], self.dummy, self.keys[slots], seen, q, k, v, buffers)
+
+
+def _chunks(widths: list[int], needs: list[int], step: int) -> list[tuple[int, int, int, int]]:
+    """Cut blocks sorted by (width, need) into runs ``(first, end, Tq, Tk)`` of at most ``step``
+    blocks of one width whose needs exceed the first's by at most an eighth plus 8 slots, each
+    computed ``Tq`` queries by ``Tk`` = its longest need (at least 1) keys."""
+    chunks, first = [], 0
+    for end in range(1, len(needs) + 1):
+        if (end == len(needs) or end - first == step or widths[end] != widths[first]
+                or needs[end] > needs[first] * 9 // 8 + 8):  # fmt: skip
+            chunks.append((first, end, widths[first], max(1, needs[end - 1])))
+            first = end
+    return chunks
+
+
+class _Chunk:
+    """One chunk of blocks: gathered queries, window keys and values, and the unseen slots."""
+
+    def __init__(self, query_rows, dummy, key_rows, seen, q, k, v, buffers: dict[str, Tensor]) -> None:
+        self.query_rows = query_rows.flatten()  # (n·Tq), `dummy` for an empty slot
+        self.q_ok = query_rows < dummy  # (n, Tq)
+        self.q_rows = query_rows.clamp(max=dummy - 1)  # (n, Tq): empty slots compute on a real row
+        self.key_rows = key_rows  # (n, Tk)
+        self.q = _take(buffers["q"], q, self.q_rows)  # (n, Tq, D)
+        self.k = _take(buffers["k"], k, key_rows)  # (n, Tk, D)
+        self.v = _take(buffers["v"], v, key_rows)  # (n, Tk, Dv)
+        Tk = key_rows.shape[1]
+        self.seen = seen.clamp(max=Tk)  # (n, Tq or 1)
+        self.full = bool((self.seen == Tk).all())  # every query sees the whole window: no mask
+
+    def additive_mask(self, buffer: Tensor) -> Tensor | None:
+        """The unseen slots as −inf, else 0, ``(n, Tq or 1, Tk)``: rows of a lookup table whose
+        row s is s zeros, then −inf."""
+        if self.full:
+            return None
+        Tk = self.k.shape[1]
+        lookup = torch.full((Tk + 1, Tk), -torch.inf, dtype=buffer.dtype, device=buffer.device).triu_()
+        return _take(buffer, lookup, self.seen)
+
+    def scores(self, scale: float) -> Tensor:
+        """``scale · q kᵀ`` with the unseen slots at −inf, ``(n, Tq, Tk)``."""
+        s = torch.matmul(self.q, self.k.transpose(-1, -2)).mul_(scale)
+        if self.full:
+            return s
+        return s.masked_fill_(torch.arange(s.shape[-1], device=s.device) >= self.seen[..., None], -torch.inf)
+
+    def output(self, scale: float, fused: bool, buffers: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Softmax over the window: output ``(n, Tq, Dv)`` and log-sum-exp ``(n, Tq)`` (−inf where
+        no slot is seen, with a zero output)."""
+        n, Tq, D = self.q.shape
+        Tk = self.k.shape[1]
+        if fused:
+            mask = self.additive_mask(buffers["mask"])
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                self.q.view(n, 1, Tq, D), self.k.view(n, 1, Tk, D), self.v.view(n, 1, Tk, -1),
+                attn_mask=None if mask is None else mask.view(n, 1, *mask.shape[1:]), scale=scale,
+            )  # fmt: skip
+            out, lse = out.view(n, Tq, -1), lse.view(n, Tq)
+        else:
+            s = self.scores(scale)
+            lse = torch.logsumexp(s, dim=-1)
+            out = torch.matmul(torch.exp(s - lse.clamp(min=torch.finfo(s.dtype).min)[..., None]), self.v)
+        return out, lse.masked_fill((self.seen == 0).expand(n, Tq), -torch.inf)
+
+
+def _buffers(plan: _Plan, q: Tensor, v: Tensor, work: torch.dtype) -> dict[str, Tensor]:
+    """Chunk buffers, allocated once per call (module docstring)."""
+    rows, D, Dv = plan.step, q.shape[-1], v.shape[-1]
+    new = lambda size: torch.empty(size, dtype=work, device=q.device)  # noqa: E731
+    return {
+        "q": new(rows * plan.Tq * D), "k": new(rows * plan.longest * D), "v": new(rows * plan.longest * Dv),
+        "mask": new(rows * plan.Tq * plan.longest),
+    }  # fmt: skip
+
+
+def _own_keys(q: Tensor, k: Tensor, v: Tensor, own: Tensor, scale: float, work: torch.dtype):
+    """Each query's own key and value ``(R, L, ·)`` (at position i + S − L) and its score
+    ``(R, L)``, −inf where ``own`` is False."""
+    L, S = q.shape[1], k.shape[1]
+    k_own, v_own = k[:, max(0, S - L) :].to(work), v[:, max(0, S - L) :].to(work)
+    if L > S:  # queries before the first key have no own key
+        pad = lambda x: torch.cat([x.new_zeros(x.shape[0], L - S, x.shape[2]), x], dim=1)  # noqa: E731
+        k_own, v_own = pad(k_own), pad(v_own)
+    score = torch.empty(q.shape[:2], dtype=work, device=q.device)
+    product = torch.empty(q.shape[1:], dtype=work, device=q.device)  # reused: one row at a time
+    for r in range(q.shape[0]):
+        score[r] = torch.mul(q[r], k_own[r], out=product).sum(-1)
+    return k_own, v_own, score.mul_(scale).masked_fill_(~own, -torch.inf)
+
+
+class _WindowAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_index, k_index, key_valid, band: Band, scale: float) -> Tensor:  # type: ignore[override]
-        R, L, _ = q.shape
-        T, Tq = q_index.shape[1:]
+    def forward(ctx, q, k, v, table, tile, queries, start, seen, own, scale):  # type: ignore[override]
+        R, L, D = q.shape
+        S, Dv = k.shape[1], v.shape[2]
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        out = q.new_zeros(R, L, v.shape[-1])
-        step = _groups(T, Tq * k_index.shape[2], R)
-        rows = torch.arange(R, device=q.device).view(R, 1, 1)
+        plan = _Plan(R, L, S, table, tile, queries, start, seen)
+        q_, k_, v_ = q.reshape(R * L, D), k.reshape(R * S, D), v.reshape(R * S, Dv)
+        out = torch.empty(R * L + 1, Dv, dtype=work, device=q.device)
+        lse = torch.empty(R * L + 1, dtype=work, device=q.device)
         fused = _fused_available(q, v)
-        for start in range(0, T, step):
-            tiles = slice(start, start + step)
-            g = _Gathered(q, k, v, q_index[:, tiles], k_index[:, tiles], key_valid, band, work)
-            o = g.fused_output(scale) if fused else torch.matmul(g.probabilities(scale), g.v)
-            ok = g.q_ok
-            out[rows.expand_as(g.qi)[ok], g.qi[ok]] = o[ok].to(out.dtype)
-        ctx.save_for_backward(q, k, v, q_index, k_index, key_valid, out)
-        ctx.band, ctx.scale, ctx.step, ctx.work = band, scale, step, work
+        buffers = _buffers(plan, q, v, work)
+        for first, end, Tq, Tk in plan.chunks:
+            chunk = plan.chunk(first, end, Tq, Tk, q_, k_, v_, buffers)
+            o, m = chunk.output(scale, fused, buffers)
+            out.index_copy_(0, chunk.query_rows, o.flatten(0, 1))
+            lse.index_copy_(0, chunk.query_rows, m.flatten())
+        out, lse = out[: R * L].view(R, L, Dv), lse[: R * L].view(R, L)
+        if own is not None:  # merge the own key through the log-sum-exp (module docstring)
+            _, v_own, s_own = _own_keys(q, k, v, own, scale, work)
+            total = torch.logaddexp(lse, s_own)
+            total.masked_fill_(total == -torch.inf, 0)  # no key at all: both weights below are 0
+            out.lerp_(v_own, (s_own - total).exp_()[..., None])  # the two weights sum to 1
+            lse = total
+        lse.masked_fill_(lse == -torch.inf, 0)  # the backward's probabilities exp(−inf − 0) = 0
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, own)
+        ctx.plan, ctx.scale, ctx.work = plan, scale, work
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):  # type: ignore[override]
-        q, k, v, q_index, k_index, key_valid, out = ctx.saved_tensors
-        band, scale, step, work = ctx.band, ctx.scale, ctx.step, ctx.work
+        q, k, v, out, lse, own = ctx.saved_tensors
+        plan, scale, work = ctx.plan, ctx.scale, ctx.work
         R, L, D = q.shape
         S, Dv = k.shape[1], v.shape[2]
-        T = q_index.shape[1]
-        grad_q = torch.zeros(R, L, D, dtype=work, device=q.device)
+        grad = grad.to(work)
+        delta = (grad * out.to(work)).sum(-1)  # (R, L): Σ_d dO·O, the softmax backward's row term
+        grad_q = torch.zeros(R * L + 1, D, dtype=work, device=q.device)
         grad_k = torch.zeros(R * S, D, dtype=work, device=q.device)
         grad_v = torch.zeros(R * S, Dv, dtype=work, device=q.device)
-        rows = torch.arange(R, device=q.device).view(R, 1, 1)
-        for start in range(0, T, step):
-            tiles = slice(start, start + step)
-            g = _Gathered(q, k, v, q_index[:, tiles], k_index[:, tiles], key_valid, band, work)
-            p = g.probabilities(scale)
-            go = _take(grad, g.qi).to(work) * g.q_ok.unsqueeze(-1)
-            delta = (go * _take(out, g.qi).to(work)).sum(-1, keepdim=True)  # (R, g, Tq, 1)
-            flat_k = (rows * S + g.ki).flatten()
-            grad_v.index_add_(0, flat_k, torch.matmul(p.transpose(-1, -2), go).flatten(0, 2))
-            ds = p.mul_(torch.matmul(go, g.v.transpose(-1, -2)).sub_(delta)).mul_(scale)
-            grad_k.index_add_(0, flat_k, torch.matmul(ds.transpose(-1, -2), g.q).flatten(0, 2))
-            ok = g.q_ok
-            grad_q[rows.expand_as(g.qi)[ok], g.qi[ok]] = torch.matmul(ds, g.k)[ok]
-        return (
-            grad_q.to(q.dtype),
-            grad_k.view(R, S, D).to(k.dtype),
-            grad_v.view(R, S, Dv).to(v.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        flat = lambda x: x.reshape(R * L, *x.shape[2:])  # noqa: E731
+        q_, k_, v_ = flat(q), k.reshape(R * S, D), v.reshape(R * S, Dv)
+        buffers = _buffers(plan, q, v, work)
+        for first, end, Tq, Tk in plan.chunks:
+            g = plan.chunk(first, end, Tq, Tk, q_, k_, v_, buffers)
+            go = flat(grad)[g.q_rows]  # (n, Tq, Dv)
+            total = flat(lse)[g.q_rows].masked_fill_(~g.q_ok, torch.inf)  # empty slots: probabilities 0
+            p = g.scores(scale).sub_(total[..., None]).exp_()  # (n, Tq, Tk)
+            keys = g.key_rows.flatten()
+            grad_v.index_add_(0, keys, torch.matmul(p.transpose(-1, -2), go).flatten(0, 1))
+            ds = p.mul_(torch.matmul(go, g.v.transpose(-1, -2)).sub_(flat(delta)[g.q_rows][..., None])).mul_(scale)
+            grad_k.index_add_(0, keys, torch.matmul(ds.transpose(-1, -2), g.q).flatten(0, 1))
+            grad_q.index_copy_(0, g.query_rows, torch.matmul(ds, g.k).flatten(0, 1))
+        grad_q = grad_q[: R * L].view(R, L, D)
+        grad_k, grad_v = grad_k.view(R, S, D), grad_v.view(R, S, Dv)
+        if own is not None:
+            k_own, v_own, s_own = _own_keys(q, k, v, own, scale, work)
+            p_own = (s_own - lse).exp_()[..., None]  # (R, L, 1), 0 where there is no own key
+            ds_own = p_own * ((grad * v_own).sum(-1, keepdim=True) - delta[..., None]) * scale
+            grad_q += ds_own * k_own
+            first = max(0, L - S)  # the first query with a key of its own
+            grad_k[:, max(0, S - L) :] += (ds_own * q.to(work))[:, first:]
+            grad_v[:, max(0, S - L) :] += (p_own * grad)[:, first:]
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *([None] * 7)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
 import subquad
+import subquad._tiles
 import subquad.nn
 from subquad.mechanisms.full import full_attention
 from subquad.mechanisms.routing import (
@@ -28,30 +29,45 @@ def state(clusters, heads=2, dim=6, seed=1):
 
 
 def visible(q, k, centroids, window, is_causal, kpm):
-    """The dense (B, H, L, S) mask of the routing scheme, built position by position in Python from
-    the clusters: key tiles of `window` members per cluster in position order; a query sees its
-    cluster's tile holding the latest key at or before it and the tile before (and after, when not
-    causal), at positions <= its own when causal, plus its own position's key."""
+    """The dense (B, H, L, S) mask of the routing schemes, built position by position in Python
+    from the clusters.
+
+    Causal: key tiles of `window` members per cluster in position order; a query sees its
+    cluster's tile holding the latest key at or before it and the tile before, at positions <= its
+    own, plus its own position's key. Non-causal: queries and real keys sorted by (cluster,
+    position) and cut into k balanced tiles (query tile t: ranks [tL/k, (t+1)L/k); key tile t:
+    ranks [tS/k, max((t+1)S/k, tS/k + 1)) of the S real keys, rounded down); query tile t sees key
+    tile t."""
     B, H, L, _ = q.shape
-    S = k.shape[2]
-    cq, ck = route(F.normalize(q, dim=-1), centroids), route(F.normalize(k, dim=-1), centroids)
+    S, C = k.shape[2], centroids.shape[1]
+    cq, ck = route(q, centroids), route(k, centroids)
     mask = torch.zeros(B, H, L, S, dtype=torch.bool)
     for b in range(B):
         for h in range(H):
+            real = [j for j in range(S) if kpm is None or kpm[b, j]]
+            if not is_causal:
+                queries = sorted(range(L), key=lambda i: (int(cq[b, h, i]), i))
+                keys = sorted(real, key=lambda j: (int(ck[b, h, j]), j))
+                n = len(keys)
+                for t in range(C):
+                    first = t * n // C
+                    last = max((t + 1) * n // C, first + 1) if n else 0
+                    for i in queries[t * L // C : (t + 1) * L // C]:
+                        for j in keys[first:last]:
+                            mask[b, h, i, j] = True
+                continue
             members, tile_of = {}, {}
-            for j in range(S):
-                if kpm is None or kpm[b, j]:
-                    c = int(ck[b, h, j])
-                    tile_of[j] = (c, members.get(c, 0) // window)
-                    members[c] = members.get(c, 0) + 1
+            for j in real:
+                c = int(ck[b, h, j])
+                tile_of[j] = (c, members.get(c, 0) // window)
+                members[c] = members.get(c, 0) + 1
             for i in range(L):
                 p, c = i + S - L, int(cq[b, h, i])
                 earlier = [j for j in tile_of if j <= p and tile_of[j][0] == c]
                 tiles = -(-members.get(c, 0) // window)
                 t = min(tile_of[earlier[-1]][1] if earlier else 0, max(tiles - 1, 0))
-                seen = {t - 1, t} if is_causal else {t - 1, t, t + 1}
                 for j, (cj, tj) in tile_of.items():
-                    mask[b, h, i, j] = cj == c and tj in seen and (j <= p or not is_causal)
+                    mask[b, h, i, j] = cj == c and tj in (t - 1, t) and j <= p
                 if 0 <= p < S and (kpm is None or kpm[b, p]):
                     mask[b, h, i, p] = True
     return mask
@@ -60,16 +76,23 @@ def visible(q, k, centroids, window, is_causal, kpm):
 @settings(max_examples=40, deadline=None)
 @given(
     L=st.integers(1, 40), S=st.integers(1, 40), clusters=st.integers(1, 6), window=st.integers(1, 12),
-    is_causal=st.booleans(), pad=st.booleans(), seed=st.integers(0, 2**16),
+    is_causal=st.booleans(), pad=st.booleans(), Dv=st.sampled_from([6, 4]), seed=st.integers(0, 2**16),
 )  # fmt: skip
-def test_routing_equals_full_under_the_dense_mask_of_its_own_assignments(L, S, clusters, window, is_causal, pad, seed):
-    q, k, v = qkv(2, 2, L, S, 6, seed=seed)
+def test_routing_equals_full_under_the_dense_mask_of_its_own_assignments(
+    L, S, clusters, window, is_causal, pad, Dv, seed
+):
+    """Outputs and gradients. Dv = D runs the forward through the fused kernel, Dv != D through
+    the eager softmax."""
+    q, k, v = (x.requires_grad_(True) for x in qkv(2, 2, L, S, 6, Dv, seed=seed))
     kpm = padding(2, S, seed) if pad else None
     st_ = state(clusters, seed=seed)
     config = RoutingConfig(clusters=clusters, window=window)
     out = routing_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=st_)
-    mask = visible(q, k, st_.centroids, window, is_causal, kpm)
-    assert (out - full_attention(q, k, v, attn_mask=mask)).abs().max() <= 1e-10
+    expected = full_attention(q, k, v, attn_mask=visible(q.detach(), k.detach(), st_.centroids, window, is_causal, kpm))
+    assert (out - expected).abs().max() <= 1e-10
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    for grad, want in zip(grads, torch.autograd.grad(expected.square().sum(), (q, k, v))):
+        assert (grad - want).abs().max() <= 1e-10
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -81,17 +104,54 @@ def test_one_cluster_with_enough_capacity_is_full_attention(is_causal):
     assert (out - full_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal)).abs().max() <= 1e-10
 
 
-def test_with_one_tile_per_cluster_queries_see_their_cluster_and_themselves():
-    """Capacity at least S: the mask is exactly 'same cluster (and j <= i), or j = i'."""
+def test_causal_with_one_tile_per_cluster_queries_see_their_cluster_and_themselves():
+    """Capacity at least S: the causal mask is exactly 'same cluster and j <= i, or j = i'."""
     q, k, v = qkv(1, 2, 60, 60, 6, seed=3)
     st_ = state(4)
-    cq = route(F.normalize(q, dim=-1), st_.centroids)
-    ck = route(F.normalize(k, dim=-1), st_.centroids)
+    cq, ck = route(q, st_.centroids), route(k, st_.centroids)
     i, j = torch.arange(60)[:, None], torch.arange(60)[None, :]
-    for is_causal in (False, True):
-        mask = (cq[..., :, None] == ck[..., None, :]) & ((j <= i) if is_causal else True) | (i == j)
-        out = routing_attention(q, k, v, is_causal=is_causal, config=RoutingConfig(clusters=4, window=60), state=st_)
-        assert (out - full_attention(q, k, v, attn_mask=mask)).abs().max() <= 1e-10
+    mask = (cq[..., :, None] == ck[..., None, :]) & (j <= i) | (i == j)
+    out = routing_attention(q, k, v, is_causal=True, config=RoutingConfig(clusters=4, window=60), state=st_)
+    assert (out - full_attention(q, k, v, attn_mask=mask)).abs().max() <= 1e-10
+
+
+def test_balanced_tiles_of_self_attention_hold_each_query_with_its_own_key():
+    """Non-causal, q = k and k | S: query tile t and key tile t are the same S/k positions, those
+    of ranks [tS/k, (t+1)S/k) in (cluster, position) order, so each query sees exactly S/k keys,
+    its own among them, and the tiles follow the clusters."""
+    q, _, v = qkv(2, 2, 48, 48, 6, seed=8)
+    st_ = state(4)
+    out = routing_attention(q, q, v, config=RoutingConfig(clusters=4), state=st_)
+    cluster = route(q, st_.centroids)
+    order = (cluster * 48 + torch.arange(48)).argsort(-1)  # (B, H, 48)
+    tile = torch.empty_like(order).scatter_(-1, order, torch.arange(48).expand_as(order) // 12)
+    mask = tile[..., :, None] == tile[..., None, :]
+    assert (out - full_attention(q, q, v, attn_mask=mask)).abs().max() <= 1e-10
+    assert (mask.sum(-1) == 12).all() and mask.diagonal(dim1=-2, dim2=-1).all()
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("Dv", "window"), [(6, 5), (4, 5), (6, 60)])
+def test_outputs_and_gradients_equal_full_attention_under_the_mask_in_chunks_of_any_size(
+    monkeypatch, is_causal, Dv, window
+):
+    """Query blocks run in chunks of one width and similar need with reused buffers
+    (subquad._tiles): with one block per chunk, as with all in one, outputs and gradients equal
+    those of full attention under the dense mask. A window of 60 makes blocks of every width."""
+    q, k, v = (x.requires_grad_(True) for x in qkv(2, 2, 150, 160, 6, Dv, seed=11))
+    kpm = padding(2, 160, seed=4)
+    st_ = state(3)
+    mask = visible(q.detach(), k.detach(), st_.centroids, window, is_causal, kpm)
+    expected = full_attention(q, k, v, attn_mask=mask)
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    config = RoutingConfig(clusters=3, window=window)
+    for elements in (1, 1 << 20):
+        monkeypatch.setattr(subquad._tiles, "_GROUP_ELEMENTS", elements)
+        out = routing_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=st_)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        assert (out - expected).abs().max() <= 1e-10
+        for grad, want in zip(grads, expected_grads):
+            assert (grad - want).abs().max() <= 1e-10
 
 
 @pytest.mark.parametrize("L", [64, 48])
@@ -108,8 +168,7 @@ def test_causality_editing_the_future_changes_no_earlier_output(L):
         q2[:, :, t + 1 :] = randn(*q2[:, :, t + 1 :].shape, seed=t) * 3
         k2[:, :, t + 1 + S - L :] = randn(*k2[:, :, t + 1 + S - L :].shape, seed=t + 1) * 3
         v2[:, :, t + 1 + S - L :] = randn(*v2[:, :, t + 1 + S - L :].shape, seed=t + 2) * 3
-        ck = route(F.normalize(k, dim=-1), st_.centroids)
-        ck2 = route(F.normalize(k2, dim=-1), st_.centroids)
+        ck, ck2 = route(k, st_.centroids), route(k2, st_.centroids)
         assert (ck != ck2).any(), "the edit moves keys between clusters"
         out2 = routing_attention(q2, k2, v2, is_causal=True, config=config, state=st_)
         assert (out2[:, :, : t + 1] - out[:, :, : t + 1]).abs().max() <= 1e-7
@@ -119,7 +178,8 @@ def test_causality_editing_the_future_changes_no_earlier_output(L):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_every_real_query_gets_a_real_output(is_causal):
     """Even with queries and keys in disjoint regions (every cluster holds only queries or only
-    keys), no real query's output is zero: it always sees its own key."""
+    keys), no real query's output is zero: causal, it always sees its own key; non-causal, every
+    balanced tile holds a real key."""
     q, k, v = qkv(2, 4, 200, 200, 8, dtype=torch.float32)
     q, k = q.abs() + 1, -(k.abs() + 1)  # opposite orthants: no shared cluster
     kpm = padding(2, 200, seed=2)
@@ -140,12 +200,13 @@ def test_gradcheck(is_causal, Dv):
     assert gradcheck(fn, (q, k, v), fast_mode=True)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
-def test_low_precision(dtype, tol):
+def test_low_precision(dtype, tol, is_causal):
     q, k, v = qkv(1, 2, 128, 128, 16, seed=4)
     config = RoutingConfig(clusters=4, window=16)
-    ref = routing_attention(q, k, v, is_causal=True, config=config)
-    out = routing_attention(*(x.to(dtype) for x in (q, k, v)), is_causal=True, config=config)
+    ref = routing_attention(q, k, v, is_causal=is_causal, config=config)
+    out = routing_attention(*(x.to(dtype) for x in (q, k, v)), is_causal=is_causal, config=config)
     assert out.dtype == dtype
     # Rounding can move a token near a cluster boundary: compare where routing agrees.
     assert (out.double() - ref).abs().median() <= tol * ref.abs().max()
@@ -167,6 +228,23 @@ def test_default_clusters_are_sqrt_of_the_length_and_survive_a_state_dict_round_
     layer.eval(), copy.eval()
     assert torch.equal(copy(x), layer.eval()(x))
     assert out.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_route_is_the_argmax_first_of_ties_and_needs_no_normalised_input(dtype):
+    """Integer vectors and 0/1 centroids score exactly, so ties are exact: route takes the first,
+    as argmax does. A NaN row stays in range."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(-2, 3, (2, 3, 500, 6), generator=gen).to(dtype)
+    centroids = torch.randint(0, 2, (3, 7, 6), generator=gen).to(dtype)
+    scores = torch.matmul(x, centroids.transpose(-1, -2)).tolist()
+    expected = [[[row.index(max(row)) for row in head] for head in batch] for batch in scores]
+    assert route(x, centroids).tolist() == expected
+    x[0, 0, 0] = torch.nan
+    assert 0 <= route(x, centroids)[0, 0, 0] < 7
+    unit = F.normalize(randn(3, 9, 8, dtype=dtype, seed=6), dim=-1)
+    y = randn(2, 3, 300, 8, dtype=dtype, seed=7) * 5
+    assert torch.equal(route(y, unit), torch.matmul(F.normalize(y, dim=-1), unit.transpose(-1, -2)).argmax(-1))
 
 
 def test_a_fresh_layer_routes_with_unit_centroids_from_its_seed():

@@ -1,32 +1,41 @@
 """Routing attention (Roy, Saffar, Vaswani & Grangier 2021): content-based sparse attention.
 
-Queries and keys are L2-normalised and routed to the nearest of k centroids shared by both
-(spherical k-means: for unit vectors the nearest centroid is the one of largest dot product, so a
-query and a key in one cluster have a large dot product, the paper's MIPS argument). Attention
-stays inside a cluster, with the cost bounded by a cluster capacity w.
+Queries and keys are routed to the nearest of k centroids shared by both (spherical k-means: the
+centroids are unit vectors and a token's cluster is ``argmax_c x̂ · μ_c`` for its normalised
+vector x̂, so a query and a key in one cluster have a large dot product, the paper's MIPS
+argument). Each token's cluster depends only on its own vector and the centroids. Attention stays
+inside clusters, with O(N·w·D) cost for w ≈ S/k keys per query.
 
-**Routing scheme (ours; causal and cost-bounded).** The public implementations let each cluster
-take its top-w tokens over the whole sequence. That leaks the future under causal masking (a later
-token can push an earlier one out of a cluster) and leaves queries that no cluster takes with an
-all-zero output. Here instead:
+**Non-causal: balanced clusters (the paper's).** Per (batch, head) row, the queries in
+(cluster, position) order are cut into k tiles (tile t: ranks ⌊tL/k⌋ to ⌊(t+1)L/k⌋ − 1), and so
+are the S_r real keys (tile t: ranks a_t = ⌊tS_r/k⌋ to b_t − 1, b_t = max(⌊(t+1)S_r/k⌋, a_t + 1);
+padding comes after every real key and joins no tile). Query tile t attends to exactly key tile t:
+about S/k keys per query, like the paper's clusters of the w = n/k tokens nearest each centroid,
+but every query is in one tile and every tile of a row with a real key holds one (the paper's
+top-w selection leaves 13–20% of queries in no cluster, with a zero output). The computation is a
+permutation of q, k and v and dense attention inside the tiles, through the same
+``subquad._tiles.window_attention`` as below; ``window`` plays no part.
 
-1. Each token's cluster depends only on its own vector and the centroids.
-2. The keys of a cluster, in position order, are cut into *tiles* of w consecutive members
-   (the key of rank r in its cluster is in tile r // w). A key's tile depends only on the keys
-   of its cluster before it.
-3. Query i of cluster c sees, among the keys of cluster c, those of the tile holding the latest
-   such key at a position ≤ i, and of the tile before it (causal: only those at positions ≤ i;
-   non-causal: also the tile after it, whatever the positions). That is at most 2w keys causal,
-   3w non-causal: O(N·w·D) time.
-4. Every query also attends to its own position's key, which guarantees each real query a real
-   output even when its cluster holds no key near it (in training, queries and keys often occupy
-   different regions, so a cluster can hold queries only).
+**Causal: cluster tiles (ours).** Top-w selection leaks the future under causal masking (a later
+token can push an earlier one out of a cluster). Here instead:
 
-Under ``is_causal=True`` the output at position i is therefore a function of q_i and of the keys
-and values at positions ≤ i only: the routing, the tile boundaries and the weights all are.
-Queries that share a cluster and a tile group are computed together in query tiles of up to
-``_QUERY_TILE`` through ``subquad._tiles.tile_attention`` (flash-style: saves the log-sum-exp,
-recomputes scores in the backward).
+1. The keys of a cluster, in position order, are cut into *tiles* of w consecutive members (the
+   key of rank r in its cluster is in tile r // w), so a key's tile depends only on the keys of
+   its cluster before it.
+2. The query at position i (queries are the last L positions), of cluster c, sees the keys of
+   cluster c at positions ≤ i in the tile holding the latest such key and in the tile before it:
+   all of the earlier tile, and the later one up to i. That is at most 2w keys.
+3. It also sees its own position's key, which guarantees each real query a real output even when
+   its cluster holds no key before it (in training, queries and keys often occupy different
+   regions, so a cluster can hold queries only).
+
+The output at position i is therefore a function of q_i and of the keys and values at positions
+≤ i only: the routing, the tile boundaries and the weights all are. The keys sit in a table of
+each cluster's tiles in turn (w slots each), so the keys a query sees are a prefix of the two
+adjacent tiles starting at its tile's predecessor. Queries sharing that window are computed
+together in blocks of ``_QUERY_BLOCK`` through ``subquad._tiles.window_attention`` (flash-style:
+saves the log-sum-exp, recomputes scores in the backward), which cuts each block's window to the
+keys its queries see and merges the own key through the log-sum-exp.
 
 **Centroids** live in ``RoutingState``, owned by the layer: unit vectors drawn from its seed, so a
 fresh model routes and generates before any update; ``clusters=None`` picks k = round(√S) from the
@@ -55,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from subquad._tiles import Band, tile_attention
+from subquad._tiles import Windows, window_attention
 from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask
 from subquad.decoding import KVCache
 from subquad.registry import Config, Mechanism, option
@@ -64,14 +73,15 @@ __all__ = [
     "RoutingCache",
     "RoutingConfig",
     "RoutingState",
+    "balanced_windows",
+    "causal_windows",
     "route",
     "routing_attention",
     "routing_loss",
-    "routing_tiles",
 ]
 
-_QUERY_TILE = 32  # queries of one cluster tile group computed together (groups average ~w/2 queries)
-_ASSIGN_ELEMENTS = 1 << 22  # position × centroid scores held at once while routing
+_QUERY_BLOCK = 64  # causal queries sharing a window computed together
+_ASSIGN_ELEMENTS = 1 << 19  # position × centroid scores held at once while routing
 
 
 @dataclass(frozen=True)
@@ -81,8 +91,8 @@ class RoutingConfig(Config):
         None, "k centroids shared by queries and keys; None: round(sqrt(S)) at first use", ge=1
     )
     window: int | None = option(
-        None, "w keys per cluster tile: a query sees its tile and the previous one (and the next, non-causal); "
-        "None: ceil(S / k)", ge=1,
+        None, "causal: w keys per cluster tile, a query sees its tile and the previous one; None: ceil(S / k) "
+        "(non-causal tiles always hold about S / k keys)", ge=1,
     )  # fmt: skip
     decay: float = option(0.999, "EMA decay of the centroids (training mode only)", ge=0, le=1)
     commitment: float = option(1e-4, "β of the commitment loss β·‖x̂ − sg(μ)‖²", ge=0)
@@ -161,74 +171,114 @@ class RoutingState(nn.Module):
 
 
 def route(x: Tensor, centroids: Tensor) -> Tensor:
-    """The nearest centroid ``(B, H, N)`` of each normalised vector ``x̂`` ``(B, H, N, D)``."""
+    """The nearest centroid ``(B, H, N)`` of each vector's direction ``x̂ = x / ‖x‖`` (``x``:
+    ``(B, H, N, D)``): ``argmax_c x · μ_c``, the argmax of ``x̂ · μ_c`` (a positive factor ‖x‖
+    changes no argmax, so ``x`` need not be normalised); the first of tied maxima."""
     B, H, N, _ = x.shape
-    step = max(1, _ASSIGN_ELEMENTS // (B * H * centroids.shape[1]))
-    parts = [torch.matmul(x[:, :, s : s + step], centroids.transpose(-1, -2)).argmax(-1) for s in range(0, N, step)]
-    return torch.cat(parts, dim=2)
+    C = centroids.shape[1]
+    mu = centroids.transpose(-1, -2)  # (H, D, k)
+    # argmax as k − max_c (k − c)·[score_c = max]: vectorised reductions, unlike CPU argmax.
+    weight = torch.arange(C, 0, -1, dtype=centroids.dtype, device=x.device)
+    step = max(1, min(N, _ASSIGN_ELEMENTS // (B * H * C)))
+    scores = x.new_empty(B, H, step, C, dtype=centroids.dtype)  # reused: no page faults
+    cluster = torch.empty(B, H, N, dtype=torch.long, device=x.device)
+    for s in range(0, N, step):
+        part = torch.matmul(x[:, :, s : s + step].to(centroids.dtype), mu, out=scores if N - s >= step else None)
+        top = part.ge_(part.amax(-1, keepdim=True)).mul_(weight).amax(-1)  # NaN rows: 0, kept in range below
+        cluster[:, :, s : s + step] = (C - top).clamp_(max=C - 1)
+    return cluster
 
 
-def routing_tiles(
-    q_cluster: Tensor, k_cluster: Tensor, clusters: int, window: int, is_causal: bool, key_valid: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """The query tiles and their keys for the routing scheme in the module docstring.
+def balanced_windows(q_cluster: Tensor, k_cluster: Tensor, clusters: int, key_valid: Tensor | None = None) -> Windows:
+    """The non-causal scheme: k balanced tiles of queries and keys sorted by cluster (module docstring).
 
     Args:
         q_cluster: ``(R, L)`` query clusters; ``k_cluster``: ``(R, S)`` key clusters.
-        clusters: k.
-        window: w, keys per cluster tile.
-        is_causal: whether a query sees two tiles (its own and the previous) or three.
+        clusters: k, the number of tiles.
         key_valid: bool ``(R, S)``; padded keys join no tile.
 
     Returns:
-        ``q_index`` ``(R, T, Tq)`` and ``k_index`` ``(R, T, Tk)`` positions, ``-1`` for empty slots.
+        ``Windows`` with one block per query tile, whose window is the key tile of the same rank.
     """
     R, L = q_cluster.shape
-    S = k_cluster.shape[1]
-    dev = q_cluster.device
-    rows = torch.arange(R, device=dev)[:, None]
+    S, dev = k_cluster.shape[1], q_cluster.device
+    tile = torch.arange(clusters + 1, device=dev)
+    # Query tile t: ranks [⌊tL/k⌋, ⌊(t+1)L/k⌋) of the queries sorted by (cluster, position).
+    q_bound = tile * L // clusters
+    Tq = int((q_bound[1:] - q_bound[:-1]).max())
+    q_rank = q_bound[:-1, None] + torch.arange(Tq, device=dev)  # (k, Tq)
+    q_order = q_cluster.sort(dim=1, stable=True).indices
+    queries = torch.where(q_rank < q_bound[1:, None], q_order[:, q_rank.clamp(max=L - 1)], -1)  # (R, k, Tq)
+    # Key tile t: ranks [a_t, b_t) of the real keys sorted by (cluster, position), padding last.
+    ck = k_cluster if key_valid is None else torch.where(key_valid, k_cluster, clusters)
+    real = torch.full((R, 1), S, device=dev) if key_valid is None else key_valid.sum(1, keepdim=True)
+    a, b = tile[:-1] * real // clusters, tile[1:] * real // clusters  # (R, k)
+    b = torch.where(real > 0, torch.maximum(b, a + 1), a)  # every tile of a row with keys gets one
+    Tk = max(1, int((b - a).max()))
+    k_rank = a[..., None] + torch.arange(Tk, device=dev)  # (R, k, Tk)
+    k_order = ck.sort(dim=1, stable=True).indices
+    k_sorted = k_order.gather(1, k_rank.clamp(max=S - 1).view(R, -1)).view(k_rank.shape)
+    table = torch.where(k_rank < b[..., None], k_sorted, -1)
+    start = tile[:-1].expand(R, clusters)
+    return Windows(table.view(R, -1), Tk, queries, start, (b - a)[..., None])
+
+
+def causal_windows(
+    q_cluster: Tensor, k_cluster: Tensor, clusters: int, window: int, key_valid: Tensor | None = None
+) -> Windows:
+    """The causal scheme: cluster tiles of ``window`` keys, each query seeing its tile and the
+    previous one up to its position, plus its own key (module docstring).
+
+    Args:
+        q_cluster: ``(R, L)`` query clusters; ``k_cluster``: ``(R, S)`` key clusters; queries
+            are the last L positions.
+        clusters: k.
+        window: w, keys per cluster tile.
+        key_valid: bool ``(R, S)``; padded keys join no tile.
+
+    Returns:
+        ``Windows`` over a table holding each cluster's tiles in turn, w slots each.
+    """
+    R, L = q_cluster.shape
+    S, dev, w = k_cluster.shape[1], q_cluster.device, window
     ck = k_cluster if key_valid is None else torch.where(key_valid, k_cluster, clusters)  # padding: cluster k
-    sorted_code, order = (ck * S + torch.arange(S, device=dev)).sort(dim=1)
-    sorted_cluster = sorted_code // S
+    # Keys in (cluster, position) order; the key of rank r in cluster c goes to table slot base_c·w + r.
+    sorted_cluster, order = ck.sort(dim=1, stable=True)
     counts = torch.zeros(R, clusters + 1, dtype=torch.long, device=dev).scatter_add_(1, ck, torch.ones_like(ck))
-    starts = counts.cumsum(1) - counts
-    rank = torch.arange(S, device=dev) - starts.gather(1, sorted_cluster)
-    tiles = (counts[:, :clusters] + window - 1) // window  # (R, k) key tiles per cluster
-    base = tiles.cumsum(1) - tiles
+    starts = counts.cumsum(1) - counts  # each cluster's first sorted index
+    tiles = (counts[:, :clusters] + w - 1) // w  # (R, k) key tiles per cluster
+    base = tiles.cumsum(1) - tiles  # each cluster's first tile in the table
     total = max(1, int(tiles.sum(1).max()))
-    real = sorted_cluster < clusters
-    slot = torch.where(real, (base.gather(1, sorted_cluster.clamp(max=clusters - 1)) + rank // window) * window
-                       + rank % window, total * window)  # fmt: skip
-    table = torch.full((R, total * window + 1), -1, dtype=torch.long, device=dev)
-    table.scatter_(1, slot, torch.where(real, order, -1))
-    table = table[:, :-1].view(R, total, window)  # (R, tiles, w) key positions
+    offset = torch.cat([base * w, torch.full_like(base[:, :1], total * w)], dim=1) - starts  # padding: past the table
+    slot = offset.gather(1, sorted_cluster).add_(torch.arange(S, device=dev))
+    table = torch.full((R, total * w + S), -1, dtype=torch.long, device=dev).scatter_(1, slot, order)[:, : total * w]
 
-    # Each query's tile group: the tile of the latest key of its cluster at a position <= its own.
-    cq = q_cluster
-    position = torch.arange(L, device=dev) + (S - L)
-    seen = torch.searchsorted(sorted_code, cq * S + position, right=True) - starts.gather(1, cq)
-    own_tiles = tiles.gather(1, cq)
-    t = ((seen - 1).clamp(min=0) // window).minimum((own_tiles - 1).clamp(min=0))
-    width = int(tiles.max()) + 1
-    group = cq * width + t
-    q_order = (group * L + torch.arange(L, device=dev)).argsort(dim=1)
-    sorted_group = group.gather(1, q_order)
-    q_rank = torch.arange(L, device=dev) - torch.searchsorted(sorted_group, sorted_group)
-    tile_id = (q_rank % _QUERY_TILE == 0).long().cumsum(1) - 1
-    n_tiles = int(tile_id.max()) + 1
-    q_index = torch.full((R, n_tiles * _QUERY_TILE), -1, dtype=torch.long, device=dev)
-    q_index.scatter_(1, tile_id * _QUERY_TILE + q_rank % _QUERY_TILE, q_order)
-    tile_group = torch.full((R, n_tiles), -1, dtype=torch.long, device=dev).scatter_(1, tile_id, sorted_group)
+    # Queries in (cluster, position) order, which is also the order of (window start, slots seen).
+    cq, q_order = q_cluster.sort(dim=1, stable=True)
+    # Query i of cluster c: `seen` keys of c at positions <= its own; the latest is in tile
+    # t = (seen - 1) // w, and the window starts at tile u = max(t - 1, 0) of the cluster.
+    sorted_code = sorted_cluster.mul(S).add_(order)
+    seen = torch.searchsorted(sorted_code, cq.mul(S).add_(q_order + (S - L)), right=True)
+    seen.sub_(starts.gather(1, cq)).clamp_(min=0)
+    u = (seen - 1 - w).clamp_(min=0).div_(w, rounding_mode="floor")
+    start = base.gather(1, cq).add_(u)
+    seen_slots = seen.sub_(u.mul_(w))  # all of tile t - 1 (if any), then tile t up to the query
+    own = torch.zeros(R, L, dtype=torch.bool, device=dev)  # the own key (i + S - L) is real and outside the window
+    first = max(0, L - S)
+    own_cluster = ck[:, first + S - L :]
+    own[:, first:] = (own_cluster != q_cluster[:, first:]) & (own_cluster < clusters)
 
-    # The key tiles each query tile sees.
-    has_group = tile_group >= 0
-    tile_cluster = (tile_group // width).clamp(0, clusters - 1)
-    steps = torch.arange(-1, 1 if is_causal else 2, device=dev)
-    seen_tile = (tile_group % width)[..., None] + steps  # (R, T, 2 or 3)
-    ok = has_group[..., None] & (seen_tile >= 0) & (seen_tile < tiles.gather(1, tile_cluster)[..., None])
-    key_tile = (base.gather(1, tile_cluster)[..., None] + seen_tile).clamp(0, total - 1)
-    k_index = torch.where(ok[..., None], table[rows[..., None], key_tile], -1)  # (R, T, 2 or 3, w)
-    return q_index.view(R, n_tiles, _QUERY_TILE), k_index.view(R, n_tiles, -1)
+    # Blocks of _QUERY_BLOCK queries sharing a window start.
+    q_rank = torch.arange(L, device=dev) - torch.searchsorted(start, start)  # rank among those of its start
+    within = q_rank.remainder_(_QUERY_BLOCK)
+    block = (within == 0).cumsum(1).sub_(1)
+    slots = block * _QUERY_BLOCK + within
+    nb = int(block[:, -1].max()) + 1
+    new = lambda fill: torch.full((R, nb * _QUERY_BLOCK), fill, dtype=torch.long, device=dev)  # noqa: E731
+    queries = new(-1).scatter_(1, slots, q_order).view(R, nb, _QUERY_BLOCK)
+    block_seen = new(0).scatter_(1, slots, seen_slots).view(R, nb, _QUERY_BLOCK)
+    block_start = torch.zeros(R, nb, dtype=torch.long, device=dev).scatter_(1, block, start)
+    return Windows(table, w, queries, block_start, block_seen, own)
 
 
 def _resolve_state(state: nn.Module | None, config: RoutingConfig, shape: AttentionShape) -> RoutingState:
@@ -285,16 +335,13 @@ def routing_attention(
     window = config.window or -(-S // C)
     key_valid = None if key_padding_mask is None else key_padding_mask[:, None].expand(B, H, S).reshape(R, S)
     with torch.no_grad():
-        q_cluster = route(F.normalize(q.to(work), dim=-1), centroids)
-        k_cluster = route(F.normalize(k.to(work), dim=-1), centroids)
-        q_index, k_index = routing_tiles(q_cluster.view(R, L), k_cluster.view(R, S), C, window, is_causal, key_valid)
-    # Each query tile's last slots are its queries' own keys (always visible to their own query).
-    own = torch.where(q_index >= 0, q_index + (S - L), -1)
-    k_index = torch.cat([k_index, torch.where(own >= 0, own, -1)], dim=2)
-    band = Band(hi=0 if is_causal else None, own_slots=True)
-    out = tile_attention(
-        q.reshape(R, L, D), k.reshape(R, S, D), v.reshape(R, S, Dv), q_index, k_index, band, shape.scale, key_valid
-    ).view(B, H, L, Dv)
+        q_cluster, k_cluster = route(q, centroids), route(k, centroids)
+        if is_causal:
+            windows = causal_windows(q_cluster.view(R, L), k_cluster.view(R, S), C, window, key_valid)
+        else:
+            windows = balanced_windows(q_cluster.view(R, L), k_cluster.view(R, S), C, key_valid)
+    out = window_attention(q.reshape(R, L, D), k.reshape(R, S, D), v.reshape(R, S, Dv), windows, shape.scale)
+    out = out.view(B, H, L, Dv)
     if state.training:
         qn, kn = F.normalize(q.to(work), dim=-1), F.normalize(k.to(work), dim=-1)
         state.loss = config.commitment * (
@@ -374,7 +421,7 @@ class RoutingCache:
             self.values = v.new_zeros(B, H, C, 2 * w, v.shape[-1])
             self.positions = torch.full((B, H, C, 2 * w), -1, dtype=torch.long, device=k.device)
             self.count = torch.zeros(B, H, C, dtype=torch.long, device=k.device)
-        route_one = lambda x: route(F.normalize(x.to(work), dim=-1)[:, :, None], centroids)[:, :, 0]  # noqa: E731
+        route_one = lambda x: route(x[:, :, None], centroids)[:, :, 0]  # noqa: E731
         cq, ck = route_one(q), route_one(k)
         b, h = torch.arange(B, device=k.device)[:, None], torch.arange(H, device=k.device)[None, :]
         rank = self.count[b, h, ck]  # (B, H): the new key's rank in its cluster
