@@ -34,6 +34,7 @@ There is no softmax, so there is no scale: ``scale`` must be left None.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -198,15 +199,22 @@ class _NonCausal(torch.autograd.Function):
         block = max(1, _BLOCK_ELEMENTS // (B * H * max(D, Dv)))
         kv = q.new_zeros(B, H, D, Dv, dtype=work)
         z = q.new_zeros(B, H, 1, D, dtype=work)
+        scratch = _Scratch(work, q.device)
         for start in range(0, S, block):
-            fk = _key_features(k, mask, start, block, name, work)
+            x = k[:, :, start : start + block]
+            fk = _features_into(x, name, scratch("phi", x.shape), scratch)
+            if mask is not None:
+                fk *= mask[:, None, start : start + block, None]
             _add_matmul_(kv, fk.transpose(-1, -2), v[:, :, start : start + block].to(work))
             z += fk.sum(2, keepdim=True)
         out = q.new_empty(B, H, L, Dv)
         for start in range(0, L, block):
-            fq = feature_map(q[:, :, start : start + block].to(work), name)
-            den = (fq * z).sum(-1, keepdim=True).add_(eps)  # a product with one column is slow in BLAS
-            torch.div(torch.matmul(fq, kv), den, out=out[:, :, start : start + block])
+            x = q[:, :, start : start + block]
+            fq = _features_into(x, name, scratch("phi", x.shape), scratch)
+            # φ(q)·z as a product and a sum: a matrix product with one column is slow in BLAS
+            den = torch.mul(fq, z, out=scratch("product", fq.shape)).sum(-1, keepdim=True).add_(eps)
+            num = torch.matmul(fq, kv, out=scratch("num", (*fq.shape[:-1], Dv)))
+            torch.div(num, den, out=out[:, :, start : start + block])
         z = z.transpose(-1, -2)
         ctx.save_for_backward(q, k, v, mask, kv, z)
         ctx.name, ctx.eps, ctx.block, ctx.work = name, eps, block, work
@@ -255,17 +263,20 @@ def _key_features(k: Tensor, mask: Tensor | None, start: int, block: int, name: 
     return fk
 
 
-def _chunk_states(updates: Tensor, state: Tensor, reverse: bool = False) -> tuple[Tensor, Tensor]:
+def _chunk_states(
+    updates: Tensor, state: Tensor, reverse: bool = False, out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """From per-chunk ``updates`` ``(B, H, m, ·, ·)`` (consumed), the state entering each chunk,
-    ``state`` plus the chunks before it in time order (after it when ``reverse``), and the state
-    after the last chunk."""
+    ``state`` plus the chunks before it in time order (after it when ``reverse``; written into
+    ``out`` if given), and the state after the last chunk."""
     if reverse:
         before, after = _chunk_states(updates.flip(2), state)
         return before.flip(2), after
-    before = torch.empty_like(updates)
+    before = torch.empty_like(updates) if out is None else out
     before[:, :, 0] = state
-    for i in range(1, updates.shape[2]):  # a few adds: faster on CPU than cumsum over dim 2
-        torch.add(before[:, :, i - 1], updates[:, :, i - 1], out=before[:, :, i])
+    if updates.shape[2] > 1:
+        updates[:, :, 0] += state
+        torch.cumsum(updates[:, :, :-1], dim=2, out=before[:, :, 1:])
     return before, before[:, :, -1] + updates[:, :, -1]
 
 
@@ -306,17 +317,30 @@ class _Causal(torch.autograd.Function):
             state, z = initial[..., :Dv].to(work), initial[..., Dv].to(work)
         out = q.new_empty(B, H, N, Dv)
         den = q.new_empty(B, H, N, 1, dtype=work)
+        scratch = _Scratch(work, q.device)
         for s in range(0, N, step):
             e = min(s + step, N)
-            a, b, c = _block_inputs(q, k, v, mask, s, e, name, work, chunk, ones=False)
+            n, m = e - s, -(-(e - s) // chunk)
+            a = _features_into(q[:, :, s:e], name, scratch("a", (B, H, m * chunk, D)), scratch)
+            b = _features_into(k[:, :, s:e], name, scratch("b", (B, H, m * chunk, D)), scratch)
+            if mask is not None:
+                b[:, :, :n] *= mask[:, None, s:e, None]
+            c = scratch("c", (B, H, m * chunk, Dv))
+            c[:, :, :n] = v[:, :, s:e]
+            if n < m * chunk:  # zero rows add nothing to the state; their outputs are cut off below
+                for x in (a, b, c):
+                    x[:, :, n:] = 0
+            a, b, c = (x.view(B, H, m, chunk, -1) for x in (a, b, c))
             # the normaliser runs beside the values, not as a ones column: 65-wide products are slow
-            before, state = _chunk_states(torch.matmul(b.transpose(-1, -2), c), state)  # (B, H, m, D, Dv)
+            updates = torch.matmul(b.transpose(-1, -2), c, out=scratch("updates", (B, H, m, D, Dv)))
+            before, state = _chunk_states(updates, state, out=scratch("before", (B, H, m, D, Dv)))
             z_before, z = _chunk_states(b.sum(3), z)  # (B, H, m, D)
-            scores = torch.matmul(a, b.transpose(-1, -2)).tril_()
-            y = _add_matmul_(torch.matmul(scores, c), a, before).view(B, H, -1, Dv)[:, :, : e - s]
-            d = scores.sum(-1).add_((a * z_before.unsqueeze(-2)).sum(-1)).add_(eps)
-            den[:, :, s:e] = d.view(B, H, -1, 1)[:, :, : e - s]
-            torch.div(y, den[:, :, s:e], out=out[:, :, s:e])
+            scores = torch.matmul(a, b.transpose(-1, -2), out=scratch("scores", (B, H, m, chunk, chunk))).tril_()
+            y = _add_matmul_(torch.matmul(scores, c, out=scratch("y", (B, H, m, chunk, Dv))), a, before)
+            inter = torch.mul(a, z_before.unsqueeze(-2), out=scratch("inter", (B, H, m, chunk, D)))
+            d = scores.sum(-1).add_(inter.sum(-1)).add_(eps)
+            den[:, :, s:e] = d.view(B, H, -1, 1)[:, :, :n]
+            torch.div(y.view(B, H, -1, Dv)[:, :, :n], den[:, :, s:e], out=out[:, :, s:e])
         ctx.save_for_backward(q, k, v, mask, initial, out, den)
         ctx.name, ctx.chunk, ctx.step, ctx.work = name, chunk, step, work
         return out
@@ -370,6 +394,38 @@ class _Causal(torch.autograd.Function):
             if ctx.needs_input_grad[4]:
                 grad_initial = state.to(initial.dtype)
         return grad_q, grad_k, grad_v, None, grad_initial, None, None, None
+
+
+class _Scratch:
+    """Buffers reused across the blocks of one call, by name: on CPU a freshly allocated tensor of
+    a megabyte costs more in page faults on its first write than a pass of work over it."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.buffers: dict[str, Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        """A contiguous tensor of ``shape`` (contents undefined)."""
+        size = math.prod(shape)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < size:
+            buffer = self.buffers[name] = torch.empty(size, dtype=self.dtype, device=self.device)
+        return buffer[:size].view(shape)
+
+
+def _features_into(x: Tensor, name: str, out: Tensor, scratch: _Scratch) -> Tensor:
+    """φ(x) for ``x`` ``(B, H, n, D)`` written into the first n rows of ``out`` ``(B, H, ≥ n, D)``,
+    which is returned whole; as ``feature_map`` without autograd."""
+    n = x.shape[2]
+    y = out[:, :, :n]
+    if name == "relu":
+        torch.clamp(x, min=0, out=y)
+    elif out.dtype == torch.float64:
+        torch.clamp(x, max=0, out=y).exp_().add_(F.relu(x))
+    else:  # as feature_map: exp through exp2, x read once
+        t = torch.mul(x, _LOG2E, out=scratch("features", x.shape))
+        torch.clamp(t, max=0, out=y).exp2_().add_(t.clamp_(min=0), alpha=1 / _LOG2E)
+    return out
 
 
 def _block_inputs(q, k, v, mask, s: int, e: int, name: str, work: torch.dtype, chunk: int, ones: bool = True):
