@@ -51,7 +51,7 @@ def test_a_window_covering_the_sequence_is_full_attention(is_causal):
 def _one_block_per_chunk(monkeypatch):
     from subquad.mechanisms import _blocksparse
 
-    for budget in ("_TILE_ELEMENTS", "_FUSED_TILE_ELEMENTS", "_BACKWARD_TILE_ELEMENTS"):
+    for budget in ("_TILE_ELEMENTS", "_FUSED_TILE_ELEMENTS", "_BACKWARD_TILE_ELEMENTS", "_VIEW_TILE_ELEMENTS"):
         monkeypatch.setattr(_blocksparse, budget, 1)
 
 

@@ -201,7 +201,7 @@ def test_gradcheck(pattern, step, groups, causal, kernel):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_gradients_equal_full_attentions_under_the_dense_mask(kernel, monkeypatch):
     """One block per chunk in both passes (a tiny tile budget): outputs and gradients still match."""
-    for tile in ("_TILE_ELEMENTS", "_FUSED_TILE_ELEMENTS", "_BACKWARD_TILE_ELEMENTS"):
+    for tile in ("_TILE_ELEMENTS", "_FUSED_TILE_ELEMENTS", "_BACKWARD_TILE_ELEMENTS", "_VIEW_TILE_ELEMENTS"):
         monkeypatch.setattr(_blocksparse, tile, 1)
     config = SparseConfig(pattern="fixed", stride=8, summary=2, groups=2, block=4, kernel=kernel)
     inputs = [x.requires_grad_(True) for x in qkv(2, 2, 30, 30, 4)]

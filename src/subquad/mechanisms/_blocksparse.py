@@ -47,6 +47,7 @@ __all__ = ["Group", "band_groups", "block_sparse_attention", "fused_kernel_avail
 _TILE_ELEMENTS = 1 << 19  # scores (B·H·blocks·bq·W) computed at once: about 2 MB in fp32
 _FUSED_TILE_ELEMENTS = 1 << 22  # the same for the fused kernel, which never holds them all at once
 _BACKWARD_TILE_ELEMENTS = 1 << 20  # the fused backward returns key gradients per block: keep chunks small
+_VIEW_TILE_ELEMENTS = 1 << 28  # fused forward of view groups with one block's mask: few calls, fresh buffers
 
 
 @dataclass(frozen=True)
@@ -194,9 +195,15 @@ def _padded(x: Tensor, front: int, back: int) -> Tensor:
     return F.pad(x, (0, 0, front, back)) if front or back else x
 
 
-def _chunks(group: Group, B: int, H: int, L: int, S: int, pad: int, key_padding_mask: Tensor | None, tile: int):
+def _chunks(
+    group: Group, B: int, H: int, L: int, S: int, pad: int, key_padding_mask: Tensor | None, tile: int, views: bool
+):
+    """The group's chunks of at most ``tile`` scores; with ``views``, a group read through views
+    with one block's mask, whose chunks hold nothing but their output, of ``_VIEW_TILE_ELEMENTS``."""
     n, bq = group.queries.shape
     W = group.keys.shape[-1]
+    if views and group.uniform and group.key_view is not None and key_padding_mask is None:
+        tile = _VIEW_TILE_ELEMENTS
     per_chunk = max(1, tile // max(1, B * H * bq * W))
     for start in range(0, n, per_chunk):
         yield _Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask)
@@ -280,9 +287,8 @@ def _forward(q, k, v, key_padding_mask, parts, scale, fused):
             lse = q.new_full((B, H, rows, 1), float("-inf"), dtype=work)
             merge = False
         for group in part:
-            for c in _chunks(
-                group, B, H, L, S, pad, key_padding_mask, _FUSED_TILE_ELEMENTS if fused else _TILE_ELEMENTS
-            ):
+            tile = _FUSED_TILE_ELEMENTS if fused else _TILE_ELEMENTS
+            for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views=fused):
                 o, chunk_lse = _chunk_forward(q_ext, kf, vf, sources, c, scale, fused)
                 if merge:
                     c.merge(out, lse, o.to(work), chunk_lse.to(work).unsqueeze(-1))
@@ -324,9 +330,8 @@ class _BlockSparse(torch.autograd.Function):
         sources: dict = {}
         for part in ctx.parts:
             for group in part:
-                for c in _chunks(
-                    group, B, H, L, S, pad, key_padding_mask, _BACKWARD_TILE_ELEMENTS if ctx.fused else _TILE_ELEMENTS
-                ):
+                tile = _BACKWARD_TILE_ELEMENTS if ctx.fused else _TILE_ELEMENTS
+                for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views=False):
                     rows = c.queries
                     qc, gc = c.take(q_ext), c.take(g_ext, view=False)
                     kc, vc = c.gather(kf, sources), c.gather(vf, sources)
