@@ -1,17 +1,22 @@
-"""Assembling an output from blocks computed one at a time.
+"""Working block by block: assembling an output, and reusing buffers.
 
-Without autograd, blocks are written into one tensor (a single block is returned as it is): no
-second full-size copy. With
-autograd they are concatenated instead: each slice write into a shared buffer would make its
-backward node copy the gradient of the whole buffer, which is quadratic in the number of blocks.
+``BlockOutput``: without autograd, blocks are written into one tensor (a single block is returned
+as it is): no second full-size copy. With autograd they are concatenated instead: each slice write
+into a shared buffer would make its backward node copy the gradient of the whole buffer, which is
+quadratic in the number of blocks.
+
+``Scratch``: named buffers that a loop over blocks writes its temporaries into (``out=``), so
+each is allocated once per call rather than once per block.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["BlockOutput", "tracks_grad"]
+__all__ = ["BlockOutput", "Scratch", "tracks_grad"]
 
 
 def tracks_grad(*tensors: Tensor) -> bool:
@@ -50,3 +55,20 @@ class BlockOutput:
         if self.buffer is not None:
             return self.buffer
         return self.pieces[0] if len(self.pieces) == 1 else torch.cat(self.pieces, dim=self.dim)
+
+
+class Scratch:
+    """Buffers reused across the blocks of one call, by name: on CPU a freshly allocated tensor of
+    a megabyte costs more in page faults on its first write than a pass of work over it."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.buffers: dict[str, Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        """A contiguous tensor of ``shape`` (contents undefined)."""
+        size = math.prod(shape)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < size:
+            buffer = self.buffers[name] = torch.empty(size, dtype=self.dtype, device=self.device)
+        return buffer[:size].view(shape)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from subquad._blocks import Scratch
 from subquad._validate import AttentionShape, check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -129,16 +130,17 @@ def agglomerative_attention(
     return _CausalAgglomerative.apply(c_q, c_r, values, shape.keys - shape.queries, config.clip).to(v.dtype)
 
 
-def _prefix(x: Tensor, carry: Tensor | None) -> Tensor:
+def _prefix(x: Tensor, carry: Tensor | None, scratch: Scratch | None = None, name: str = "") -> Tensor:
     """Inclusive prefix sums of ``x`` ``(B, H, n, F)`` along n, plus ``carry`` ``(B, H, 1, F)``: a
     lower-triangular matmul within chunks of ``_CHUNK`` and a cumulative sum of the chunk totals (much
-    faster on CPU than ``cumsum`` along a middle dim)."""
+    faster on CPU than ``cumsum`` along a middle dim); written into ``scratch(name)`` if given."""
     B, H, n, F = x.shape
     chunk = min(_CHUNK, n)
     pad = -n % chunk
     xc = (torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x).reshape(B, H, -1, chunk, F)
     tril = torch.ones(chunk, chunk, dtype=x.dtype, device=x.device).tril()
-    within = torch.matmul(tril, xc)  # (B, H, chunks, chunk, F); matmul saves its inputs, not this
+    out = None if scratch is None else scratch(name, xc.shape)
+    within = torch.matmul(tril, xc, out=out)  # (B, H, chunks, chunk, F); matmul saves its inputs, not this
     if within.shape[2] > 1:
         within[:, :, 1:] += torch.cumsum(within[:, :, :-1, -1:], dim=2)  # totals of the earlier chunks
     if carry is not None:
@@ -160,13 +162,15 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
     # The query rows each reference block serves: positions max(start, offset) .. min(stop, offset + L).
     spans = [(max(s, offset), min(s + block, S, offset + L)) for s in starts]
     sums = mass = None
+    scratch = Scratch(values.dtype, values.device)
     for start, (lo, hi), c_r_block, v_block in zip(starts, spans, c_r.split(block, dim=2), values.split(block, dim=2)):
-        sums = _prefix(c_r_block * v_block, sums)
+        weighted = torch.mul(c_r_block, v_block, out=scratch("weighted", v_block.shape))
+        sums = _prefix(weighted, sums, scratch, "sums")
         mass = _prefix(c_r_block, mass)
         if lo < hi:
             scale = c_q[:, :, lo - offset : hi - offset] / mass[:, :, lo - start : hi - start].clamp_min(clip)
             torch.mul(sums[:, :, lo - start : hi - start], scale, out=out[:, :, lo - offset : hi - offset])
-        sums, mass = sums[:, :, -1:], mass[:, :, -1:]
+        sums, mass = sums[:, :, -1:].clone(), mass[:, :, -1:]  # the next block overwrites the buffer
     return out
 
 

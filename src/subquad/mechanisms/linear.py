@@ -34,7 +34,6 @@ There is no softmax, so there is no scale: ``scale`` must be left None.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from subquad._blocks import Scratch
 from subquad._validate import check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -199,7 +199,7 @@ class _NonCausal(torch.autograd.Function):
         block = max(1, _BLOCK_ELEMENTS // (B * H * max(D, Dv)))
         kv = q.new_zeros(B, H, D, Dv, dtype=work)
         z = q.new_zeros(B, H, 1, D, dtype=work)
-        scratch = _Scratch(work, q.device)
+        scratch = Scratch(work, q.device)
         for start in range(0, S, block):
             x = k[:, :, start : start + block]
             fk = _features_into(x, name, scratch("phi", x.shape), scratch)
@@ -317,7 +317,7 @@ class _Causal(torch.autograd.Function):
             state, z = initial[..., :Dv].to(work), initial[..., Dv].to(work)
         out = q.new_empty(B, H, N, Dv)
         den = q.new_empty(B, H, N, 1, dtype=work)
-        scratch = _Scratch(work, q.device)
+        scratch = Scratch(work, q.device)
         for s in range(0, N, step):
             e = min(s + step, N)
             n, m = e - s, -(-(e - s) // chunk)
@@ -396,24 +396,7 @@ class _Causal(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, grad_initial, None, None, None
 
 
-class _Scratch:
-    """Buffers reused across the blocks of one call, by name: on CPU a freshly allocated tensor of
-    a megabyte costs more in page faults on its first write than a pass of work over it."""
-
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
-        self.buffers: dict[str, Tensor] = {}
-
-    def __call__(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        """A contiguous tensor of ``shape`` (contents undefined)."""
-        size = math.prod(shape)
-        buffer = self.buffers.get(name)
-        if buffer is None or buffer.numel() < size:
-            buffer = self.buffers[name] = torch.empty(size, dtype=self.dtype, device=self.device)
-        return buffer[:size].view(shape)
-
-
-def _features_into(x: Tensor, name: str, out: Tensor, scratch: _Scratch) -> Tensor:
+def _features_into(x: Tensor, name: str, out: Tensor, scratch: Scratch) -> Tensor:
     """φ(x) for ``x`` ``(B, H, n, D)`` written into the first n rows of ``out`` ``(B, H, ≥ n, D)``,
     which is returned whole; as ``feature_map`` without autograd."""
     n = x.shape[2]
