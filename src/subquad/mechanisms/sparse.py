@@ -29,9 +29,11 @@ that the union of the parts is exactly the pattern's dense mask.
 - Column step, made block-local by **transposition**: positions are regrouped by ``t mod l``, so
   column c is the run ``c, c + l, c + 2l, …`` and the step becomes ``l`` independent dense (causal)
   attentions of length ⌈S/l⌉. The transposition is a strided view (stride l rows), not a copy.
-  Causal columns are square blocks under the fused kernel's own causal flag (or, eager, row blocks
-  that see only the rows up to their own).
-- Fixed: its own block as ``l``-long segments (the same segment code, untransposed), plus the summary
+  Causal columns run as row blocks that see only the rows up to their own (a quarter faster
+  forward than whole segments under the fused kernel's own causal flag, which at this length
+  computes every diagonal tile in full).
+- Fixed: its own block as ``l``-long segments (the same segment code, untransposed; causal, whole
+  segments under the kernel's causal flag, whose backward is faster than row blocks'), plus the summary
   keys of the other blocks, gathered once per call per head (nv distinct groups, ``blocks·c`` keys).
   Query block r sees those of blocks ``< r`` (causal) or ``≠ r``; runs of query blocks
   (``_SUMMARY_QUERIES`` queries) share one kernel call on the summary prefix their last block can
@@ -356,8 +358,7 @@ def _sparse_parts(config: SparseConfig, shape: AttentionShape, causal: bool, dev
     if config.step in ("column", "merged"):
         rows = -(-S // l)
         columns = torch.arange(l, device=device)[:, None] + l * torch.arange(rows, device=device)  # (l, rows)
-        square = causal and config.kernel == "fused" and fused_kernel_available(device)
-        parts.append(_segment_groups(columns, L, offset, block, causal, column, (1, l), square))
+        parts.append(_segment_groups(columns, L, offset, block, causal, column, (1, l)))
     return parts
 
 
