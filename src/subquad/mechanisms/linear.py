@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["LinearConfig", "LinearDecoder", "causal_dot", "feature_map", "linear_attention"]
 
 _BLOCK_STATE_ELEMENTS = 1 << 18  # chunk states held at once: rows × chunks × D × Dc
-_BLOCK_ELEMENTS = 1 << 18  # non-causal form: positions × rows × width per block of keys or queries
+_BLOCK_ELEMENTS = 1 << 19  # non-causal form: positions × rows × width per block of keys or queries
 _LOG2E = 1.4426950408889634
 
 
