@@ -47,7 +47,7 @@ from subquad.registry import Config, Mechanism, option
 __all__ = ["AgglomerativeConfig", "AgglomerativeDecoder", "AgglomerativeInputs", "agglomerative_attention"]
 
 _CHUNK = 32  # positions per lower-triangular matmul of the prefix sums
-_BLOCK_ELEMENTS = 1 << 18  # reference positions × heads × width handled at once in the causal form
+_BLOCK_ELEMENTS = 1 << 19  # reference positions × heads × width handled at once in the causal form
 
 
 @dataclass(frozen=True)
