@@ -70,12 +70,7 @@ def feature_map(x: Tensor, name: str) -> Tensor:
     if name == "elu":  # elu(x) + 1 = exp(min(x, 0)) + max(x, 0): a third faster on CPU than F.elu
         if torch.is_grad_enabled() and x.requires_grad:
             return torch.exp(x.clamp(max=0)) + F.relu(x)
-        if x.dtype == torch.float64:
-            return x.clamp(max=0).exp_().add_(F.relu(x))
-        # fp32 and lower: exp(u) = 2^(u·log2 e), as torch's exp2 is twice as fast as exp on CPU;
-        # t = x·log2 e is the one pass that reads x, the rest run on t (max(x, 0) = max(t, 0) / log2 e)
-        t = torch.mul(x, _LOG2E)
-        return t.clamp(max=0).exp2_().add_(t.clamp_(min=0), alpha=1 / _LOG2E)
+        return _features_into(x, name, torch.empty_like(x, memory_format=torch.contiguous_format))
     if name == "relu":
         return F.relu(x)
     raise ValueError(f"unknown feature map {name!r}; choose elu or relu")
@@ -297,9 +292,10 @@ def _chunked(x: Tensor, chunk: int) -> Tensor:
 class _Causal(torch.autograd.Function):
     """Causal linear attention, fused: features, chunked causal product and normalisation.
 
-    Forward runs over blocks of positions in time order carrying ``S = Σ φ(k) [v, 1]ᵀ``; each block
-    computes φ for its own positions only. It saves q, k, v, the output and the denominators. The
-    backward recomputes φ per block in two sweeps: forwards in time for ∂q (which needs S), and
+    Forward runs over blocks of positions in time order carrying ``S = Σ φ(k) vᵀ`` and
+    ``z = Σ φ(k)``; each block computes φ for its own positions only, in buffers reused across
+    blocks. It saves q, k, v, the output and the denominators. The backward recomputes φ per block
+    (with S as ``Σ φ(k) [v, 1]ᵀ``) in two sweeps: forwards in time for ∂q (which needs S), and
     backwards in time for ∂k and ∂v (which need ``R = Σ_{i later} φ(q_i) G_iᵀ``, G the gradient of
     the un-normalised product). So no full-size feature or product tensor exists in either pass.
     """
@@ -396,30 +392,28 @@ class _Causal(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, grad_initial, None, None, None
 
 
-def _features_into(x: Tensor, name: str, out: Tensor, scratch: Scratch) -> Tensor:
-    """φ(x) for ``x`` ``(B, H, n, D)`` written into the first n rows of ``out`` ``(B, H, ≥ n, D)``,
-    which is returned whole; as ``feature_map`` without autograd."""
-    n = x.shape[2]
-    y = out[:, :, :n]
+def _features_into(x: Tensor, name: str, out: Tensor, scratch: Scratch | None = None) -> Tensor:
+    """φ(x), without autograd, for ``x`` ``(..., n, D)`` written into the first n rows of ``out``
+    ``(..., ≥ n, D)``, which is returned whole; its temporary goes into ``scratch`` if given."""
+    y = out if out.shape == x.shape else out[..., : x.shape[-2], :]
     if name == "relu":
         torch.clamp(x, min=0, out=y)
     elif out.dtype == torch.float64:
         torch.clamp(x, max=0, out=y).exp_().add_(F.relu(x))
-    else:  # as feature_map: exp through exp2, x read once
-        t = torch.mul(x, _LOG2E, out=scratch("features", x.shape))
+    else:
+        # fp32 and lower: exp(u) = 2^(u·log2 e), as torch's exp2 is twice as fast as exp on CPU;
+        # t = x·log2 e is the one pass that reads x, the rest run on t (max(x, 0) = max(t, 0) / log2 e)
+        t = torch.mul(x, _LOG2E, out=None if scratch is None else scratch("features", x.shape))
         torch.clamp(t, max=0, out=y).exp2_().add_(t.clamp_(min=0), alpha=1 / _LOG2E)
     return out
 
 
-def _block_inputs(q, k, v, mask, s: int, e: int, name: str, work: torch.dtype, chunk: int, ones: bool = True):
-    """φ(q), φ(k) (padded keys zeroed) and [v, 1] (v alone unless ``ones``) for positions ``[s, e)``,
-    in chunks."""
+def _block_inputs(q, k, v, mask, s: int, e: int, name: str, work: torch.dtype, chunk: int):
+    """φ(q), φ(k) (padded keys zeroed) and [v, 1] for positions ``[s, e)``, in chunks."""
     fk = feature_map(k[:, :, s:e].to(work), name)
     if mask is not None:
         fk *= mask[:, None, s:e, None]
-    v1 = v[:, :, s:e].to(work).contiguous()  # read by two products: copied once, not by each
-    if ones:
-        v1 = torch.cat([v1, v.new_ones(*v.shape[:2], e - s, 1, dtype=work)], dim=-1)
+    v1 = torch.cat([v[:, :, s:e].to(work), v.new_ones(*v.shape[:2], e - s, 1, dtype=work)], dim=-1)
     fq = None if q is None else _chunked(feature_map(q[:, :, s:e].to(work), name), chunk)
     return fq, _chunked(fk, chunk), _chunked(v1, chunk)
 
