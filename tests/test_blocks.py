@@ -1,6 +1,6 @@
 import torch
 
-from subquad._blocks import BlockOutput, tracks_grad
+from subquad._blocks import BlockOutput, Scratch, tracks_grad
 
 
 def blocks():
@@ -31,3 +31,14 @@ def test_tracked_blocks_are_concatenated_and_carry_gradients():
     assert torch.equal(x.grad[:, :3], torch.full((2, 3, 3), 2.0)) and torch.equal(
         x.grad[:, 3:], torch.full((2, 4, 3), 3.0)
     )
+
+
+def test_scratch_reuses_one_buffer_per_name_and_grows_when_asked_for_more():
+    scratch = Scratch(torch.float64, torch.device("cpu"))
+    a = scratch("x", (2, 3, 4))
+    assert a.shape == (2, 3, 4) and a.dtype == torch.float64 and a.is_contiguous()
+    smaller = scratch("x", (5, 2))  # fits: the same memory
+    assert smaller.is_contiguous() and smaller.data_ptr() == a.data_ptr()
+    assert scratch("y", (5, 2)).data_ptr() != a.data_ptr()  # another name, another buffer
+    larger = scratch("x", (7, 7))  # does not fit: a new buffer
+    assert larger.shape == (7, 7) and scratch("x", (2, 3, 4)).data_ptr() == larger.data_ptr()

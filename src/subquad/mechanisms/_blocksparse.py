@@ -47,7 +47,7 @@ __all__ = ["Group", "band_groups", "block_sparse_attention", "fused_kernel_avail
 _TILE_ELEMENTS = 1 << 19  # scores (B·H·blocks·bq·W) computed at once: about 2 MB in fp32
 _FUSED_TILE_ELEMENTS = 1 << 22  # the same for the fused kernel, which never holds them all at once
 _BACKWARD_TILE_ELEMENTS = 1 << 20  # the fused backward returns key gradients per block: keep chunks small
-_VIEW_TILE_ELEMENTS = 1 << 28  # fused forward of view groups with one block's mask: few calls, fresh buffers
+_VIEW_TILE_ELEMENTS = 1 << 28  # fused forward of view groups with one block's mask: fewer calls and fresh outputs
 
 
 @dataclass(frozen=True)
