@@ -119,12 +119,19 @@ def test_causal_dot_gradcheck_with_an_initial_state():
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_low_precision_accumulates_in_fp32(dtype, tol, is_causal):
-    q, k, v = (x.to(dtype) for x in qkv(2, 2, 300, 300, 16))
-    out = linear_attention(q, k, v, is_causal=is_causal)
-    ref = linear_attention(q.double(), k.double(), v.double(), is_causal=is_causal)
+@pytest.mark.parametrize("fm", ["elu", "relu"])
+def test_low_precision_accumulates_in_fp32(dtype, tol, is_causal, fm):
+    q, k, v = (x.to(dtype).requires_grad_() for x in qkv(2, 2, 300, 300, 16))
+    config = LinearConfig(feature_map=fm)
+    out = linear_attention(q, k, v, is_causal=is_causal, config=config)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = linear_attention(q64, k64, v64, is_causal=is_causal, config=config)
     assert out.dtype == dtype
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+    grad = torch.randn_like(ref)
+    lows, highs = torch.autograd.grad(out, (q, k, v), grad.to(dtype)), torch.autograd.grad(ref, (q64, k64, v64), grad)
+    for low, high in zip(lows, highs):
+        assert low.dtype == dtype and (low.double() - high).abs().max() <= 4 * tol * high.abs().max()
 
 
 # --------------------------------------------------------------------------------------------

@@ -396,8 +396,10 @@ def _features_into(x: Tensor, name: str, out: Tensor, scratch: Scratch | None = 
     """φ(x), without autograd, for ``x`` ``(..., n, D)`` written into the first n rows of ``out``
     ``(..., ≥ n, D)``, which is returned whole; its temporary goes into ``scratch`` if given."""
     y = out if out.shape == x.shape else out[..., : x.shape[-2], :]
-    if name == "relu":
+    if name == "relu" and x.dtype == y.dtype:
         torch.clamp(x, min=0, out=y)
+    elif name == "relu":  # bf16/fp16 inputs into fp32 features: clamp's out= takes no other dtype
+        y.copy_(x).clamp_(min=0)
     elif out.dtype == torch.float64:
         torch.clamp(x, max=0, out=y).exp_().add_(F.relu(x))
     else:

@@ -270,7 +270,8 @@ class CausalLM(nn.Module):
     ) -> Tensor:
         """Continue ``tokens`` ``(B, T)`` by ``max_new_tokens``; returns ``(B, T + max_new_tokens)``.
 
-        ``temperature=0`` is greedy. Sampling draws from ``generator`` (seed it to reproduce).
+        ``temperature=0`` is greedy. Sampling draws from ``generator`` (seed it to reproduce), on
+        the generator's device: a CPU generator gives the same tokens on every device.
         With ``use_cache`` each new token runs the layers on that token alone.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -299,4 +300,8 @@ def _pick(logits: Tensor, temperature: float, top_k: int | None, generator: torc
     if top_k is not None:
         threshold = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < threshold, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+    probs = torch.softmax(logits, dim=-1)
+    if generator is not None and generator.device.type != probs.device.type:
+        # Draw on the generator's device: one seed gives the same tokens wherever the model runs.
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).to(probs.device)
+    return torch.multinomial(probs, 1, generator=generator)

@@ -1,0 +1,147 @@
+"""Every mechanism on a CUDA device computes what it computes on the CPU.
+
+Outputs and gradients in float64 on the GPU equal those of the CPU run (the CPU paths are checked
+against full attention by each mechanism's own tests), the low-precision dtypes run finite and
+close to float64, and the models generate the same tokens with and without the cache. Skipped
+where no CUDA device is present.
+"""
+
+import pytest
+import torch
+
+from subquad.nn import CausalLM, HeadGroup
+from subquad.registry import get_mechanism, make_config
+
+from .conftest import padding, qkv
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Options small enough for N = 100 to cross many blocks, chunks, tiles and segments.
+CASES = {
+    "full": {},
+    "full-eager": {"backend": "eager"},
+    "clustered": {"clusters": 5},
+    "clustered-hamming": {"clusters": 5, "kmeans": "hamming", "bits": 16},
+    "improved-clustered": {"clusters": 5, "topk": 7},
+    "linear": {"chunk": 16},
+    "linear-relu": {"chunk": 13, "feature_map": "relu"},
+    "agglomerative": {},
+    "local": {"window": 9},
+    "routing": {"clusters": 4, "window": 8},
+    "multires": {"rates": (0.5, 0.25, 0.2, 0.1)},
+    "multires-softmax": {"rates": (0.5, 0.25, 0.2, 0.1), "similarity": "softmax"},
+    "sparse": {"stride": 8, "block": 8},
+    "sparse-column": {"stride": 8, "step": "column", "block": 8},
+    "sparse-fixed": {"pattern": "fixed", "stride": 16, "summary": 3, "groups": 2, "block": 8},
+    "pattern": {"window": 9, "dilation": 2, "global_tokens": 3, "block": 16},
+}
+B, H, D = 2, 4, 16
+
+
+def _mechanism(case):
+    return case.split("-")[0] if case not in ("improved-clustered",) else case
+
+
+def _run(case, device, dtype, is_causal, L, S, backward):
+    """One call of the case on ``device`` in ``dtype``: ``(out, gradients)`` as CPU float64."""
+    mech = get_mechanism(_mechanism(case))
+    config = make_config(mech, **CASES[case])
+    q, k, v = qkv(B, H, L, S, D, seed=3)
+    kpm = padding(B, S, seed=4)
+    tensors = {}
+    if mech.example_tensors is not None:
+        tensors = mech.example_tensors(q, k, v, config, torch.Generator().manual_seed(5))
+    if "query_padding_mask" in mech.tensor_args:
+        tensors["query_padding_mask"] = padding(B, L, seed=6)
+    state = mech.state(config, H, D, 7).eval() if mech.state is not None else None
+    q, k, v = (x.to(device, dtype).requires_grad_(backward) for x in (q, k, v))
+    tensors = {name: t.to(device, dtype if t.is_floating_point() else t.dtype) for name, t in tensors.items()}
+    logits = [t.requires_grad_(backward) for t in tensors.values() if t.is_floating_point()]
+    if state is not None:
+        state = state.to(device, dtype)
+    out = mech(q, k, v, key_padding_mask=kpm.to(device), is_causal=is_causal, config=config, state=state, **tensors)
+    assert out.device.type == device and out.dtype == dtype
+    grads = ()
+    if backward:
+        inputs = (q, k, v, *logits)  # agglomerative reads only the shapes of q and k: zero gradients
+        grads = torch.autograd.grad(out, inputs, torch.ones_like(out).cos(), allow_unused=True, materialize_grads=True)
+    return out.detach().cpu().double(), tuple(g.cpu().double() for g in grads)
+
+
+def _causal_forms(case):
+    return (False, True) if get_mechanism(_mechanism(case)).causal else (False,)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("shape", ["self", "cross"])
+def test_float64_on_cuda_equals_the_cpu(case, shape):
+    L, S = (100, 100) if shape == "self" else (37, 100)
+    for is_causal in _causal_forms(case):
+        out_cpu, grads_cpu = _run(case, "cpu", torch.float64, is_causal, L, S, backward=True)
+        out_gpu, grads_gpu = _run(case, "cuda", torch.float64, is_causal, L, S, backward=True)
+        torch.testing.assert_close(out_gpu, out_cpu, rtol=1e-9, atol=1e-10)
+        for g_gpu, g_cpu in zip(grads_gpu, grads_cpu):
+            torch.testing.assert_close(g_gpu, g_cpu, rtol=1e-9, atol=1e-10)
+
+
+# Mechanisms with a discrete choice (clusters, resolution) that rounding can flip; the others are
+# close to float64 in every dtype.
+DISCRETE = {"clustered", "clustered-hamming", "improved-clustered", "routing", "multires", "multires-softmax"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_on_cuda_is_finite_and_close(case, dtype):
+    for is_causal in _causal_forms(case):
+        out, grads = _run(case, "cuda", dtype, is_causal, 100, 100, backward=True)
+        assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+        if case not in DISCRETE:
+            ref, _ = _run(case, "cpu", torch.float64, is_causal, 100, 100, backward=False)
+            tol = 2e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_the_same_call_twice_on_cuda_gives_identical_results():
+    for case in ("clustered", "improved-clustered", "routing", "multires", "sparse-fixed"):
+        first, _ = _run(case, "cuda", torch.float32, False, 100, 100, backward=False)
+        second, _ = _run(case, "cuda", torch.float32, False, 100, 100, backward=False)
+        assert torch.equal(first, second), case
+
+
+ATTENTION = {
+    "full": "full",
+    "linear": "linear",
+    "agglomerative": "agglomerative",
+    "local": HeadGroup("local", window=6),
+    "routing+local": (HeadGroup("local", 2, window=6), HeadGroup("routing", clusters=3, window=5)),
+    "sparse": [HeadGroup("sparse", stride=4, block=4), HeadGroup("sparse", pattern="fixed", stride=8, summary=2)],
+    "multires": HeadGroup("multires", rates=(0.5, 0.25, 0.25, 0.125)),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_causal_lm_on_cuda_matches_the_cpu_and_generates_with_the_cache(name):
+    torch.manual_seed(0)
+    position = "conv" if name == "agglomerative" else "learned"
+    model = CausalLM(40, 32, 2, 4, attention=ATTENTION[name], max_len=64, position=position).double().eval()
+    tokens = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(1))
+    logits_cpu = model(tokens)
+    gpu = model.to("cuda")
+    torch.testing.assert_close(gpu(tokens.cuda()).cpu(), logits_cpu, rtol=1e-9, atol=1e-10)
+    prompt = tokens[:, :7].cuda()
+    cached = gpu.generate(prompt, 25, use_cache=True)
+    assert torch.equal(cached, gpu.generate(prompt, 25, use_cache=False))
+    assert torch.equal(cached.cpu(), model.cpu().generate(prompt.cpu(), 25, use_cache=True))
+
+
+def test_sampling_on_cuda_with_a_cpu_generator_reproduces_the_cpu_tokens():
+    torch.manual_seed(0)
+    model = CausalLM(40, 32, 2, 4, attention="linear", max_len=64).double().eval()
+    prompt = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(1))
+    options = {"temperature": 0.9, "top_k": 10}
+    on_cpu = model.generate(prompt, 20, generator=torch.Generator().manual_seed(2), **options)
+    on_gpu = model.cuda().generate(prompt.cuda(), 20, generator=torch.Generator().manual_seed(2), **options)
+    assert on_gpu.device.type == "cuda" and torch.equal(on_gpu.cpu(), on_cpu)
+    cuda_generator = torch.Generator("cuda").manual_seed(2)
+    again = model.generate(prompt.cuda(), 20, generator=torch.Generator("cuda").manual_seed(2), **options)
+    assert torch.equal(model.generate(prompt.cuda(), 20, generator=cuda_generator, **options), again)
