@@ -1,6 +1,6 @@
 import torch
 
-from subquad._blocks import BlockOutput, Scratch, tracks_grad
+from subquad._blocks import ACCELERATOR_SCALE, BlockOutput, Scratch, block_elements, tracks_grad
 
 
 def blocks():
@@ -42,3 +42,8 @@ def test_scratch_reuses_one_buffer_per_name_and_grows_when_asked_for_more():
     assert scratch("y", (5, 2)).data_ptr() != a.data_ptr()  # another name, another buffer
     larger = scratch("x", (7, 7))  # does not fit: a new buffer
     assert larger.shape == (7, 7) and scratch("x", (2, 3, 4)).data_ptr() == larger.data_ptr()
+
+
+def test_blocks_are_larger_off_the_cpu_only():
+    assert block_elements(1 << 19, torch.device("cpu")) == 1 << 19
+    assert block_elements(1 << 19, torch.device("cuda")) == (1 << 19) * ACCELERATOR_SCALE > 1 << 19

@@ -7,6 +7,10 @@ quadratic in the number of blocks.
 
 ``Scratch``: named buffers that a loop over blocks writes its temporaries into (``out=``), so
 each is allocated once per call rather than once per block.
+
+``block_elements``: how much one block holds. The sizes in the mechanisms are tuned for the CPU
+(caches, page faults); on an accelerator every op of a block is a kernel launch with a fixed cost,
+so blocks there are ``ACCELERATOR_SCALE`` times larger.
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["BlockOutput", "Scratch", "tracks_grad"]
+__all__ = ["ACCELERATOR_SCALE", "BlockOutput", "Scratch", "block_elements", "tracks_grad"]
+
+ACCELERATOR_SCALE = 32  # blocks this many times larger off the CPU: fewer launches, still bounded memory
+
+
+def block_elements(cpu: int, device: torch.device) -> int:
+    """Elements one block of a loop holds on ``device``: ``cpu`` on the CPU, ``ACCELERATOR_SCALE``
+    times more elsewhere."""
+    return cpu if device.type == "cpu" else cpu * ACCELERATOR_SCALE
 
 
 def tracks_grad(*tensors: Tensor) -> bool:

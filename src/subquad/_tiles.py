@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from subquad._blocks import block_elements
+
 __all__ = ["Windows", "window_attention"]
 
 _GROUP_ELEMENTS = 1 << 20  # score entries computed at once (about 4 MB in fp32)
@@ -114,7 +116,7 @@ class _Plan:
         self.start = (start * tile + rows * M).flatten()[order]  # each window's first slot
         self.seen = seen.reshape(R * nb, -1)[order]  # (R·nb, Tq or 1)
         self.longest = max(1, int(need.max()))  # buffers hold `step` blocks of Tq queries and this many keys
-        self.Tq, self.step = Tq, max(1, _GROUP_ELEMENTS // (Tq * self.longest))
+        self.Tq, self.step = Tq, max(1, block_elements(_GROUP_ELEMENTS, table.device) // (Tq * self.longest))
         self.chunks = _chunks(width[order].tolist(), need[order].tolist(), self.step)
 
     def chunk(self, first: int, end: int, Tq: int, Tk: int, q, k, v, buffers: dict[str, Tensor]) -> _Chunk:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from subquad._blocks import block_elements
 from subquad.masks import MaskMod
 
 __all__ = ["Group", "band_groups", "block_sparse_attention", "fused_kernel_available", "work_dtype"]
@@ -287,7 +288,7 @@ def _forward(q, k, v, key_padding_mask, parts, scale, fused):
             lse = q.new_full((B, H, rows, 1), float("-inf"), dtype=work)
             merge = False
         for group in part:
-            tile = _FUSED_TILE_ELEMENTS if fused else _TILE_ELEMENTS
+            tile = _FUSED_TILE_ELEMENTS if fused else block_elements(_TILE_ELEMENTS, q.device)
             for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views=fused):
                 o, chunk_lse = _chunk_forward(q_ext, kf, vf, sources, c, scale, fused)
                 if merge:
@@ -330,7 +331,7 @@ class _BlockSparse(torch.autograd.Function):
         sources: dict = {}
         for part in ctx.parts:
             for group in part:
-                tile = _BACKWARD_TILE_ELEMENTS if ctx.fused else _TILE_ELEMENTS
+                tile = _BACKWARD_TILE_ELEMENTS if ctx.fused else block_elements(_TILE_ELEMENTS, q.device)
                 for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views=False):
                     rows = c.queries
                     qc, gc = c.take(q_ext), c.take(g_ext, view=False)

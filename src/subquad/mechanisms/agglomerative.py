@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from subquad._blocks import Scratch
+from subquad._blocks import Scratch, block_elements
 from subquad._validate import AttentionShape, check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -157,7 +157,7 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
     out = values.new_empty(B, H, L, Dv)
     if offset < 0:
         out[:, :, : min(-offset, L)] = 0  # queries before the first reference see none
-    block = _block_size(B, H, Dv)
+    block = _block_size(B, H, Dv, c_q.device)
     starts = range(0, S, block)
     # The query rows each reference block serves: positions max(start, offset) .. min(stop, offset + L).
     spans = [(max(s, offset), min(s + block, S, offset + L)) for s in starts]
@@ -174,8 +174,8 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
     return out
 
 
-def _block_size(B: int, H: int, Dv: int) -> int:
-    return max(_CHUNK, (_BLOCK_ELEMENTS // (B * H * (Dv + 1))) // _CHUNK * _CHUNK)
+def _block_size(B: int, H: int, Dv: int, device: torch.device) -> int:
+    return max(_CHUNK, (block_elements(_BLOCK_ELEMENTS, device) // (B * H * (Dv + 1))) // _CHUNK * _CHUNK)
 
 
 class _CausalAgglomerative(torch.autograd.Function):
@@ -201,7 +201,7 @@ class _CausalAgglomerative(torch.autograd.Function):
         offset, clip = ctx.offset, ctx.clip
         B, H, L, _ = c_q.shape
         S, Dv = values.shape[2], values.shape[3]
-        block = _block_size(B, H, Dv)
+        block = _block_size(B, H, Dv, c_q.device)
         grad = grad.to(values.dtype)
         grad_q = torch.zeros_like(c_q)
         grad_sums = torch.zeros_like(values)  # ∂S per position; becomes ∂v in the second pass

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from subquad._blocks import BlockOutput, tracks_grad
+from subquad._blocks import BlockOutput, block_elements, tracks_grad
 from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask
 from subquad.registry import Config, Mechanism, no_causal_form, option
 
@@ -475,7 +475,7 @@ def _clustered(
     if improved:
         kk = min(config.topk, S)
         per_row = max(per_row, L * D + (L // _TILE + C) * kk * (D + Dv))
-    group = max(1, min(rows, _GROUP_ELEMENTS // per_row))
+    group = max(1, min(rows, block_elements(_GROUP_ELEMENTS, q.device) // per_row))
     result = BlockOutput((rows, L, Dv), 0, q, tracks_grad(q, k, v))
     # split, not slices: one backward node for all groups (each slice's backward fills a full-size zero)
     for r, qg, kg, vg in zip(range(0, rows, group), qf.split(group), kf.split(group), vf.split(group)):

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from subquad._blocks import Scratch
+from subquad._blocks import Scratch, block_elements
 from subquad._validate import check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -92,7 +92,7 @@ def _causal_dot_blocked(a: Tensor, b: Tensor, c: Tensor, initial: Tensor | None,
         a, b, c = (F.pad(x, (0, 0, 0, pad)) for x in (a, b, c))
     a, b, c = (x.view(R, chunks, chunk, x.shape[-1]) for x in (a, b, c))
     state = a.new_zeros(R, 1, Da, Dc) if initial is None else initial.unsqueeze(1)
-    per_block = max(1, _BLOCK_STATE_ELEMENTS // (R * Da * Dc))
+    per_block = max(1, block_elements(_BLOCK_STATE_ELEMENTS, a.device) // (R * Da * Dc))
     out = a.new_empty(R, chunks, chunk, Dc)
     for start in range(0, chunks, per_block):
         block = slice(start, start + per_block)
@@ -191,7 +191,7 @@ class _NonCausal(torch.autograd.Function):
         B, H, L, D = q.shape
         S, Dv = k.shape[2], v.shape[3]
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        block = max(1, _BLOCK_ELEMENTS // (B * H * max(D, Dv)))
+        block = max(1, block_elements(_BLOCK_ELEMENTS, q.device) // (B * H * max(D, Dv)))
         kv = q.new_zeros(B, H, D, Dv, dtype=work)
         z = q.new_zeros(B, H, 1, D, dtype=work)
         scratch = Scratch(work, q.device)
@@ -306,7 +306,7 @@ class _Causal(torch.autograd.Function):
         Dv = v.shape[-1]
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         chunk = max(1, min(chunk, N))
-        step = chunk * max(1, _BLOCK_STATE_ELEMENTS // (B * H * D * (Dv + 1)))
+        step = chunk * max(1, block_elements(_BLOCK_STATE_ELEMENTS, q.device) // (B * H * D * (Dv + 1)))
         if initial is None:
             state, z = q.new_zeros(B, H, D, Dv, dtype=work), q.new_zeros(B, H, D, dtype=work)
         else:

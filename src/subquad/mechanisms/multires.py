@@ -76,7 +76,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from subquad._blocks import BlockOutput, tracks_grad
+from subquad._blocks import BlockOutput, block_elements, tracks_grad
 from subquad._validate import AttentionShape, check_attention_inputs, resolve_scale
 from subquad.decoding import KVCache
 from subquad.mechanisms.linear import causal_dot, feature_map
@@ -280,7 +280,7 @@ def _kernel(
     # Without autograd, blocks of queries are written into the output: no full-size temporaries.
     B, H, L, D = q.shape
     out = q.new_empty(B, H, L, Dv)
-    block = max(1, _QUERY_BLOCK_ELEMENTS // (B * H * (D + Dv + 1)))
+    block = max(1, block_elements(_QUERY_BLOCK_ELEMENTS, q.device) // (B * H * (D + Dv + 1)))
     for start in range(0, L, block):
         y = torch.matmul(feature_map(q[:, :, start : start + block], config.feature_map), sums)
         weight = gate[:, :, start : start + block, None] / (y[..., Dv:] + config.eps)
@@ -361,7 +361,7 @@ def _softmax(
         k_run, seen = _running_means(k, mask, length)
         v_run, _ = _running_means(v, mask, length)
     out = BlockOutput((B, H, w, Dv), 2, q, track=tracks_grad(q, k, v))
-    block = max(1, _SOFTMAX_BLOCK_ELEMENTS // (B * H * (n + 1)))
+    block = max(1, block_elements(_SOFTMAX_BLOCK_ELEMENTS, q.device) // (B * H * (n + 1)))
     for start in range(0, w, block):
         qb, pb, rb = q[:, :, start : start + block], position[:, start : start + block], real[:, start : start + block]
         scores = torch.matmul(qb, k_means.transpose(-1, -2)) * scale  # (B, H, b, n)

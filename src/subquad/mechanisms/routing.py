@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from subquad._blocks import block_elements
 from subquad._tiles import Windows, window_attention
 from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask
 from subquad.decoding import KVCache
@@ -179,7 +180,7 @@ def route(x: Tensor, centroids: Tensor) -> Tensor:
     mu = centroids.transpose(-1, -2)  # (H, D, k)
     # argmax as k − max_c (k − c)·[score_c = max]: vectorised reductions, unlike CPU argmax.
     weight = torch.arange(C, 0, -1, dtype=centroids.dtype, device=x.device)
-    step = max(1, min(N, _ASSIGN_ELEMENTS // (B * H * C)))
+    step = max(1, min(N, block_elements(_ASSIGN_ELEMENTS, x.device) // (B * H * C)))
     scores = x.new_empty(B, H, step, C, dtype=centroids.dtype)  # reused: no page faults
     cluster = torch.empty(B, H, N, dtype=torch.long, device=x.device)
     for s in range(0, N, step):

@@ -64,6 +64,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from subquad._blocks import block_elements
 from subquad._validate import AttentionShape, check_attention_inputs
 from subquad.decoding import KVCache
 from subquad.masks import MaskMod, and_masks, causal_mask, or_masks
@@ -474,7 +475,7 @@ def _occupancy(mask_mod: MaskMod, shape: AttentionShape, block: int, head_offset
     b = torch.arange(B, device=device).view(B, 1, 1, 1)
     h = (torch.arange(H, device=device) + head_offset).view(1, H, 1, 1)
     kv_idx = torch.arange(S, device=device).view(1, 1, 1, S)
-    per_chunk = max(1, _LAYOUT_ELEMENTS // (B * H * block * S))
+    per_chunk = max(1, block_elements(_LAYOUT_ELEMENTS, torch.device(device)) // (B * H * block * S))
     tiles = []
     for first in range(0, nq, per_chunk):
         rows = torch.arange(first * block, min(L, (first + per_chunk) * block), device=device)
