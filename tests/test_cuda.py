@@ -125,13 +125,13 @@ def test_causal_lm_on_cuda_matches_the_cpu_and_generates_with_the_cache(name):
     position = "conv" if name == "agglomerative" else "learned"
     model = CausalLM(40, 32, 2, 4, attention=ATTENTION[name], max_len=64, position=position).double().eval()
     tokens = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(1))
-    logits_cpu = model(tokens)
-    gpu = model.to("cuda")
-    torch.testing.assert_close(gpu(tokens.cuda()).cpu(), logits_cpu, rtol=1e-9, atol=1e-10)
+    logits_cpu, tokens_cpu = model(tokens), model.generate(tokens[:, :7], 25)
+    model.cuda()
+    torch.testing.assert_close(model(tokens.cuda()).cpu(), logits_cpu, rtol=1e-9, atol=1e-10)
     prompt = tokens[:, :7].cuda()
-    cached = gpu.generate(prompt, 25, use_cache=True)
-    assert torch.equal(cached, gpu.generate(prompt, 25, use_cache=False))
-    assert torch.equal(cached.cpu(), model.cpu().generate(prompt.cpu(), 25, use_cache=True))
+    cached = model.generate(prompt, 25, use_cache=True)
+    assert torch.equal(cached, model.generate(prompt, 25, use_cache=False))
+    assert torch.equal(cached.cpu(), tokens_cpu)
 
 
 def test_sampling_on_cuda_with_a_cpu_generator_reproduces_the_cpu_tokens():
@@ -142,6 +142,7 @@ def test_sampling_on_cuda_with_a_cpu_generator_reproduces_the_cpu_tokens():
     on_cpu = model.generate(prompt, 20, generator=torch.Generator().manual_seed(2), **options)
     on_gpu = model.cuda().generate(prompt.cuda(), 20, generator=torch.Generator().manual_seed(2), **options)
     assert on_gpu.device.type == "cuda" and torch.equal(on_gpu.cpu(), on_cpu)
-    cuda_generator = torch.Generator("cuda").manual_seed(2)
-    again = model.generate(prompt.cuda(), 20, generator=torch.Generator("cuda").manual_seed(2), **options)
-    assert torch.equal(model.generate(prompt.cuda(), 20, generator=cuda_generator, **options), again)
+    first, second = (
+        model.generate(prompt.cuda(), 20, generator=torch.Generator("cuda").manual_seed(2), **options) for _ in range(2)
+    )
+    assert torch.equal(first, second)  # a CUDA generator draws on the GPU, reproducibly
