@@ -199,17 +199,21 @@ def test_gradcheck(pattern, step, groups, causal, kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_gradients_equal_full_attentions_under_the_dense_mask(kernel, monkeypatch):
-    """One block per chunk in both passes (a tiny tile budget): outputs and gradients still match."""
-    for tile in ("_TILE_ELEMENTS", "_FUSED_TILE_ELEMENTS", "_BACKWARD_TILE_ELEMENTS", "_VIEW_TILE_ELEMENTS"):
-        monkeypatch.setattr(_blocksparse, tile, 1)
-    config = SparseConfig(pattern="fixed", stride=8, summary=2, groups=2, block=4, kernel=kernel)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("pattern", ["strided", "fixed"])
+@pytest.mark.parametrize("tile", [1, None])
+def test_gradients_equal_full_attentions_under_the_dense_mask(kernel, causal, pattern, tile, monkeypatch):
+    """With the default tiles, and with one block per chunk in both passes (a tiny tile budget)."""
+    if tile is not None:
+        for name in ("_TILE_ELEMENTS", "_FUSED_TILE_ELEMENTS", "_BACKWARD_TILE_ELEMENTS", "_VIEW_TILE_ELEMENTS"):
+            monkeypatch.setattr(_blocksparse, name, tile)
+    config = SparseConfig(pattern=pattern, stride=8, summary=2, groups=2, block=4, kernel=kernel)
     inputs = [x.requires_grad_(True) for x in qkv(2, 2, 30, 30, 4)]
     kpm = padding(2, 30, seed=4)
     grad = torch.randn(2, 2, 30, 4, dtype=torch.float64)
-    out = sparse_attention(*inputs, key_padding_mask=kpm, is_causal=True, config=config)
+    out = sparse_attention(*inputs, key_padding_mask=kpm, is_causal=causal, config=config)
     ours = torch.autograd.grad(out, inputs, grad)
-    ref = oracle(*inputs, config, True, kpm)
+    ref = oracle(*inputs, config, causal, kpm)
     theirs = torch.autograd.grad(ref, inputs, grad)
     assert (out - ref).abs().max() <= 1e-12
     assert all((a - b).abs().max() <= 1e-10 for a, b in zip(ours, theirs))

@@ -29,11 +29,13 @@ that the union of the parts is exactly the pattern's dense mask.
 - Column step, made block-local by **transposition**: positions are regrouped by ``t mod l``, so
   column c is the run ``c, c + l, c + 2l, …`` and the step becomes ``l`` independent dense (causal)
   attentions of length ⌈S/l⌉. The transposition is a strided view (stride l rows), not a copy.
+  Under the fused kernel, bidirectional columns run whole segments as single query blocks (fewer,
+  larger calls than row blocks: about 5% faster forward, 10% forward+backward at N = 16384).
   Causal columns run as row blocks that see only the rows up to their own (a quarter faster
   forward than whole segments under the fused kernel's own causal flag, which at this length
   computes every diagonal tile in full).
-- Fixed: its own block as ``l``-long segments (the same segment code, untransposed; causal, whole
-  segments under the kernel's causal flag, whose backward is faster than row blocks'), plus the summary
+- Fixed: its own block as ``l``-long segments (the same segment code, untransposed; whole segments
+  under the fused kernel, causal with its causal flag, whose backward is faster than row blocks'), plus the summary
   keys of the other blocks, gathered once per call per head (nv distinct groups, ``blocks·c`` keys).
   Query block r sees those of blocks ``< r`` (causal) or ``≠ r``; runs of query blocks
   (``_SUMMARY_QUERIES`` queries) share one kernel call on the summary prefix their last block can
@@ -230,19 +232,19 @@ def _segment_groups(
     causal: bool,
     mask_mod: MaskMod,
     steps: tuple[int, int],
-    square: bool = False,
+    whole: bool = False,
 ) -> list[Group]:
     """Dense attention inside each segment (a row of ``positions`` ``(segments, R)``, in order).
 
     Row blocks of ``block`` queries see the whole segment, or, when causal, its rows up to their
     own last one. Blocks with no query are dropped. ``positions[s, r] = s·a + r·b`` with
     ``steps = (a, b)``, so when every segment has queries (and L = S) the blocks are strided views
-    and share one element mask (it depends on the rows only). ``square``: one block per segment,
-    for a causal mask that is exactly ``j <= p`` there (the fused kernel's own causal flag).
+    and share one element mask (it depends on the rows only). ``whole``: one block per segment;
+    causal, its mask is exactly ``j <= p`` there (the fused kernel's own causal flag).
     """
     segments, R = positions.shape
     a, b = steps
-    block = R if square else block
+    block = R if whole else block
     slots = _query_slots(positions, offset, L)
     zero = torch.zeros((), dtype=torch.long, device=positions.device)
     groups = []
@@ -270,7 +272,7 @@ def _segment_groups(
                 "query_pad": max(0, (segments - 1) * a + (first + block - 1) * b + 1 - L),  # rows the views read
                 "key_pad": max(0, (segments - 1) * a + (width - 1) * b + 1 - L),
                 "uniform": in_range,
-                "causal": square and causal and in_range,
+                "causal": whole and causal and in_range,
                 "dense": not causal,  # a whole segment: all of it is visible
                 "in_range": in_range,
                 "view_writes": b * R >= a * segments,  # padded rows lie past the last position, not on a query
@@ -339,13 +341,16 @@ def _sparse_parts(config: SparseConfig, shape: AttentionShape, causal: bool, dev
     calls with the same sizes again and again, and the layout depends on nothing else."""
     l, L, S, block = config.stride, shape.queries, shape.keys, config.block
     offset = S - L
+    # Whole segments as one query block each, where the fused kernel (which never holds a block's
+    # scores at once) runs: fewer, larger calls. Causal columns keep their row blocks, which see
+    # only the rows up to their own.
+    whole = config.kernel == "fused" and fused_kernel_available(device)
     if config.pattern == "fixed":
         blocks = -(-S // l)
         own = torch.arange(blocks * l, device=device).view(blocks, l)
         same_block = _same_block_mask(l, causal, offset)
-        square = causal and config.kernel == "fused" and fused_kernel_available(device)
         return [
-            _segment_groups(own, L, offset, block, causal, same_block, (l, 1), square),
+            _segment_groups(own, L, offset, block, causal, same_block, (l, 1), whole),
             _summary_groups(config, shape, causal, device),
         ]
     parts = []
@@ -359,7 +364,7 @@ def _sparse_parts(config: SparseConfig, shape: AttentionShape, causal: bool, dev
     if config.step in ("column", "merged"):
         rows = -(-S // l)
         columns = torch.arange(l, device=device)[:, None] + l * torch.arange(rows, device=device)  # (l, rows)
-        parts.append(_segment_groups(columns, L, offset, block, causal, column, (1, l)))
+        parts.append(_segment_groups(columns, L, offset, block, causal, column, (1, l), whole and not causal))
     return parts
 
 
