@@ -44,6 +44,29 @@ def test_bench_runs_a_small_grid_and_writes_its_files(tmp_path, capsys):
     assert meta["settings"]["centres"] == 4 and meta["settings"]["spread"] == 0.2
 
 
+def test_an_interrupted_bench_keeps_and_prints_the_cells_it_finished(tmp_path, capsys, monkeypatch):
+    from subquad.bench import runner
+
+    results = iter([{"time_s": 0.002, "peak_bytes": 2**20, "times_s": [0.002]}])
+
+    def run_cell(*args):
+        result = next(results, None)
+        if result is None:
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(runner, "_run_cell", run_cell)
+    argv = ["bench", "--mechanisms", "full", "--lengths", "32", "--backward", "no", "--out", str(tmp_path)]
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    assert "full       non-causal  forward  32    2.000   1.000" in captured.out
+    assert f"interrupted after 1 of 2 cells; their rows are in {tmp_path}" in captured.err
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["meta"]["cells_done"] == 1 and saved["meta"]["cells"] == 2
+    assert [(r["mechanism"], r["causal"], r["ratio"]) for r in saved["results"]] == [("full", False, 1.0)]
+    assert len((tmp_path / "results.csv").read_text().splitlines()) == 2
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -280,21 +280,34 @@ def _run_bench(args: argparse.Namespace) -> int:
     title = f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype} {args.device}, {threads} threads"
     cells = settings.cells()
     print(f"subquad {__version__} bench: {len(cells)} cells, {title}, torch {torch.__version__}", file=sys.stderr)
+    meta = {
+        "subquad": __version__, "torch": torch.__version__, "python": platform.python_version(),
+        "machine": _machine(), "threads": threads,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("run", "out") and not callable(v)},
+    }  # fmt: skip
     started = time.time()
-    with _Progress() as progress:
-        rows = run_bench(settings, progress)
+    done: list[dict] = []
+
+    def save(rows: list[dict]) -> None:
+        """results.csv and results.json as they stand: after each cell, so a stopped run keeps its rows."""
+        done[:] = rows
+        elapsed = round(time.time() - started, 1)
+        report.write_csv(rows, args.out / "results.csv")
+        report.write_json(rows, {**meta, "elapsed_s": elapsed, "cells_done": len(rows), "cells": len(cells)},
+                          args.out / "results.json")  # fmt: skip
+
+    try:
+        with _Progress() as progress:
+            rows = run_bench(settings, progress, on_row=save)
+    except KeyboardInterrupt:
+        print(report.format_table(done) if done else "no cell finished")
+        print(f"\ninterrupted after {len(done)} of {len(cells)} cells; their rows are in {args.out}", file=sys.stderr)
+        return 130
     elapsed = time.time() - started
 
     print(report.format_table(rows))
     print("\ntime = median per call; × full = time ÷ full attention's in this run; peak MB = above the inputs;")
     print("err = ‖out − full‖ / ‖full‖ on iid and clustered q, k (float64 reference on sampled rows).")
-    meta = {
-        "subquad": __version__, "torch": torch.__version__, "python": platform.python_version(),
-        "machine": _machine(), "threads": threads, "elapsed_s": round(elapsed, 1),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("run", "out") and not callable(v)},
-    }  # fmt: skip
-    report.write_csv(rows, args.out / "results.csv")
-    report.write_json(rows, meta, args.out / "results.json")
     written = [args.out / "results.csv", args.out / "results.json"]
     if not args.no_plots:
         try:

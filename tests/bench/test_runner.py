@@ -15,9 +15,15 @@ def test_bench_measures_memory_time_error_and_ratio():
         variants=[Variant("full", (("backend", "eager"),))], lengths=[N], heads=H, head_dim=16,
         causal=(False,), repeats=2, max_seconds=0.5,
     )  # fmt: skip
-    calls = []
-    rows = run_bench(settings, progress=lambda i, n, label: calls.append((i, n)))
+    calls, saved = [], []
+    rows = run_bench(
+        settings,
+        progress=lambda i, n, label: calls.append((i, n)),
+        on_row=lambda rows: saved.append([r["ratio"] for r in rows]),
+    )
     assert calls[0] == (0, 4) and calls[-1] == (4, 4)
+    # after each cell, the rows so far with their ratios (the baseline runs first in each group)
+    assert [len(s) for s in saved] == [1, 2, 3, 4] and saved[0] == [1.0] and saved[-1] == [r["ratio"] for r in rows]
     by = {(r["mechanism"], r["pass"]): r for r in rows}
     scores_bytes = H * N * N * 4
     assert by["full(backend=eager)", "forward"]["peak_bytes"] >= 1.9 * scores_bytes

@@ -112,8 +112,15 @@ class BenchSettings:
         return grid
 
 
-def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None] | None = None) -> list[dict[str, Any]]:
-    """Run every cell and return one row per cell, with ``ratio`` = time ÷ full attention's time."""
+def run_bench(
+    settings: BenchSettings,
+    progress: Callable[[int, int, str], None] | None = None,
+    on_row: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run every cell and return one row per cell, with ``ratio`` = time ÷ full attention's time.
+
+    ``on_row(rows)`` is called after each cell with the rows so far (ratios included: the baseline
+    runs first in each group), so a caller can save partial results."""
     cells = settings.cells()
     rows = []
     for i, (variant, length, causal, backward) in enumerate(cells):
@@ -130,9 +137,11 @@ def run_bench(settings: BenchSettings, progress: Callable[[int, int, str], None]
         }
         row.update(_run_cell(settings, variant, length, causal, backward))
         rows.append(row)
+        _add_ratios(rows)
+        if on_row is not None:
+            on_row(rows)
     if progress is not None:
         progress(len(cells), len(cells), "done")
-    _add_ratios(rows)
     return rows
 
 
