@@ -303,6 +303,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(report.format_table(done) if done else "no cell finished")
         print(f"\ninterrupted after {len(done)} of {len(cells)} cells; their rows are in {args.out}", file=sys.stderr)
         return 130
+    save(rows)  # also when there was no cell to run
     elapsed = time.time() - started
 
     print(report.format_table(rows))
