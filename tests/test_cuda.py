@@ -42,8 +42,9 @@ def _mechanism(case):
     return case.split("-")[0] if case not in ("improved-clustered",) else case
 
 
-def _run(case, device, dtype, is_causal, L, S, backward):
-    """One call of the case on ``device`` in ``dtype``: ``(out, gradients)`` as CPU float64."""
+def _run(case, device, dtype, is_causal, L, S, backward, stateless=False):
+    """One call of the case on ``device`` in ``dtype``: ``(out, gradients)`` as CPU float64;
+    without the mechanism's state object if ``stateless``."""
     mech = get_mechanism(_mechanism(case))
     config = make_config(mech, **CASES[case])
     q, k, v = qkv(B, H, L, S, D, seed=3)
@@ -53,7 +54,7 @@ def _run(case, device, dtype, is_causal, L, S, backward):
         tensors = mech.example_tensors(q, k, v, config, torch.Generator().manual_seed(5))
     if "query_padding_mask" in mech.tensor_args:
         tensors["query_padding_mask"] = padding(B, L, seed=6)
-    state = mech.state(config, H, D, 7).eval() if mech.state is not None else None
+    state = mech.state(config, H, D, 7).eval() if mech.state is not None and not stateless else None
     q, k, v = (x.to(device, dtype).requires_grad_(backward) for x in (q, k, v))
     tensors = {name: t.to(device, dtype if t.is_floating_point() else t.dtype) for name, t in tensors.items()}
     logits = [t.requires_grad_(backward) for t in tensors.values() if t.is_floating_point()]
@@ -82,6 +83,35 @@ def test_float64_on_cuda_equals_the_cpu(case, shape):
         torch.testing.assert_close(out_gpu, out_cpu, rtol=1e-9, atol=1e-10)
         for g_gpu, g_cpu in zip(grads_gpu, grads_cpu):
             torch.testing.assert_close(g_gpu, g_cpu, rtol=1e-9, atol=1e-10)
+
+
+STATEFUL = [case for case in CASES if get_mechanism(_mechanism(case)).state is not None]
+
+
+@pytest.mark.parametrize("case", STATEFUL)
+def test_a_call_without_a_state_on_cuda_equals_the_cpu(case):
+    # The state a call builds for itself must live on the inputs' device.
+    for is_causal in _causal_forms(case):
+        out_cpu, _ = _run(case, "cpu", torch.float64, is_causal, 100, 100, backward=False, stateless=True)
+        out_gpu, _ = _run(case, "cuda", torch.float64, is_causal, 100, 100, backward=False, stateless=True)
+        torch.testing.assert_close(out_gpu, out_cpu, rtol=1e-9, atol=1e-10)
+
+
+def test_routing_refuses_a_state_on_another_device():
+    mech = get_mechanism("routing")
+    config = make_config(mech, **CASES["routing"])
+    q, k, v = (x.cuda() for x in qkv(B, H, 20, 20, D, seed=3))
+    with pytest.raises(ValueError, match=r"centroids are on cpu but the inputs are on cuda:0; move the state"):
+        mech(q, k, v, config=config, state=mech.state(config, H, D, 7))
+
+
+def test_the_routing_cache_without_a_state_on_cuda_equals_the_parallel_form():
+    mech = get_mechanism("routing")
+    config = make_config(mech, **CASES["routing"])
+    q, k, v = (x.cuda() for x in qkv(B, H, 30, 30, D, seed=3, dtype=torch.float64))
+    cache = mech.decoder(mech, config, None)
+    steps = torch.cat([cache.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(30)], 2)
+    torch.testing.assert_close(steps, mech(q, k, v, is_causal=True, config=config), rtol=1e-9, atol=1e-10)
 
 
 # Mechanisms with a discrete choice (clusters, resolution) that rounding can flip; the others are

@@ -44,7 +44,8 @@ current centroids, moves every centroid by an exponential moving average (``deca
 mean of the normalised queries and keys routed to it, leaving out padded keys and padded queries
 (``query_padding_mask``; layers pass it in self-attention). The commitment loss
 β·‖x̂ − sg(μ)‖² of that call is kept on the state; ``routing_loss(model)`` sums it for the training
-loop. With no state the function builds the same initial centroids from seed 0 and updates nothing.
+loop. With no state the function builds the same initial centroids from seed 0, on the inputs'
+device, and updates nothing; a state on another device than the inputs is refused.
 
 **Decoding.** A causal output depends only on its query and on the keys up to it, and a query
 sees at most its cluster's last two tiles. ``RoutingCache`` therefore keeps, per head and
@@ -282,11 +283,18 @@ def causal_windows(
     return Windows(table, w, queries, block_start, block_seen, own)
 
 
-def _resolve_state(state: nn.Module | None, config: RoutingConfig, shape: AttentionShape) -> RoutingState:
+def _resolve_state(
+    state: nn.Module | None, config: RoutingConfig, shape: AttentionShape, device: torch.device
+) -> RoutingState:
     if state is None:
-        return RoutingState(config, shape.heads, shape.head_dim, 0).eval()  # fixed: nothing to update
+        return RoutingState(config, shape.heads, shape.head_dim, 0).to(device).eval()  # fixed: nothing to update
     if not isinstance(state, RoutingState):
         raise ValueError(f"routing needs a RoutingState, got {type(state).__name__}")
+    if state.centroids.device != device:
+        raise ValueError(
+            f"the routing state's centroids are on {state.centroids.device} but the inputs are on {device}; "
+            "move the state (or the layer that owns it) there with .to(device)"
+        )
     H, C, D = state.centroids.shape
     if (H, D) != (shape.heads, shape.head_dim) or (config.clusters is not None and C not in (0, config.clusters)):
         want = (shape.heads, config.clusters or "k", shape.head_dim)
@@ -327,7 +335,7 @@ def routing_attention(
     config = config or RoutingConfig()
     shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
     check_query_padding_mask(query_padding_mask, shape, q.device)
-    state = _resolve_state(state, config, shape)
+    state = _resolve_state(state, config, shape, q.device)
     B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
     R = B * H
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
@@ -403,8 +411,8 @@ class RoutingCache:
                 f"the cache holds keys of (B, H, D) = ({B}, {H}, {D}), got {tuple(k.shape)}; "
                 "start a new cache for a new batch"
             )
-        state = self.state if self.state is not None else RoutingState(self.config, shape.heads, shape.head_dim, 0)
-        state = _resolve_state(state, self.config, shape)
+        # Without a state, the one built at the first step is kept: k, if left open, stays fixed.
+        state = self.state = _resolve_state(self.state, self.config, shape, q.device)
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         centroids = state.centroids_for(self.length + shape.keys, q.device).to(work)
         outputs = [
