@@ -16,8 +16,10 @@ A query that sees no key returns zeros.
 ``window_attention`` is one autograd Function. It runs the blocks in chunks of similar shape: a
 block at most half full runs narrower (the next power of two holding its queries, at least
 ``_MIN_BLOCK``), and the keys of a chunk's windows are cut to the longest need in it, so blocks
-whose queries see few keys cost few. Each chunk goes through torch's CPU flash-attention kernel
-where it exists (the unseen slots as an additive mask), else an eager softmax. Chunk buffers are
+whose queries see few keys cost few. On the CPU a chunk holds blocks of similar need; elsewhere it
+holds every block of one width (up to the chunk size), as each chunk costs dozens of kernel
+launches there. Each chunk goes through torch's CPU flash-attention kernel where it exists (the
+unseen slots as an additive mask), else an eager softmax. Chunk buffers are
 allocated once per call and reused: on CPU a fresh large tensor costs more in page faults than the
 copy into it. The Function saves its inputs, the output and the log-sum-exp; the backward
 recomputes each chunk's probabilities. Scores and softmax are fp32 for fp16/bf16 inputs.
@@ -117,7 +119,9 @@ class _Plan:
         self.seen = seen.reshape(R * nb, -1)[order]  # (R·nb, Tq or 1)
         self.longest = max(1, int(need.max()))  # buffers hold `step` blocks of Tq queries and this many keys
         self.Tq, self.step = Tq, max(1, block_elements(_GROUP_ELEMENTS, table.device) // (Tq * self.longest))
-        self.chunks = _chunks(width[order].tolist(), need[order].tolist(), self.step)
+        # Off the CPU each chunk costs dozens of kernel launches, more than computing unseen slots.
+        tight = table.device.type == "cpu"
+        self.chunks = _chunks(width[order].tolist(), need[order].tolist(), self.step, tight)
 
     def chunk(self, first: int, end: int, Tq: int, Tk: int, q, k, v, buffers: dict[str, Tensor]) -> _Chunk:
         blocks = slice(first, end)
@@ -126,14 +130,14 @@ class _Plan:
         return _Chunk(self.queries[blocks, :Tq], self.dummy, self.keys[slots], seen, q, k, v, buffers)
 
 
-def _chunks(widths: list[int], needs: list[int], step: int) -> list[tuple[int, int, int, int]]:
+def _chunks(widths: list[int], needs: list[int], step: int, tight: bool = True) -> list[tuple[int, int, int, int]]:
     """Cut blocks sorted by (width, need) into runs ``(first, end, Tq, Tk)`` of at most ``step``
-    blocks of one width whose needs exceed the first's by at most an eighth plus 8 slots, each
-    computed ``Tq`` queries by ``Tk`` = its longest need (at least 1) keys."""
+    blocks of one width, each computed ``Tq`` queries by ``Tk`` = its longest need (at least 1)
+    keys. If ``tight``, the needs in a run exceed its first's by at most an eighth plus 8 slots."""
     chunks, first = [], 0
     for end in range(1, len(needs) + 1):
         if (end == len(needs) or end - first == step or widths[end] != widths[first]
-                or needs[end] > needs[first] * 9 // 8 + 8):  # fmt: skip
+                or (tight and needs[end] > needs[first] * 9 // 8 + 8)):  # fmt: skip
             chunks.append((first, end, widths[first], max(1, needs[end - 1])))
             first = end
     return chunks
@@ -152,7 +156,9 @@ class _Chunk:
         self.v = _take(buffers["v"], v, key_rows)  # (n, Tk, Dv)
         Tk = key_rows.shape[1]
         self.seen = seen.clamp(max=Tk)  # (n, Tq or 1)
-        self.full = bool((self.seen == Tk).all())  # every query sees the whole window: no mask
+        # Every query sees the whole window: no mask. Checked on the CPU only: elsewhere the check
+        # would wait for the device, and the mask costs less.
+        self.full = seen.device.type == "cpu" and bool((self.seen == Tk).all())
 
     def additive_mask(self, buffer: Tensor) -> Tensor | None:
         """The unseen slots as −inf, else 0, ``(n, Tq or 1, Tk)``: rows of a lookup table whose

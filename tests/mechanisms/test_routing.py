@@ -136,8 +136,9 @@ def test_outputs_and_gradients_equal_full_attention_under_the_mask_in_chunks_of_
     monkeypatch, is_causal, Dv, window
 ):
     """Query blocks run in chunks of one width and similar need with reused buffers
-    (subquad._tiles): with one block per chunk, as with all in one, outputs and gradients equal
-    those of full attention under the dense mask. A window of 60 makes blocks of every width."""
+    (subquad._tiles): with one block per chunk, as with all in one, and with chunks cut by width
+    only (as off the CPU), outputs and gradients equal those of full attention under the dense
+    mask. A window of 60 makes blocks of every width."""
     q, k, v = (x.requires_grad_(True) for x in qkv(2, 2, 150, 160, 6, Dv, seed=11))
     kpm = padding(2, 160, seed=4)
     st_ = state(3)
@@ -145,8 +146,10 @@ def test_outputs_and_gradients_equal_full_attention_under_the_mask_in_chunks_of_
     expected = full_attention(q, k, v, attn_mask=mask)
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
     config = RoutingConfig(clusters=3, window=window)
-    for elements in (1, 1 << 20):
+    cut = subquad._tiles._chunks
+    for elements, tight in ((1, True), (1 << 20, True), (1 << 20, False)):
         monkeypatch.setattr(subquad._tiles, "_GROUP_ELEMENTS", elements)
+        monkeypatch.setattr(subquad._tiles, "_chunks", lambda w, n, step, _, tight=tight: cut(w, n, step, tight))
         out = routing_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=st_)
         grads = torch.autograd.grad(out.square().sum(), (q, k, v))
         assert (out - expected).abs().max() <= 1e-10

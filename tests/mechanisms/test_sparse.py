@@ -219,6 +219,43 @@ def test_gradients_equal_full_attentions_under_the_dense_mask(kernel, causal, pa
     assert all((a - b).abs().max() <= 1e-10 for a, b in zip(ours, theirs))
 
 
+@pytest.fixture
+def accelerator_summary_runs(monkeypatch):
+    """The fixed pattern's summary runs as off the CPU (sized by their scores), on the CPU; the
+    cached layouts are dropped before and after."""
+    spans = sparse._summary_spans
+    monkeypatch.setattr(sparse, "_summary_spans", lambda *args: spans(*args[:-1], "meta"))
+    sparse._sparse_parts.cache_clear()
+    yield monkeypatch
+    sparse._sparse_parts.cache_clear()
+
+
+def test_fixed_summary_runs_off_the_cpu_hold_one_tile_of_scores(monkeypatch):
+    config = SparseConfig(pattern="fixed", stride=8, summary=2)
+    shape = subquad._validate.AttentionShape(2, 2, 30, 30, 4, 4, 0.5)  # 4 blocks of 8; B·H·l = 32
+    monkeypatch.setattr(sparse, "_SUMMARY_SCORES", 16)  # 16 · 32 (the accelerator scale) / 32 = 16 blocks·keys
+    runs = sparse._summary_spans  # blocks · keys of the last block (2 per earlier block) <= 16
+    assert runs([0, 1, 2, 3], config, shape, True, "meta") == [(0, 2), (3, 3)]
+    assert runs([0, 1, 2, 3], config, shape, False, "meta") == [(0, 1), (2, 3)]  # 8 keys each
+    assert runs([0, 1, 2, 3], config, shape, True, "cpu") == [(0, 3)]  # 1024 queries per run
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("budget", [1, 16, 1 << 10])
+def test_fixed_with_summary_runs_sized_as_off_the_cpu_equals_full_attention(causal, budget, accelerator_summary_runs):
+    """One query block per run, a few, and all of them: outputs and gradients equal the oracle's."""
+    accelerator_summary_runs.setattr(sparse, "_SUMMARY_SCORES", budget)
+    config = SparseConfig(pattern="fixed", stride=8, summary=2, groups=2, block=4)
+    inputs = [x.requires_grad_(True) for x in qkv(2, 2, 30, 30, 4)]
+    kpm = padding(2, 30, seed=4)
+    grad = torch.randn(2, 2, 30, 4, dtype=torch.float64)
+    out = sparse_attention(*inputs, key_padding_mask=kpm, is_causal=causal, config=config)
+    ref = oracle(*inputs, config, causal, kpm)
+    assert (out - ref).abs().max() <= 1e-12
+    ours, theirs = torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad)
+    assert all((a - b).abs().max() <= 1e-10 for a, b in zip(ours, theirs))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_queries_without_keys_return_zeros_and_finite_gradients(kernel):
     q, k, v = (x.requires_grad_(True) for x in qkv(2, 2, 20, 20, 4))

@@ -38,8 +38,9 @@ that the union of the parts is exactly the pattern's dense mask.
   under the fused kernel, causal with its causal flag, whose backward is faster than row blocks'), plus the summary
   keys of the other blocks, gathered once per call per head (nv distinct groups, ``blocks·c`` keys).
   Query block r sees those of blocks ``< r`` (causal) or ``≠ r``; runs of query blocks
-  (``_SUMMARY_QUERIES`` queries) share one kernel call on the summary prefix their last block can
-  see, with that block-level mask (the same for every head).
+  (``_SUMMARY_QUERIES`` queries on the CPU; elsewhere as many as one tile of scores holds) share
+  one kernel call on the summary prefix their last block can see, with that block-level mask (the
+  same for every head).
 
 **``pattern``: any mask_mod, block-sparse, with autograd on CPU.** A config holds simple values only,
 so a pattern reaches the mechanism in one of two ways:
@@ -89,6 +90,7 @@ __all__ = [
 
 _LAYOUT_ELEMENTS = 1 << 22  # mask values evaluated at once while finding a pattern's layout
 _SUMMARY_QUERIES = 1024  # queries per kernel call against the fixed pattern's gathered summaries
+_SUMMARY_SCORES = 1 << 19  # off the CPU: scores per call against them, times block_elements' scale
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,12 +306,10 @@ def _summary_groups(config: SparseConfig, shape: AttentionShape, causal: bool, d
         rows = (torch.arange(H, device=device)[:, None] * N + pad + summary.clamp(max=S - 1)).flatten()
         return x.reshape(B, H * N, F_).index_select(1, rows).view(B, H, -1, F_)  # (B, H, blocks·c, F)
 
-    # Spans of query blocks share one kernel call: few, large calls (long query runs keep the
-    # kernel's matrix products large, and each call has a fixed cost).
-    span = max(1, _SUMMARY_QUERIES // l)
     groups = []
-    for chunk in torch.nonzero((slots < L).any(1)).flatten().split(span):
-        first, last = int(chunk[0]), int(chunk[-1])
+    for first, last in _summary_spans(
+        torch.nonzero((slots < L).any(1)).flatten().tolist(), config, shape, causal, device
+    ):
         width = last * c if causal else blocks * c
         if width == 0:
             continue
@@ -333,6 +333,27 @@ def _summary_groups(config: SparseConfig, shape: AttentionShape, causal: bool, d
             views["query_pad"] = max(0, (last + 1) * l - L)
         groups.append(Group(slots[first : last + 1].reshape(1, -1), keys, allowed, in_range=in_range, **views))
     return groups
+
+
+def _summary_spans(nonempty: list[int], config: SparseConfig, shape: AttentionShape, causal: bool, device):
+    """Runs ``(first, last)`` of the query blocks ``nonempty`` that share one call on the summaries:
+    few, large calls, as long query runs keep the matrix products large and each call has a fixed
+    cost. On the CPU a run holds ``_SUMMARY_QUERIES`` queries. Elsewhere, where a call is dozens of
+    kernel launches, a run grows while its scores (the summary prefix its last block sees, for all
+    its queries) fit in one tile of ``_SUMMARY_SCORES`` elements, scaled by ``block_elements``."""
+    l, c = config.stride, config.summary
+    if torch.device(device).type == "cpu":
+        span = max(1, _SUMMARY_QUERIES // l)
+        return [(run[0], run[-1]) for run in (nonempty[i : i + span] for i in range(0, len(nonempty), span))]
+    budget = block_elements(_SUMMARY_SCORES, torch.device(device)) // (shape.batch * shape.heads * l)
+    widest = -(-shape.keys // l) * c
+    runs: list[tuple[int, int]] = []
+    for r in nonempty:
+        if runs and (r + 1 - runs[-1][0]) * (r * c if causal else widest) <= budget:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    return runs
 
 
 @functools.lru_cache(maxsize=16)
