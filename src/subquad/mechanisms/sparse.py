@@ -98,6 +98,20 @@ _SUMMARY_SCORES = 1 << 19  # off the CPU: scores per call against them, times bl
 # ---------------------------------------------------------------------------------------------
 
 
+def _kernel_option():
+    """The ``kernel`` option that sparse and pattern share (a fresh field for each config)."""
+    return option(
+        "fused",
+        "fused: torch's CPU flash kernel per chunk of blocks (else eager); eager: matmul-softmax-matmul (reference)",
+        choices=("fused", "eager"),
+    )
+
+
+def _head_offset_option():
+    """The ``head_offset`` option that sparse and pattern share."""
+    return option(0, "layer index of this call's first head (a HeadGroup's first head)", ge=0)
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseConfig(Config):
     mechanism = "sparse"
@@ -112,13 +126,9 @@ class SparseConfig(Config):
     stride: int = option(128, "l: the stride of strided, the block length of fixed", ge=1)
     summary: int = option(8, "fixed: c, summary positions at the end of each block", ge=1)
     groups: int = option(1, "fixed: nv distinct summary groups; layer head h uses group h mod nv", ge=1)
-    head_offset: int = option(0, "layer index of this call's first head (a HeadGroup's first head)", ge=0)
+    head_offset: int = _head_offset_option()
     block: int = option(32, "queries per block of compute (speed only)", ge=1)
-    kernel: str = option(
-        "fused",
-        "fused: torch's CPU flash kernel per chunk of blocks (else eager); eager: matmul-softmax-matmul (reference)",
-        choices=("fused", "eager"),
-    )
+    kernel: str = _kernel_option()
 
     def check(self) -> None:
         if self.pattern == "fixed" and self.summary * self.groups > self.stride:
@@ -136,13 +146,9 @@ class PatternConfig(Config):
     window: int = option(128, "window: keys with |p − j| < window (positions, counted before dilation)", ge=1)
     dilation: int = option(1, "window: keep only keys with (p − j) mod dilation = 0", ge=1)
     global_tokens: int = option(0, "window: the first g positions see, and are seen by, every position", ge=0)
-    head_offset: int = option(0, "layer index of this call's first head (a HeadGroup's first head)", ge=0)
+    head_offset: int = _head_offset_option()
     block: int = option(64, "query and key block length of the layout (speed only)", ge=1)
-    kernel: str = option(
-        "fused",
-        "fused: torch's CPU flash kernel per chunk of blocks (else eager); eager: matmul-softmax-matmul (reference)",
-        choices=("fused", "eager"),
-    )
+    kernel: str = _kernel_option()
 
     def check(self) -> None:
         if self.name not in PATTERNS:
