@@ -19,6 +19,7 @@ __all__ = [
     "AttentionShape",
     "check_attention_inputs",
     "check_dtype",
+    "check_logits",
     "check_query_padding_mask",
 ]
 
@@ -151,3 +152,20 @@ def check_query_padding_mask(mask: Tensor | None, shape: AttentionShape, device:
         )
     if mask.device != device:
         raise ValueError(f"query_padding_mask is on {mask.device} but q is on {device}; move it with .to()")
+
+
+def check_logits(
+    logits: object, name: str, dims: str, want: tuple[int, ...], device: torch.device, other: str, missing: str
+) -> Tensor:
+    """A floating tensor of extra logits (``name``, of shape ``dims = want``) on the device of the
+    input ``other``; ``missing`` is the message when none was passed."""
+    if logits is None:
+        raise ValueError(missing)
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        got = logits.dtype if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(f"{name} must be a floating tensor of shape {dims} = {want}, got {got}")
+    if tuple(logits.shape) != want:
+        raise ValueError(f"{name} must have shape {dims} = {want}, got {tuple(logits.shape)}")
+    if logits.device != device:
+        raise ValueError(f"{name} is on {logits.device} but {other} is on {device}; move it with .to()")
+    return logits

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from subquad._blocks import Scratch, block_elements
-from subquad._validate import AttentionShape, check_attention_inputs
+from subquad._validate import AttentionShape, check_attention_inputs, check_logits
 from subquad.registry import Config, Mechanism, option
 
 __all__ = ["AgglomerativeConfig", "AgglomerativeDecoder", "AgglomerativeInputs", "agglomerative_attention"]
@@ -58,19 +58,11 @@ class AgglomerativeConfig(Config):
 
 
 def _check_logits(name: str, logits: Tensor | None, shape: tuple[int, int, int], device: torch.device) -> Tensor:
-    if logits is None:
-        raise ValueError(
-            f"agglomerative needs {name} of shape (B, H, N) = {shape}: one class logit per head for each "
-            "position (its nn layer makes them; see AgglomerativeInputs)"
-        )
-    if not isinstance(logits, Tensor) or not logits.is_floating_point():
-        got = logits.dtype if isinstance(logits, Tensor) else type(logits).__name__
-        raise ValueError(f"{name} must be a floating tensor of shape {shape}, got {got}")
-    if tuple(logits.shape) != shape:
-        raise ValueError(f"{name} must have shape (B, H, N) = {shape}, got {tuple(logits.shape)}")
-    if logits.device != device:
-        raise ValueError(f"{name} is on {logits.device} but v is on {device}; move it with .to()")
-    return logits
+    missing = (
+        f"agglomerative needs {name} of shape (B, H, N) = {shape}: one class logit per head for each "
+        "position (its nn layer makes them; see AgglomerativeInputs)"
+    )
+    return check_logits(logits, name, "(B, H, N)", shape, device, "v", missing)
 
 
 def _weights(

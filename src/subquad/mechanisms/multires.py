@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from subquad._blocks import BlockOutput, block_elements, tracks_grad
-from subquad._validate import AttentionShape, check_attention_inputs, resolve_scale
+from subquad._validate import AttentionShape, check_attention_inputs, check_logits, resolve_scale
 from subquad.decoding import KVCache
 from subquad.mechanisms.linear import causal_dot, feature_map
 from subquad.registry import Config, Mechanism, option
@@ -430,18 +430,11 @@ def _check_router_logits(
                 "multires with routing='random' takes no router_logits; drop them, or use routing='learned'"
             )
         return
-    if logits is None:
-        raise ValueError(
-            f"multires needs router_logits of shape (B, R, L) = {want}: one logit per resolution for each "
-            "query (its nn layer makes them; see MultiresInputs), or set routing='random'"
-        )
-    if not isinstance(logits, Tensor) or not logits.is_floating_point():
-        got = logits.dtype if isinstance(logits, Tensor) else type(logits).__name__
-        raise ValueError(f"router_logits must be a floating tensor of shape (B, R, L) = {want}, got {got}")
-    if tuple(logits.shape) != want:
-        raise ValueError(f"router_logits must have shape (B, R, L) = {want}, got {tuple(logits.shape)}")
-    if logits.device != device:
-        raise ValueError(f"router_logits is on {logits.device} but q is on {device}; move it with .to()")
+    missing = (
+        f"multires needs router_logits of shape (B, R, L) = {want}: one logit per resolution for each "
+        "query (its nn layer makes them; see MultiresInputs), or set routing='random'"
+    )
+    check_logits(logits, "router_logits", "(B, R, L)", want, device, "q", missing)
 
 
 def _resolve_seed(state: nn.Module | None) -> int:
