@@ -33,6 +33,7 @@ Key and value gradients are scattered back with ``index_add_``. Memory stays lin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -122,8 +123,7 @@ class _Chunk:
         # backward pass and its forward output is written to the discarded row L.
         self.reads = self.queries.masked_fill(self.queries == L, 0)
         keys = group.keys[:, start:stop]  # (Hk, n, W)
-        heads = torch.arange(H, device=keys.device).view(H, 1, 1) * (S + 2 * pad)
-        self.flat = (heads + pad + keys.clamp(0, S - 1)).reshape(-1)  # rows of the (B, H·(S + 2 pad), ·) keys
+        self.keys, self.H, self.S = keys, H, S
         self.shape = (H, *keys.shape[1:])  # (H, n, W)
         if group.uniform:
             allowed = group.allowed(start, start + 1)  # (.., 1, bq, W): broadcast over the blocks
@@ -138,6 +138,13 @@ class _Chunk:
             real = key_padding_mask[:, keys.clamp(0, S - 1)]  # (B, Hk, n, W)
             allowed = allowed & real.unsqueeze(-2)  # (B, Hk, n, 1, W)
         self.allowed = allowed
+
+    @functools.cached_property
+    def flat(self) -> Tensor:
+        """The key rows of the chunk in the ``(B, H·(S + 2 pad), ·)`` keys, flattened: built only when
+        gathered or scattered, as view groups read without them."""
+        heads = torch.arange(self.H, device=self.keys.device).view(self.H, 1, 1) * (self.S + 2 * self.pad)
+        return (heads + self.pad + self.keys.clamp(0, self.S - 1)).reshape(-1)
 
     def gather(self, x: Tensor, sources: dict) -> Tensor:
         """This chunk's keys (or values) from ``x`` ``(B, H, S + 2 pad, F)``: ``(B, H, n, W, F)``.
@@ -375,9 +382,10 @@ def _chunk_backward_fused(qc, kc, vc, gc, oc, lse, c: _Chunk, scale: float):
 
 def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod: MaskMod, device) -> list[Group]:
     """Blocks of consecutive queries, each against the keys from ``left`` before its first query's
-    position to ``right`` after its last one. Blocks whose window lies inside the sequence read
-    views of the inputs; the few at either end gather, with the keys outside masked."""
-    n, W = -(-L // block), block + left + right
+    position to ``right`` after its last one; the queries are the last L of the ``L + offset`` keys.
+    Blocks whose window lies inside the sequence read views of the inputs; the few at either end
+    read windows over a zero-padded copy of the keys they reach, with the keys outside masked."""
+    n, W, S = -(-L // block), block + left + right, L + offset
     queries = torch.arange(n * block, device=device).view(n, block)
     keys = (queries[:, :1] + offset - left) + torch.arange(W, device=device)  # (n, W)
     queries = queries.masked_fill(queries >= L, L)
@@ -402,7 +410,30 @@ def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod
             windows = x.narrow(2, begin, (stop - start - 1) * block + W).unfold(2, W, block)  # (B, H, n, F, W)
             return windows.transpose(-1, -2)
 
-        # Inner blocks: views, and one element mask for all (the pattern depends on p − j only).
-        views = {"query_view": query_view, "key_view": key_view, "uniform": True, "view_writes": True} if inner else {}
+        if inner:  # views, and one element mask for all (the pattern depends on p − j only)
+            views = {"query_view": query_view, "key_view": key_view, "uniform": True, "view_writes": True}
+        else:  # windows over a copy of the few keys the end blocks read, zero-padded past the ends
+            begin = offset - left + lo * block
+            views = {"key_view": _edge_view(block, W), "key_source": _edge_source(begin, (hi - lo - 1) * block + W, S)}
         groups.append(Group(rows, cols.unsqueeze(0), allowed, **views))
     return groups
+
+
+def _edge_source(begin: int, length: int, S: int) -> Callable[[Tensor, int], Tensor]:
+    """Key rows ``begin : begin + length`` of the sequence, zero where they fall outside ``[0, S)``."""
+
+    def source(x: Tensor, pad: int) -> Tensor:
+        lo = min(max(begin, 0), S)
+        hi = max(min(begin + length, S), lo)
+        return F.pad(x.narrow(2, pad + lo, hi - lo), (0, 0, lo - begin, begin + length - hi))
+
+    return source
+
+
+def _edge_view(block: int, W: int) -> Callable[[Tensor, int, int, int], Tensor]:
+    """Blocks ``start:stop`` of an ``_edge_source`` as ``(B, H, n, W, F)`` windows, ``block`` apart."""
+
+    def key_view(x: Tensor, pad: int, start: int, stop: int) -> Tensor:
+        return x.narrow(2, start * block, (stop - start - 1) * block + W).unfold(2, W, block).transpose(-1, -2)
+
+    return key_view
