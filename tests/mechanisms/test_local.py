@@ -109,12 +109,14 @@ def test_low_precision(dtype, tol):
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
-def test_each_block_reads_only_its_window(monkeypatch):
+@pytest.mark.parametrize("grad", [False, True])
+def test_each_block_reads_only_its_window(monkeypatch, grad):
     """A block of queries holds keys for its windows only (block + 2·window of them), never the
-    sequence: memory does not grow with N × window."""
+    sequence: memory does not grow with N × window. A forward alone uses the smaller block."""
     from subquad.mechanisms import _blocksparse
 
-    q, k, v = qkv(1, 1, 2048, 2048, 4, dtype=torch.float32)
+    q, k, v = (x.requires_grad_(grad) for x in qkv(1, 1, 2048, 2048, 4, dtype=torch.float32))
+    block = local._BLOCK if grad else local._INFERENCE_BLOCK
     seen = []
     chunk = _blocksparse._Chunk.__init__
 
@@ -125,9 +127,22 @@ def test_each_block_reads_only_its_window(monkeypatch):
     _one_block_per_chunk(monkeypatch)
     monkeypatch.setattr(_blocksparse._Chunk, "__init__", record)
     out = local_attention(q, k, v, config=LocalConfig(window=256))
-    assert set(seen) == {((1, local._BLOCK), local._BLOCK + 2 * 256)}
-    assert len(seen) == 2048 // local._BLOCK
-    assert (out.double() - dense_local(q.double(), k.double(), v.double(), None, False, 256)).abs().max() < 1e-5
+    assert set(seen) == {((1, block), block + 2 * 256)}
+    assert len(seen) == 2048 // block
+    expected = dense_local(q.double(), k.double(), v.double(), None, False, 256)
+    assert (out.double() - expected).abs().max() < 1e-5
+
+
+def test_the_inference_block_gives_the_values_of_the_training_block():
+    """Forward alone (32-query blocks) and with gradients (64) compute the same attention."""
+    q, k, v = qkv(2, 3, 300, 300, 8, 5)
+    for is_causal in (False, True):
+        config = LocalConfig(window=40)
+        with torch.no_grad():
+            inference = local_attention(q, k, v, is_causal=is_causal, config=config)
+        training = local_attention(*(x.requires_grad_(True) for x in (q, k, v)), is_causal=is_causal, config=config)
+        assert (inference - training).abs().max() <= 1e-12
+        q, k, v = (x.detach() for x in (q, k, v))
 
 
 # --------------------------------------------------------------------------------------------
