@@ -1,3 +1,4 @@
+import contextlib
 import functools
 
 import pytest
@@ -31,10 +32,11 @@ def dense_local(q, k, v, kpm, is_causal, window):
 @given(
     B=st.integers(1, 2), H=st.integers(1, 3), L=st.integers(1, 150), S=st.integers(1, 150),
     window=st.sampled_from([1, 2, 5, 31, 64, 200]), is_causal=st.booleans(), pad=st.booleans(),
-    seed=st.integers(0, 2**16),
+    Dv=st.sampled_from([5, 8]), seed=st.integers(0, 2**16),
 )  # fmt: skip
-def test_local_equals_full_under_the_dense_band_mask(B, H, L, S, window, is_causal, pad, seed):
-    q, k, v = qkv(B, H, L, S, 8, 5, seed=seed)
+def test_local_equals_full_under_the_dense_band_mask(B, H, L, S, window, is_causal, pad, Dv, seed):
+    """Dv = 8 runs the CPU flash kernel, Dv = 5 the reference path."""
+    q, k, v = qkv(B, H, L, S, 8, Dv, seed=seed)
     kpm = padding(B, S, seed) if pad else None
     out = local_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=LocalConfig(window=window))
     assert (out - dense_local(q, k, v, kpm, is_causal, window)).abs().max() <= 1e-10
@@ -109,14 +111,10 @@ def test_low_precision(dtype, tol):
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
-@pytest.mark.parametrize("grad", [False, True])
-def test_each_block_reads_only_its_window(monkeypatch, grad):
-    """A block of queries holds keys for its windows only (block + 2·window of them), never the
-    sequence: memory does not grow with N × window. A forward alone uses the smaller block."""
+def _record_blocks(monkeypatch) -> list:
+    """Record (query block shape, keys per block) of every chunk the block-sparse engine builds."""
     from subquad.mechanisms import _blocksparse
 
-    q, k, v = (x.requires_grad_(grad) for x in qkv(1, 1, 2048, 2048, 4, dtype=torch.float32))
-    block = local._BLOCK if grad else local._INFERENCE_BLOCK
     seen = []
     chunk = _blocksparse._Chunk.__init__
 
@@ -124,25 +122,61 @@ def test_each_block_reads_only_its_window(monkeypatch, grad):
         chunk(self, *args, **kwargs)
         seen.append((tuple(self.queries.shape), self.shape[-1]))
 
-    _one_block_per_chunk(monkeypatch)
     monkeypatch.setattr(_blocksparse._Chunk, "__init__", record)
+    return seen
+
+
+def test_each_block_reads_only_its_window(monkeypatch):
+    """A block of queries holds keys for its windows only (block + 2·window of them), never the
+    sequence: memory does not grow with N × window."""
+    q, k, v = qkv(1, 1, 2048, 2048, 4, dtype=torch.float32)
+    _one_block_per_chunk(monkeypatch)
+    seen = _record_blocks(monkeypatch)
     out = local_attention(q, k, v, config=LocalConfig(window=256))
+    block = local._INFERENCE_BLOCK
     assert set(seen) == {((1, block), block + 2 * 256)}
     assert len(seen) == 2048 // block
-    expected = dense_local(q.double(), k.double(), v.double(), None, False, 256)
-    assert (out.double() - expected).abs().max() < 1e-5
+    assert (out.double() - dense_local(q.double(), k.double(), v.double(), None, False, 256)).abs().max() < 1e-5
 
 
-def test_the_inference_block_gives_the_values_of_the_training_block():
-    """Forward alone (32-query blocks) and with gradients (64) compute the same attention."""
-    q, k, v = qkv(2, 3, 300, 300, 8, 5)
-    for is_causal in (False, True):
-        config = LocalConfig(window=40)
-        with torch.no_grad():
-            inference = local_attention(q, k, v, is_causal=is_causal, config=config)
-        training = local_attention(*(x.requires_grad_(True) for x in (q, k, v)), is_causal=is_causal, config=config)
-        assert (inference - training).abs().max() <= 1e-12
-        q, k, v = (x.detach() for x in (q, k, v))
+@pytest.mark.parametrize(
+    "grad, context, Dv, block",
+    [
+        (False, None, 8, local._INFERENCE_BLOCK),
+        (True, None, 8, local._BLOCK),
+        (True, torch.no_grad, 8, local._INFERENCE_BLOCK),
+        (True, torch.inference_mode, 8, local._INFERENCE_BLOCK),
+        (False, None, 5, local._BLOCK),  # Dv != D: the reference path, not the flash kernel
+    ],
+)
+def test_the_block_is_small_only_for_a_call_that_takes_no_gradient_on_the_flash_kernel(
+    monkeypatch, grad, context, Dv, block
+):
+    """Both blocks compute the same attention: only their speed differs."""
+    q, k, v = (x.requires_grad_(grad) for x in qkv(2, 3, 300, 300, 8, Dv))
+    expected = dense_local(q, k, v, None, False, 40)
+    seen = _record_blocks(monkeypatch)
+    with context() if context else contextlib.nullcontext():
+        out = local_attention(q, k, v, config=LocalConfig(window=40))
+    assert {shape[1] for shape, _ in seen} == {block}
+    assert (out - expected).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("L", "S"), [(40, 64), (64, 40), (150, 150)])
+def test_gradients_equal_the_dense_band_mask_on_the_flash_kernel(is_causal, L, S):
+    """Queries and values of one width: the CPU flash kernel in both passes, with L != S too (the
+    end blocks read zero-padded copies of the keys they reach)."""
+    q, k, v = (x.requires_grad_(True) for x in qkv(2, 2, L, S, 8, seed=3))
+    kpm = padding(2, S, seed=5)
+    config = LocalConfig(window=20)
+    out = local_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config)
+    expected = dense_local(q, k, v, kpm, is_causal, 20)
+    assert (out - expected).abs().max() <= 1e-10
+    g = torch.randn_like(out)
+    got, want = torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g)
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max() <= 1e-10
 
 
 # --------------------------------------------------------------------------------------------

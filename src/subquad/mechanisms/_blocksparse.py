@@ -413,8 +413,8 @@ def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod
         if inner:  # views, and one element mask for all (the pattern depends on p − j only)
             views = {"query_view": query_view, "key_view": key_view, "uniform": True, "view_writes": True}
         else:  # windows over a copy of the few keys the end blocks read, zero-padded past the ends
-            begin = offset - left + lo * block
-            views = {"key_view": _edge_view(block, W), "key_source": _edge_source(begin, (hi - lo - 1) * block + W, S)}
+            begin, blocks = offset - left + lo * block, rows.shape[0]  # hi may pass n when w > L
+            views = {"key_view": _edge_view(block, W), "key_source": _edge_source(begin, (blocks - 1) * block + W, S)}
         groups.append(Group(rows, cols.unsqueeze(0), allowed, **views))
     return groups
 

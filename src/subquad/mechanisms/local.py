@@ -14,11 +14,13 @@ pattern: torch's CPU flash-attention kernel per batch of blocks, one autograd Fu
 the output and log-sum-exp and recomputes blocks in the backward, so memory is O(N·D) plus one
 batch of blocks, never O(N·window).
 
-The block is ``_BLOCK`` (64) when a gradient will be taken, and ``_INFERENCE_BLOCK`` (32) for a
-forward alone on the CPU: smaller blocks compute fewer keys outside the window (``block − 1`` of
-``block + 2·window`` per query), which makes a forward at w = 256 about 4% faster, but their
-overlapping key windows double the key gradients the backward scatters, which makes
-forward+backward about 20% slower.
+The block is ``_INFERENCE_BLOCK`` (32) where the CPU flash kernel runs a call that can take no
+gradient (gradients disabled, or no input requiring one), and ``_BLOCK`` (64) otherwise. Smaller
+blocks compute fewer keys outside the window (``block − 1`` of ``block + 2·window`` per query),
+which makes a forward at w = 256 about 4% faster, but their overlapping key windows double the
+key gradients the backward scatters, which makes forward+backward about 20% slower. The two
+differ only in rounding, so a reentrant checkpoint (whose first forward runs without gradients)
+recomputes slightly different values than it first returned.
 
 **Decoding.** ``WindowCache`` keeps the last ``window - 1`` keys and values: each new token attends
 to them and itself, so decoding cost and memory do not grow with the prompt.
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from subquad._validate import check_attention_inputs
 from subquad.masks import MaskMod
-from subquad.mechanisms._blocksparse import band_groups, block_sparse_attention
+from subquad.mechanisms._blocksparse import band_groups, block_sparse_attention, fused_kernel_available
 from subquad.registry import Config, Mechanism, option
 
 if TYPE_CHECKING:
@@ -42,8 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalConfig", "WindowCache", "local_attention", "window_mask"]
 
-_BLOCK = 64  # queries per block when a gradient is needed (or off the CPU)
-_INFERENCE_BLOCK = 32  # queries per block for a forward alone on the CPU
+_BLOCK = 64  # queries per block when a gradient can be taken, or off the CPU flash kernel
+_INFERENCE_BLOCK = 32  # queries per block of a call that can take no gradient, on the CPU flash kernel
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,8 @@ def local_attention(
     offset = S - L
     left, right = (w - 1, 0) if is_causal else (w, w)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    block = _BLOCK if needs_grad or q.device.type != "cpu" else _INFERENCE_BLOCK
+    fused = fused_kernel_available(q.device) and q.shape[-1] == v.shape[-1]
+    block = _INFERENCE_BLOCK if fused and not needs_grad else _BLOCK
     groups = band_groups(L, offset, left, right, min(block, L), window_mask(w, is_causal, offset), q.device)
     return block_sparse_attention(q, k, v, [groups], key_padding_mask, shape.scale)
 
