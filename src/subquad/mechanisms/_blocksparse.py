@@ -406,9 +406,7 @@ def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod
             return q.narrow(2, (lo + start) * block, (stop - start) * block).unflatten(2, (stop - start, block))
 
         def key_view(x: Tensor, pad: int, start: int, stop: int, lo=lo) -> Tensor:
-            begin = offset - left + pad + (lo + start) * block
-            windows = x.narrow(2, begin, (stop - start - 1) * block + W).unfold(2, W, block)  # (B, H, n, F, W)
-            return windows.transpose(-1, -2)
+            return _windows(x, offset - left + pad + (lo + start) * block, stop - start, block, W)
 
         if inner:  # views, and one element mask for all (the pattern depends on p − j only)
             views = {"query_view": query_view, "key_view": key_view, "uniform": True, "view_writes": True}
@@ -434,6 +432,12 @@ def _edge_view(block: int, W: int) -> Callable[[Tensor, int, int, int], Tensor]:
     """Blocks ``start:stop`` of an ``_edge_source`` as ``(B, H, n, W, F)`` windows, ``block`` apart."""
 
     def key_view(x: Tensor, pad: int, start: int, stop: int) -> Tensor:
-        return x.narrow(2, start * block, (stop - start - 1) * block + W).unfold(2, W, block).transpose(-1, -2)
+        return _windows(x, start * block, stop - start, block, W)
 
     return key_view
+
+
+def _windows(x: Tensor, begin: int, count: int, step: int, W: int) -> Tensor:
+    """``count`` windows of ``W`` rows of ``x`` ``(B, H, ·, F)``, the first at row ``begin``, ``step``
+    apart: an overlapping view ``(B, H, count, W, F)``, no copy."""
+    return x.narrow(2, begin, (count - 1) * step + W).unfold(2, W, step).transpose(-1, -2)
