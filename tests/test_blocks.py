@@ -1,6 +1,10 @@
+import pathlib
+import sys
+
+import pytest
 import torch
 
-from subquad._blocks import ACCELERATOR_SCALE, BlockOutput, Scratch, block_elements, tracks_grad
+from subquad._blocks import ACCELERATOR_SCALE, BlockOutput, Scratch, block_elements, new_output, tracks_grad
 
 
 def blocks():
@@ -47,3 +51,39 @@ def test_scratch_reuses_one_buffer_per_name_and_grows_when_asked_for_more():
 def test_blocks_are_larger_off_the_cpu_only():
     assert block_elements(1 << 19, torch.device("cpu")) == 1 << 19
     assert block_elements(1 << 19, torch.device("cuda")) == (1 << 19) * ACCELERATOR_SCALE > 1 << 19
+
+
+def test_new_output_is_an_empty_tensor_of_the_shape_dtype_and_device():
+    for shape, dtype in (((2, 3, 5), torch.float32), ((1 << 21,), torch.float64), ((0, 4), torch.bfloat16)):
+        out = new_output(shape, dtype, torch.device("cpu"))
+        assert out.shape == shape and out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous()
+        out.fill_(1.5)
+        assert bool((out == 1.5).all())
+
+
+def _thp_mode() -> str | None:
+    path = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not sys.platform.startswith("linux") or not path.exists():
+        return None
+    return path.read_text().split("[")[1].split("]")[0]
+
+
+def _mapping_flags(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address``."""
+    fields, inside = {}, False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            begin, end = (int(x, 16) for x in head.split("-"))
+            inside = begin <= address < end
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="needs Linux with transparent huge pages")
+def test_a_large_cpu_output_is_eligible_for_huge_pages():
+    out = new_output((8, 1 << 20), torch.float32, torch.device("cpu"))  # 32 MiB
+    inner = -(-out.data_ptr() // (1 << 21)) * (1 << 21)  # its first whole 2 MiB page
+    assert _mapping_flags(inner).get("THPeligible") == "1"

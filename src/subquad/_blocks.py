@@ -8,6 +8,8 @@ quadratic in the number of blocks.
 ``Scratch``: named buffers that a loop over blocks writes its temporaries into (``out=``), so
 each is allocated once per call rather than once per block.
 
+``new_output``: ``torch.empty`` for a large output, in huge pages on Linux CPUs.
+
 ``block_elements``: how much one block holds. The sizes in the mechanisms are tuned for the CPU
 (caches, page faults); on an accelerator every op of a block is a kernel launch with a fixed cost,
 so blocks there are ``ACCELERATOR_SCALE`` times larger.
@@ -15,14 +17,56 @@ so blocks there are ``ACCELERATOR_SCALE`` times larger.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import sys
 
 import torch
 from torch import Tensor
 
-__all__ = ["ACCELERATOR_SCALE", "BlockOutput", "Scratch", "block_elements", "tracks_grad"]
+__all__ = ["ACCELERATOR_SCALE", "BlockOutput", "Scratch", "block_elements", "new_output", "tracks_grad"]
 
 ACCELERATOR_SCALE = 32  # blocks this many times larger off the CPU: fewer launches, still bounded memory
+
+
+_HUGE_PAGE = 1 << 21  # x86-64 and arm64 with 4 KiB base pages
+_MADV_HUGEPAGE = 14  # <asm-generic/mman-common.h>
+
+
+def _load_madvise():
+    """libc's ``madvise`` on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _load_madvise()
+
+
+def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``torch.empty(shape)``; on Linux, a CPU tensor's whole 2 MiB pages are advised into huge pages.
+
+    A fresh output of tens of megabytes comes from the kernel page by page, and at 4 KiB a page its
+    first write costs more in page faults than the pass that writes it: on a 2-core x86 machine, a
+    quotient into a fresh 32 MiB output took 9.7 ms, 1.8 ms into one already written, and 3.6 ms
+    into a fresh one in huge pages. Huge pages come where the kernel's transparent_hugepage setting
+    is ``madvise`` (as on many distributions; ``always`` gives them anyway, ``never`` ignores the
+    advice). The advice covers only pages of this tensor, and a failure leaves it as it was.
+    """
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if _madvise is not None and out.device.type == "cpu":
+        begin = out.data_ptr()
+        first = -(-begin // _HUGE_PAGE) * _HUGE_PAGE
+        last = (begin + out.numel() * out.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+        if last > first:
+            _madvise(first, last - first, _MADV_HUGEPAGE)
+    return out
 
 
 def block_elements(cpu: int, device: torch.device) -> int:
