@@ -242,3 +242,21 @@ def test_non_causal_blocks_forward_and_backward(monkeypatch):
     for fm in ("elu", "relu"):
         fn = functools.partial(linear_attention, key_padding_mask=kpm, config=LinearConfig(feature_map=fm))
         assert gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("fm", ["elu", "relu"])
+@pytest.mark.parametrize(("L", "S"), [(97, 97), (90, 97), (97, 90)])
+def test_blocks_of_several_chunks_in_float64_and_float32(monkeypatch, fm, L, S):
+    """Blocks of three chunks (the last one partial) with padding: float64 equals the dense
+    reference, and float32, which computes φ(q) and φ(k) in one pass, stays within its rounding."""
+    from subquad.mechanisms import linear
+
+    q, k, v = qkv(1, 2, L, S, 4, 3)
+    kpm = padding(1, S, seed=3)
+    expected = dense_linear(q, k, v, kpm, True, fm)
+    monkeypatch.setattr(linear, "_BLOCK_STATE_ELEMENTS", 3 * 2 * 4 * (3 + 1))  # 3 chunks × B·H·D·(Dv + 1)
+    config = LinearConfig(feature_map=fm, chunk=4)
+    out = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=config)
+    assert (out - expected).abs().max() <= 1e-12
+    low = linear_attention(q.float(), k.float(), v.float(), key_padding_mask=kpm, is_causal=True, config=config)
+    assert (low.double() - expected).abs().max() <= 1e-5 * expected.abs().max()

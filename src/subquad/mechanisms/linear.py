@@ -34,6 +34,8 @@ There is no softmax, so there is no scale: ``scale`` must be left None.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from subquad._blocks import Scratch, block_elements
+from subquad._blocks import Scratch, block_elements, new_output
 from subquad._validate import check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -202,7 +204,7 @@ class _NonCausal(torch.autograd.Function):
                 fk *= mask[:, None, start : start + block, None]
             _add_matmul_(kv, fk.transpose(-1, -2), v[:, :, start : start + block].to(work))
             z += fk.sum(2, keepdim=True)
-        out = q.new_empty(B, H, L, Dv)
+        out = new_output((B, H, L, Dv), q.dtype, q.device)
         for start in range(0, L, block):
             x = q[:, :, start : start + block]
             fq = _features_into(x, name, scratch("phi", x.shape), scratch)
@@ -222,7 +224,7 @@ class _NonCausal(torch.autograd.Function):
         name, eps, block, work = ctx.name, ctx.eps, ctx.block, ctx.work
         L, S = q.shape[2], k.shape[2]
         grad_kv, grad_z = torch.zeros_like(kv), torch.zeros_like(z)
-        grad_q = torch.empty_like(q) if ctx.needs_input_grad[0] else None
+        grad_q = new_output(q.shape, q.dtype, q.device) if ctx.needs_input_grad[0] else None
         for start in range(0, L, block):  # out = num / den with num = φ(q) KV, den = φ(q) z + ε
             x = q[:, :, start : start + block].to(work)
             fq = feature_map(x, name)
@@ -235,8 +237,8 @@ class _NonCausal(torch.autograd.Function):
             if grad_q is not None:
                 grad_fq = torch.matmul(grad_num, kv.transpose(-1, -2)) + grad_den * z.transpose(-1, -2)
                 grad_q[:, :, start : start + block] = grad_fq * _feature_grad(x, name)
-        grad_k = torch.empty_like(k) if ctx.needs_input_grad[1] else None
-        grad_v = torch.empty_like(v) if ctx.needs_input_grad[2] else None
+        grad_k = new_output(k.shape, k.dtype, k.device) if ctx.needs_input_grad[1] else None
+        grad_v = new_output(v.shape, v.dtype, v.device) if ctx.needs_input_grad[2] else None
         for start in range(0, S, block):  # KV = Σ φ(k) vᵀ, z = Σ φ(k)
             fk = _key_features(k, mask, start, block, name, work)
             if grad_v is not None:
@@ -289,6 +291,65 @@ def _chunked(x: Tensor, chunk: int) -> Tensor:
     return x.view(*x.shape[:2], -1, chunk, x.shape[-1])
 
 
+class _CausalBlock:
+    """The buffers of one block of ``n`` positions (``m`` chunks) of ``_Causal``'s forward, and the
+    views of them it uses, made once per call: at a few hundred positions per block, making a view
+    costs about as much as a small op."""
+
+    def __init__(self, B: int, H: int, n: int, chunk: int, D: int, Dv: int, work: torch.dtype, device) -> None:
+        m = -(-n // chunk)
+        # zeros: the rows of a last, partial block past n stay zero, and add nothing to the state
+        new = functools.partial(torch.zeros if n < m * chunk else torch.empty, dtype=work, device=device)
+        self.ab = new(2, B, H, m * chunk, D)  # φ(q), φ(k)
+        self.t = torch.empty(2, B, H, n, D, dtype=work, device=device)  # the features' temporary
+        self.ab_rows, self.t_q, self.t_k = self.ab[:, :, :, :n], self.t[0], self.t[1]
+        self.a, self.b = (x.view(B, H, m, chunk, D) for x in self.ab)
+        self.b_rows = self.ab[1, :, :, :n]
+        self.b_t = self.b.transpose(-1, -2)
+        c = new(B, H, m * chunk, Dv)
+        self.c, self.c_rows = c.view(B, H, m, chunk, Dv), c[:, :, :n]
+        self.updates = torch.empty(B, H, m, D, Dv, dtype=work, device=device)
+        self.before = torch.empty(B, H, m, D, Dv, dtype=work, device=device)
+        self.z_updates = torch.empty(B, H, m, D, dtype=work, device=device)
+        self.z_before = torch.empty(B, H, m, D, dtype=work, device=device)
+        self.z_before_row = self.z_before.unsqueeze(-2)
+        self.scores = torch.empty(B, H, m, chunk, chunk, dtype=work, device=device)
+        y = torch.empty(B, H, m * chunk, Dv, dtype=work, device=device)
+        self.y, self.y_3, self.y_rows = y.view(B, H, m, chunk, Dv), y.view(-1, chunk, Dv), y[:, :, :n]
+        self.a_3, self.before_3 = self.a.view(-1, chunk, D), self.before.view(-1, D, Dv)
+        self.inter = torch.empty(B, H, m, chunk, D, dtype=work, device=device)
+        d = torch.empty(B, H, m, chunk, dtype=work, device=device)
+        self.d, self.d_rows = d, d.view(B, H, m * chunk, 1)[:, :, :n]
+
+        self.b_t3, self.c_3 = self.b.view(-1, chunk, D).transpose(1, 2), self.c.view(-1, chunk, Dv)
+        self.updates_3, self.scores_3 = self.updates.view(-1, D, Dv), self.scores.view(-1, chunk, chunk)
+        # chunk j's entering state is the block's plus the updates of chunks i < j: a product with a
+        # strictly lower-triangular matrix of ones, faster on CPU than a cumsum along a middle dim
+        earlier = torch.ones(m, m, dtype=work, device=device).tril_(-1).expand(B * H, m, m)
+        self.states = tuple(
+            (earlier, u.view(B * H, m, -1), b.view(B * H, m, -1), b[:, :, -1], u[:, :, -1])
+            for u, b in ((self.updates, self.before), (self.z_updates, self.z_before))
+        )
+
+    def features(self, q: Tensor, k: Tensor, name: str) -> None:
+        """φ(q) and φ(k) of the block's positions into the first n rows of ``a`` and ``b``."""
+        if name == "elu" and self.ab.dtype != torch.float64:  # one pass over both after the products
+            torch.mul(q, _LOG2E, out=self.t_q)
+            torch.mul(k, _LOG2E, out=self.t_k)
+            _elu_from_scaled(self.t, self.ab_rows)
+        else:
+            _features_into(q, name, self.ab[0])
+            _features_into(k, name, self.ab[1])
+
+    def chunk_states(self, which: int, state: Tensor) -> Tensor:
+        """Into ``before`` (``which`` 0) or ``z_before`` (1), ``(B, H, m, ·)``: the state entering
+        each chunk, ``state`` plus the updates of the chunks before it. Returns the state after the
+        last chunk."""
+        earlier, updates, before, last, last_update = self.states[which]
+        torch.baddbmm(state.reshape(updates.shape[0], 1, -1), earlier, updates, out=before)
+        return last + last_update
+
+
 class _Causal(torch.autograd.Function):
     """Causal linear attention, fused: features, chunked causal product and normalisation.
 
@@ -311,32 +372,30 @@ class _Causal(torch.autograd.Function):
             state, z = q.new_zeros(B, H, D, Dv, dtype=work), q.new_zeros(B, H, D, dtype=work)
         else:
             state, z = initial[..., :Dv].to(work), initial[..., Dv].to(work)
-        out = q.new_empty(B, H, N, Dv)
+        out = new_output((B, H, N, Dv), q.dtype, q.device)
         den = q.new_empty(B, H, N, 1, dtype=work)
-        scratch = Scratch(work, q.device)
-        for s in range(0, N, step):
-            e = min(s + step, N)
-            n, m = e - s, -(-(e - s) // chunk)
-            a = _features_into(q[:, :, s:e], name, scratch("a", (B, H, m * chunk, D)), scratch)
-            b = _features_into(k[:, :, s:e], name, scratch("b", (B, H, m * chunk, D)), scratch)
-            if mask is not None:
-                b[:, :, :n] *= mask[:, None, s:e, None]
-            c = scratch("c", (B, H, m * chunk, Dv))
-            c[:, :, :n] = v[:, :, s:e]
-            if n < m * chunk:  # zero rows add nothing to the state; their outputs are cut off below
-                for x in (a, b, c):
-                    x[:, :, n:] = 0
-            a, b, c = (x.view(B, H, m, chunk, -1) for x in (a, b, c))
+        blocks: dict[int, _CausalBlock] = {}  # by length: every block but the last has the same one
+        # one split per tensor rather than a slice per block: making a view costs about as much as a small op
+        pieces = (x.split(step, dim=2) for x in (q, k, v, out, den))
+        masks = itertools.repeat(None) if mask is None else mask[:, None, :, None].split(step, dim=2)
+        for qb, kb, vb, out_b, den_b, mask_b in zip(*pieces, masks):
+            n = qb.shape[2]
+            w = blocks.get(n) or blocks.setdefault(n, _CausalBlock(B, H, n, chunk, D, Dv, work, q.device))
+            w.features(qb, kb, name)
+            if mask_b is not None:
+                w.b_rows *= mask_b
+            w.c_rows.copy_(vb)
             # the normaliser runs beside the values, not as a ones column: 65-wide products are slow
-            updates = torch.matmul(b.transpose(-1, -2), c, out=scratch("updates", (B, H, m, D, Dv)))
-            before, state = _chunk_states(updates, state, out=scratch("before", (B, H, m, D, Dv)))
-            z_before, z = _chunk_states(b.sum(3), z)  # (B, H, m, D)
-            scores = torch.matmul(a, b.transpose(-1, -2), out=scratch("scores", (B, H, m, chunk, chunk))).tril_()
-            y = _add_matmul_(torch.matmul(scores, c, out=scratch("y", (B, H, m, chunk, Dv))), a, before)
-            inter = torch.mul(a, z_before.unsqueeze(-2), out=scratch("inter", (B, H, m, chunk, D)))
-            d = scores.sum(-1).add_(inter.sum(-1)).add_(eps)
-            den[:, :, s:e] = d.view(B, H, -1, 1)[:, :, :n]
-            torch.div(y.view(B, H, -1, Dv)[:, :, :n], den[:, :, s:e], out=out[:, :, s:e])
+            torch.bmm(w.b_t3, w.c_3, out=w.updates_3)
+            state = w.chunk_states(0, state)
+            torch.sum(w.b, 3, out=w.z_updates)
+            z = w.chunk_states(1, z)
+            torch.bmm(w.a_3, w.b_t3, out=w.scores_3).tril_()
+            torch.bmm(w.scores_3, w.c_3, out=w.y_3)
+            w.y_3.baddbmm_(w.a_3, w.before_3)
+            torch.sum(w.scores, -1, out=w.d).add_(torch.mul(w.a, w.z_before_row, out=w.inter).sum(-1)).add_(eps)
+            den_b.copy_(w.d_rows)
+            torch.div(w.y_rows, w.d_rows, out=out_b)
         ctx.save_for_backward(q, k, v, mask, initial, out, den)
         ctx.name, ctx.chunk, ctx.step, ctx.work = name, chunk, step, work
         return out
@@ -354,7 +413,7 @@ class _Causal(torch.autograd.Function):
             g = grad[:, :, s:e].to(work) / den[:, :, s:e]
             return _chunked(torch.cat([g, -(g * out[:, :, s:e].to(work)).sum(-1, keepdim=True)], dim=-1), chunk)
 
-        grad_q = torch.empty_like(q) if ctx.needs_input_grad[0] else None
+        grad_q = new_output(q.shape, q.dtype, q.device) if ctx.needs_input_grad[0] else None
         if grad_q is not None:  # forwards in time: ∂a_i = Σ_{j≤i} (G_i·c_j) b_j + S_before G_i
             state = q.new_zeros(B, H, D, Dv + 1, dtype=work) if initial is None else initial.to(work)
             for s in range(0, N, step):
@@ -365,8 +424,8 @@ class _Causal(torch.autograd.Function):
                 ga = torch.matmul(torch.matmul(G, c.transpose(-1, -2)).tril_(), b)
                 ga = _add_matmul_(ga, G, before.transpose(-1, -2)).view(B, H, -1, D)[:, :, : e - s]
                 grad_q[:, :, s:e] = ga * _feature_grad(q[:, :, s:e].to(work), name)
-        grad_k = torch.empty_like(k) if ctx.needs_input_grad[1] else None
-        grad_v = torch.empty_like(v) if ctx.needs_input_grad[2] else None
+        grad_k = new_output(k.shape, k.dtype, k.device) if ctx.needs_input_grad[1] else None
+        grad_v = new_output(v.shape, v.dtype, v.device) if ctx.needs_input_grad[2] else None
         grad_initial = None
         if grad_k is not None or grad_v is not None or ctx.needs_input_grad[4]:
             # backwards in time: ∂b_j = Σ_{i≥j} (G_i·c_j) a_i and ∂c_j = Σ_{i≥j} (a_i·b_j) G_i
@@ -403,11 +462,15 @@ def _features_into(x: Tensor, name: str, out: Tensor, scratch: Scratch | None = 
     elif out.dtype == torch.float64:
         torch.clamp(x, max=0, out=y).exp_().add_(F.relu(x))
     else:
-        # fp32 and lower: exp(u) = 2^(u·log2 e), as torch's exp2 is twice as fast as exp on CPU;
-        # t = x·log2 e is the one pass that reads x, the rest run on t (max(x, 0) = max(t, 0) / log2 e)
-        t = torch.mul(x, _LOG2E, out=None if scratch is None else scratch("features", x.shape))
-        torch.clamp(t, max=0, out=y).exp2_().add_(t.clamp_(min=0), alpha=1 / _LOG2E)
+        _elu_from_scaled(torch.mul(x, _LOG2E, out=None if scratch is None else scratch("features", x.shape)), y)
     return out
+
+
+def _elu_from_scaled(t: Tensor, y: Tensor) -> None:
+    """elu(x) + 1 into ``y``, from ``t = x·log2 e`` (consumed), for fp32 and lower: exp(u) = 2^(u·log2 e),
+    as torch's exp2 is twice as fast as exp on CPU, and max(x, 0) = max(t, 0) / log2 e. The
+    product is the one pass that reads x."""
+    torch.clamp(t, max=0, out=y).exp2_().add_(t.clamp_(min=0), alpha=1 / _LOG2E)
 
 
 def _block_inputs(q, k, v, mask, s: int, e: int, name: str, work: torch.dtype, chunk: int):
