@@ -32,7 +32,7 @@ def test_list_json(capsys):
 def test_bench_runs_a_small_grid_and_writes_its_files(tmp_path, capsys):
     argv = ["bench", "--lengths", "32", "--heads", "4", "--head-dim", "4", "--causal", "no", "--backward", "no"]
     argv += ["--repeats", "2", "--max-seconds", "0.2", "--out", str(tmp_path), "--full.backend", "eager", "sdpa"]
-    argv += ["--centres", "4", "--spread", "0.2"]
+    argv += ["--centres", "4", "--spread", "0.2", "--warmup-seconds", "0"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "full(backend=eager)  non-causal  forward  32" in out
@@ -42,6 +42,7 @@ def test_bench_runs_a_small_grid_and_writes_its_files(tmp_path, capsys):
     meta = json.loads((tmp_path / "results.json").read_text())["meta"]
     assert meta["settings"]["lengths"] == [32] and meta["torch"]
     assert meta["settings"]["centres"] == 4 and meta["settings"]["spread"] == 0.2
+    assert meta["settings"]["warmup_seconds"] == 0
 
 
 def test_an_interrupted_bench_keeps_and_prints_the_cells_it_finished(tmp_path, capsys, monkeypatch):

@@ -51,7 +51,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "bench",
         help="time, memory and error of mechanisms against full attention",
         description="Benchmark mechanisms against full attention over sequence lengths. Each cell runs in a "
-        "fresh process; time is the median of repeats after a warm-up call; memory is the peak above the inputs; "
+        "fresh process; time is the median of repeats after a warm-up; memory is the peak above the inputs; "
         "error is relative to full attention on iid and clustered inputs.",
     )
     _add_bench_arguments(bench)
@@ -161,7 +161,13 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=d.repeats,
-        help="most timed calls per cell, after the warm-up call (default: %(default)s)",
+        help="most timed calls per cell, after the warm-up (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=d.warmup_seconds,
+        help="untimed calls per cell until this long has passed, the first call included (default: %(default)s)",
     )
     parser.add_argument(
         "--max-seconds",
@@ -272,7 +278,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         variants=_variants(args), lengths=args.lengths, batch=args.batch, heads=args.heads,
         head_dim=args.head_dim, dtype=args.dtype, device=args.device, threads=args.threads,
         causal=modes[args.causal], backward=modes[args.backward], repeats=args.repeats,
-        max_seconds=args.max_seconds, error_rows=args.error_rows, centres=args.centres, spread=args.spread,
+        max_seconds=args.max_seconds, warmup_seconds=args.warmup_seconds, error_rows=args.error_rows,
+        centres=args.centres, spread=args.spread,
         baseline_max_length=args.baseline_max_length, timeout=args.timeout, seed=args.seed,
     )  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)  # before the run, so a bad folder fails at once

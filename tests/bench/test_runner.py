@@ -13,7 +13,7 @@ def test_bench_measures_memory_time_error_and_ratio():
     N, H = 1024, 4
     settings = BenchSettings(
         variants=[Variant("full", (("backend", "eager"),))], lengths=[N], heads=H, head_dim=16,
-        causal=(False,), repeats=2, max_seconds=0.5,
+        causal=(False,), repeats=2, max_seconds=0.5, warmup_seconds=0.0,
     )  # fmt: skip
     calls, saved = [], []
     rows = run_bench(
@@ -70,6 +70,7 @@ def test_a_failing_cell_is_reported_not_raised(monkeypatch):
         ({"lengths": [0, 8]}, "lengths must be positive, got [0, 8]"),
         ({"dtype": "int8"}, "dtype must be one of float16, bfloat16, float32, float64, got 'int8'"),
         ({"max_seconds": 0}, "max_seconds must be > 0 seconds, got 0"),
+        ({"warmup_seconds": -1}, "warmup_seconds must be >= 0 seconds, got -1"),
         ({"timeout": -1.0}, "timeout must be > 0 seconds, got -1.0"),
         ({"threads": 0}, "threads must be >= 1, got 0"),
         ({"centres": 0}, "centres must be >= 1, got 0"),

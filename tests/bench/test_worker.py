@@ -7,7 +7,8 @@ from ..conftest import qkv
 
 CELL = dict(
     mechanism="full", options={}, length=48, batch=1, heads=2, head_dim=8, dtype="float32", device="cpu",
-    threads=None, causal=True, backward=False, repeats=3, max_seconds=1.0, error_rows=16, seed=0,
+    threads=None, causal=True, backward=False, repeats=3, max_seconds=1.0, warmup_seconds=0.0, error_rows=16,
+    seed=0,
 )  # fmt: skip
 
 
@@ -39,3 +40,22 @@ def test_the_clustered_inputs_follow_the_centres_and_spread_settings():
     exact = measure_cell({**cell, "centres": 1, "spread": 0.0})
     assert exact["error_clustered"] < 1e-6
     assert measure_cell({**cell, "centres": 16, "spread": 0.5})["error_clustered"] > 0.1
+
+
+def test_the_warm_up_repeats_the_call_until_its_time_has_passed(monkeypatch):
+    from subquad.bench import worker
+
+    lengths = []
+    make_call = worker._make_call
+
+    def counting(*args):
+        call = make_call(*args)
+        return lambda q, k, v: (lengths.append(q.shape[2]), call(q, k, v))[1]
+
+    monkeypatch.setattr(worker, "_make_call", counting)
+    for seconds in (0.0, 0.3):
+        lengths.clear()
+        result = measure_cell({**CELL, "length": 96, "warmup_seconds": seconds})
+        # full-size calls: the first (memory), the warm-up's others, the timed ones, the clustered error's
+        warm_up = lengths.count(96) - 1 - len(result["times_s"]) - 1
+        assert lengths[0] == 64 and (warm_up == 0 if seconds == 0 else warm_up >= 1)

@@ -60,6 +60,7 @@ class BenchSettings:
     backward: Sequence[bool] = (False, True)
     repeats: int = 20
     max_seconds: float = 2.0
+    warmup_seconds: float = 2.0
     error_rows: int = 512
     centres: int = 16
     spread: float = 0.5
@@ -82,6 +83,8 @@ class BenchSettings:
         for name in ("max_seconds", "timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not self.warmup_seconds >= 0:
+            raise ValueError(f"warmup_seconds must be >= 0 seconds, got {self.warmup_seconds}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not self.causal or not self.backward:

@@ -2,11 +2,14 @@
 
 A fresh process per cell makes peak memory reliable on CPU: after a tiny warm-up that starts the
 thread pools, the inputs are made, the kernel's resident-memory high-water mark is reset, and
-the first full-size call's peak above that baseline is the cell's memory. That call also serves as
-the warm-up for timing. Then the call repeats until ``repeats`` timings or ``max_seconds``, and the
-median is reported. Forward cells also report the relative error against full attention, computed
-in float64 on evenly spaced query rows (exact for those rows, and cheap at any length), on iid and
-on clustered inputs, and the fraction of queries whose output is all zero.
+the first full-size call's peak above that baseline is the cell's memory. That call starts the
+warm-up for timing, which repeats the call until ``warmup_seconds`` have passed: the first calls
+of a process can run slower than the rest while memory settles (on virtual machines whose host
+backs memory on first use, fresh huge pages cost most of a second of calls before they are reused).
+Then the call repeats until ``repeats`` timings or ``max_seconds``, and the median is reported.
+Forward cells also report the relative error against full attention, computed in float64 on
+evenly spaced query rows (exact for those rows, and cheap at any length), on iid and on clustered
+inputs, and the fraction of queries whose output is all zero.
 """
 
 from __future__ import annotations
@@ -48,10 +51,15 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"]))  # start thread pools
     q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"])
     peak_memory = _memory_probe(device)
-    out = call(q, k, v)  # the first full-size call: memory, and the warm-up for timing
+    warmup_start = time.perf_counter()
+    out = call(q, k, v)  # the first full-size call: memory, and the start of the warm-up for timing
     if device.type == "cuda":
         torch.cuda.synchronize()
     result: dict[str, Any] = {"peak_bytes": peak_memory(), "memory_method": _memory_method(device)}
+    while time.perf_counter() - warmup_start < cell["warmup_seconds"]:
+        out = call(q, k, v)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     times: list[float] = []
     while not times or (len(times) < cell["repeats"] and sum(times) < cell["max_seconds"]):
         start = time.perf_counter()
