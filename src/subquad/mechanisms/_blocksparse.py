@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from subquad._blocks import block_elements
+from subquad._blocks import block_elements, new_output
 from subquad.masks import MaskMod
 
 __all__ = ["Group", "band_groups", "block_sparse_attention", "fused_kernel_available", "work_dtype"]
@@ -290,8 +290,9 @@ def _forward(q, k, v, key_padding_mask, parts, scale, fused):
             for group in part:
                 covered[group.queries.flatten()] = True
             # Rows the first part leaves out start as "no key seen": zero output, lse = −inf.
-            alloc = q.new_empty if bool(covered[:L].all()) else q.new_zeros
-            out = alloc(B, H, rows, Dv, dtype=work)
+            out = new_output((B, H, rows, Dv), work, q.device)
+            if not bool(covered[:L].all()):
+                out.zero_()
             lse = q.new_full((B, H, rows, 1), float("-inf"), dtype=work)
             merge = False
         for group in part:
@@ -331,9 +332,9 @@ class _BlockSparse(torch.autograd.Function):
         q_ext = _padded(q.to(dtype), 0, query_pad)
         g_ext, out_ext = grad.to(dtype), out.to(dtype)
         kf, vf = (_padded(x.to(dtype), pad, pad) for x in (k, v))  # (B, H, S + 2 pad, ·)
-        grad_q = torch.zeros(B, H, L + 1, D, dtype=work, device=q.device)
-        grad_k = torch.zeros(B, H * (S + 2 * pad), D, dtype=work, device=q.device)
-        grad_v = torch.zeros(B, H * (S + 2 * pad), Dv, dtype=work, device=q.device)
+        grad_q = new_output((B, H, L + 1, D), work, q.device).zero_()
+        grad_k = new_output((B, H * (S + 2 * pad), D), work, q.device).zero_()
+        grad_v = new_output((B, H * (S + 2 * pad), Dv), work, q.device).zero_()
         delta = None if ctx.fused else (g_ext * out_ext).sum(-1)  # (B, H, L): rowsum(dO ∘ O)
         sources: dict = {}
         for part in ctx.parts:

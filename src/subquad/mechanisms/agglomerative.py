@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from subquad._blocks import Scratch, block_elements
+from subquad._blocks import Scratch, block_elements, new_output
 from subquad._validate import AttentionShape, check_attention_inputs, check_logits
 from subquad.registry import Config, Mechanism, option
 
@@ -146,7 +146,7 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
     Query i sits at reference position i + offset."""
     B, H, L, _ = c_q.shape
     S, Dv = values.shape[2], values.shape[3]
-    out = values.new_empty(B, H, L, Dv)
+    out = new_output((B, H, L, Dv), values.dtype, values.device)
     if offset < 0:
         out[:, :, : min(-offset, L)] = 0  # queries before the first reference see none
     block = _block_size(B, H, Dv, c_q.device)
