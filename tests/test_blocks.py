@@ -4,7 +4,15 @@ import sys
 import pytest
 import torch
 
-from subquad._blocks import ACCELERATOR_SCALE, BlockOutput, Scratch, block_elements, new_output, tracks_grad
+from subquad._blocks import (
+    ACCELERATOR_SCALE,
+    BlockOutput,
+    Scratch,
+    block_elements,
+    new_buffers,
+    new_output,
+    tracks_grad,
+)
 
 
 def blocks():
@@ -87,3 +95,15 @@ def test_a_large_cpu_output_is_eligible_for_huge_pages():
     out = new_output((8, 1 << 20), torch.float32, torch.device("cpu"))  # 32 MiB
     inner = -(-out.data_ptr() // (1 << 21)) * (1 << 21)  # its first whole 2 MiB page
     assert _mapping_flags(inner).get("THPeligible") == "1"
+
+
+def test_new_buffers_are_disjoint_aligned_contiguous_and_zeroed_when_asked():
+    shapes = [(3, 5), (7,), (2, 2, 3), (1,)]
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        buffers = new_buffers(shapes, dtype, torch.device("cpu"), zero=True)
+        assert [b.shape for b in buffers] == [torch.Size(s) for s in shapes]
+        for i, b in enumerate(buffers):
+            assert b.dtype == dtype and b.is_contiguous() and b.data_ptr() % 64 == buffers[0].data_ptr() % 64
+            assert bool((b == 0).all())
+            b.fill_(i + 1)
+        assert [float(b.float().mean()) for b in buffers] == [1.0, 2.0, 3.0, 4.0]  # no write reached another

@@ -34,7 +34,6 @@ There is no softmax, so there is no scale: ``scale`` must be left None.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from subquad._blocks import Scratch, block_elements, new_output
+from subquad._blocks import Scratch, block_elements, new_buffers, new_output
 from subquad._validate import check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -298,29 +297,36 @@ class _CausalBlock:
 
     def __init__(self, B: int, H: int, n: int, chunk: int, D: int, Dv: int, work: torch.dtype, device) -> None:
         m = -(-n // chunk)
-        # zeros: the rows of a last, partial block past n stay zero, and add nothing to the state
-        new = functools.partial(torch.zeros if n < m * chunk else torch.empty, dtype=work, device=device)
-        self.ab = new(2, B, H, m * chunk, D)  # φ(q), φ(k)
-        self.t = torch.empty(2, B, H, n, D, dtype=work, device=device)  # the features' temporary
-        self.ab_rows, self.t_q, self.t_k = self.ab[:, :, :, :n], self.t[0], self.t[1]
-        self.a, self.b = (x.view(B, H, m, chunk, D) for x in self.ab)
-        self.b_rows = self.ab[1, :, :, :n]
-        self.b_t = self.b.transpose(-1, -2)
-        c = new(B, H, m * chunk, Dv)
+        rows = m * chunk
+        (ab, self.t, c, self.updates, self.before, self.z_updates, self.z_before, self.scores, y, self.inter, d) = (
+            new_buffers(
+                [
+                    (2, B, H, rows, D),  # φ(q), φ(k)
+                    (2, B, H, n, D),  # the features' temporary
+                    (B, H, rows, Dv),
+                    (B, H, m, D, Dv),
+                    (B, H, m, D, Dv),
+                    (B, H, m, D),
+                    (B, H, m, D),
+                    (B, H, m, chunk, chunk),
+                    (B, H, rows, Dv),
+                    (B, H, m, chunk, D),
+                    (B, H, m, chunk),
+                ],
+                work,
+                device,
+                # zeros: the rows of a last, partial block past n stay zero, and add nothing to the state
+                zero=n < rows,
+            )
+        )
+        self.ab, self.ab_rows, self.t_q, self.t_k = ab, ab[:, :, :, :n], self.t[0], self.t[1]
+        self.a, self.b = (x.view(B, H, m, chunk, D) for x in ab)
+        self.b_rows = ab[1, :, :, :n]
         self.c, self.c_rows = c.view(B, H, m, chunk, Dv), c[:, :, :n]
-        self.updates = torch.empty(B, H, m, D, Dv, dtype=work, device=device)
-        self.before = torch.empty(B, H, m, D, Dv, dtype=work, device=device)
-        self.z_updates = torch.empty(B, H, m, D, dtype=work, device=device)
-        self.z_before = torch.empty(B, H, m, D, dtype=work, device=device)
         self.z_before_row = self.z_before.unsqueeze(-2)
-        self.scores = torch.empty(B, H, m, chunk, chunk, dtype=work, device=device)
-        y = torch.empty(B, H, m * chunk, Dv, dtype=work, device=device)
         self.y, self.y_3, self.y_rows = y.view(B, H, m, chunk, Dv), y.view(-1, chunk, Dv), y[:, :, :n]
         self.a_3, self.before_3 = self.a.view(-1, chunk, D), self.before.view(-1, D, Dv)
-        self.inter = torch.empty(B, H, m, chunk, D, dtype=work, device=device)
-        d = torch.empty(B, H, m, chunk, dtype=work, device=device)
-        self.d, self.d_rows = d, d.view(B, H, m * chunk, 1)[:, :, :n]
-
+        self.d, self.d_rows = d, d.view(B, H, rows, 1)[:, :, :n]
         self.b_t3, self.c_3 = self.b.view(-1, chunk, D).transpose(1, 2), self.c.view(-1, chunk, Dv)
         self.updates_3, self.scores_3 = self.updates.view(-1, D, Dv), self.scores.view(-1, chunk, chunk)
         # chunk j's entering state is the block's plus the updates of chunks i < j: a product with a
