@@ -25,7 +25,16 @@ import sys
 import torch
 from torch import Tensor
 
-__all__ = ["ACCELERATOR_SCALE", "BlockOutput", "Scratch", "block_elements", "new_buffers", "new_output", "tracks_grad"]
+__all__ = [
+    "ACCELERATOR_SCALE",
+    "BlockOutput",
+    "Scratch",
+    "block_elements",
+    "new_buffers",
+    "new_output",
+    "new_output_like",
+    "tracks_grad",
+]
 
 ACCELERATOR_SCALE = 32  # blocks this many times larger off the CPU: fewer launches, still bounded memory
 
@@ -58,34 +67,55 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     quotient into a fresh 32 MiB output took 9.7 ms, 1.8 ms into one already written, and 3.6 ms
     into a fresh one in huge pages. Huge pages come where the kernel's transparent_hugepage setting
     is ``madvise`` (as on many distributions; ``always`` gives them anyway, ``never`` ignores the
-    advice). The advice covers only pages of this tensor, and a failure leaves it as it was.
+    advice). The advice is given for pages of this tensor only, though it stays with those
+    addresses after the tensor is freed; where ``defrag`` makes the kernel compact memory for such
+    a fault, a fragmented machine can make the first write slower instead.
     """
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if _madvise is not None and out.device.type == "cpu":
+    return _advised(torch.empty(shape, dtype=dtype, device=device))
+
+
+def new_output_like(x: Tensor) -> Tensor:
+    """``torch.empty_like(x)`` (same strides for a dense ``x``), advised as in ``new_output``."""
+    return _advised(torch.empty_like(x))
+
+
+def _advised(out: Tensor) -> Tensor:
+    """``out``, a fresh dense tensor, with its whole huge pages advised (Linux CPUs only)."""
+    if _madvise is None or out.device.type != "cpu" or type(out) is not Tensor:  # not a subclass or a fake
+        return out
+    try:
         begin = out.data_ptr()
-        first = -(-begin // _HUGE_PAGE) * _HUGE_PAGE
-        last = (begin + out.numel() * out.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-        if last > first:
-            _madvise(first, last - first, _MADV_HUGEPAGE)
+    except RuntimeError:  # no storage to advise (e.g. while tracing)
+        return out
+    first = -(-begin // _HUGE_PAGE) * _HUGE_PAGE
+    last = (begin + out.numel() * out.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if last > first:
+        _madvise(first, last - first, _MADV_HUGEPAGE)
     return out
 
 
 def new_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, zero: bool) -> list[Tensor]:
     """Contiguous tensors of ``shapes``, carved from one ``new_output`` (each starting on a 64-byte
-    line), zero-filled if ``zero``.
+    line, the first on a 2 MiB boundary when they fill a huge page), zero-filled if ``zero``.
 
     A loop's working buffers of a few hundred kilobytes each, allocated one by one, land on
     whatever 4 KiB pages the allocator has; on a physically indexed cache, how their lines
     collide then changes from one process to the next (linear's causal forward ran at 55 ms in
-    some processes and 67 ms in others). In one block of huge pages their layout is the same
-    every time.
+    some processes and 67 ms in others). Carved from huge pages from a 2 MiB boundary on, their
+    layout in those caches is the same every time.
     """
-    line = max(1, 64 // torch.empty((), dtype=dtype).element_size())
+    line = max(1, 64 // dtype.itemsize)
     sizes = [math.prod(shape) for shape in shapes]
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + -(-size // line) * line)
-    slab = new_output((starts[-1],), dtype, device)
+    total = starts[-1]
+    align = _HUGE_PAGE // dtype.itemsize if total * dtype.itemsize >= _HUGE_PAGE and device.type == "cpu" else 0
+    slab = new_output((total + align,), dtype, device)
+    offset = 0
+    if align:  # the untouched pages before the boundary cost address space only
+        offset = (-slab.data_ptr() % _HUGE_PAGE) // dtype.itemsize
+    slab = slab[offset : offset + total]
     if zero:
         slab.zero_()
     return [slab[start : start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]

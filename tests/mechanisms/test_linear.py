@@ -8,6 +8,7 @@ from torch.autograd import gradcheck
 
 import subquad
 import subquad.nn
+from subquad._blocks import new_buffers
 from subquad.mechanisms.linear import LinearConfig, LinearDecoder, causal_dot, feature_map, linear_attention
 from subquad.registry import get_mechanism
 
@@ -247,16 +248,37 @@ def test_non_causal_blocks_forward_and_backward(monkeypatch):
 @pytest.mark.parametrize("fm", ["elu", "relu"])
 @pytest.mark.parametrize(("L", "S"), [(97, 97), (90, 97), (97, 90)])
 def test_blocks_of_several_chunks_in_float64_and_float32(monkeypatch, fm, L, S):
-    """Blocks of three chunks (the last one partial) with padding: float64 equals the dense
-    reference, and float32, which computes φ(q) and φ(k) in one pass, stays within its rounding."""
+    """Blocks of three chunks (the last one partial) with padding, their buffers filled with NaN
+    before use: float64 equals the dense reference, and float32 (for elu, φ(q) and φ(k) in one
+    pass) stays within its rounding."""
     from subquad.mechanisms import linear
 
-    q, k, v = qkv(1, 2, L, S, 4, 3)
-    kpm = padding(1, S, seed=3)
+    def poisoned(shapes, dtype, device, zero):
+        buffers = new_buffers(shapes, dtype, device, zero=False)
+        for b in buffers:
+            b.fill_(0.0 if zero else float("nan"))
+        return buffers
+
+    q, k, v = qkv(2, 2, L, S, 4, 3)
+    kpm = padding(2, S, seed=3)
     expected = dense_linear(q, k, v, kpm, True, fm)
-    monkeypatch.setattr(linear, "_BLOCK_STATE_ELEMENTS", 3 * 2 * 4 * (3 + 1))  # 3 chunks × B·H·D·(Dv + 1)
+    monkeypatch.setattr(linear, "_BLOCK_STATE_ELEMENTS", 3 * 2 * 2 * 4 * (3 + 1))  # 3 chunks × B·H·D·(Dv + 1)
+    monkeypatch.setattr(linear, "new_buffers", poisoned)
     config = LinearConfig(feature_map=fm, chunk=4)
     out = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=config)
     assert (out - expected).abs().max() <= 1e-12
     low = linear_attention(q.float(), k.float(), v.float(), key_padding_mask=kpm, is_causal=True, config=config)
     assert (low.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gradients_keep_the_strides_of_transposed_inputs(is_causal):
+    """The nn layers pass (B, N, H, D) projections transposed to (B, H, N, D); gradients in the same
+    layout flow back through the transpose and view without a copy."""
+    base = [randn(2, 40, 3, 4, seed=i).requires_grad_() for i in range(3)]
+    q, k, v = (x.transpose(1, 2) for x in base)
+    strides = []
+    for x in (q, k, v):
+        x.register_hook(lambda g: strides.append(g.stride()))
+    linear_attention(q, k, v, is_causal=is_causal).sum().backward()
+    assert strides == [q.stride()] * 3

@@ -8,6 +8,7 @@ every ratio, measured in the same run as what it is compared with.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -83,8 +84,8 @@ class BenchSettings:
         for name in ("max_seconds", "timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if not self.warmup_seconds >= 0:
-            raise ValueError(f"warmup_seconds must be >= 0 seconds, got {self.warmup_seconds}")
+        if not 0 <= self.warmup_seconds < math.inf:
+            raise ValueError(f"warmup_seconds must be finite and >= 0 seconds, got {self.warmup_seconds}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if not self.causal or not self.backward:

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from subquad._blocks import Scratch, block_elements, new_buffers, new_output
+from subquad._blocks import Scratch, block_elements, new_buffers, new_output, new_output_like
 from subquad._validate import check_attention_inputs
 from subquad.registry import Config, Mechanism, option
 
@@ -223,7 +223,7 @@ class _NonCausal(torch.autograd.Function):
         name, eps, block, work = ctx.name, ctx.eps, ctx.block, ctx.work
         L, S = q.shape[2], k.shape[2]
         grad_kv, grad_z = torch.zeros_like(kv), torch.zeros_like(z)
-        grad_q = new_output(q.shape, q.dtype, q.device) if ctx.needs_input_grad[0] else None
+        grad_q = new_output_like(q) if ctx.needs_input_grad[0] else None
         for start in range(0, L, block):  # out = num / den with num = φ(q) KV, den = φ(q) z + ε
             x = q[:, :, start : start + block].to(work)
             fq = feature_map(x, name)
@@ -236,8 +236,8 @@ class _NonCausal(torch.autograd.Function):
             if grad_q is not None:
                 grad_fq = torch.matmul(grad_num, kv.transpose(-1, -2)) + grad_den * z.transpose(-1, -2)
                 grad_q[:, :, start : start + block] = grad_fq * _feature_grad(x, name)
-        grad_k = new_output(k.shape, k.dtype, k.device) if ctx.needs_input_grad[1] else None
-        grad_v = new_output(v.shape, v.dtype, v.device) if ctx.needs_input_grad[2] else None
+        grad_k = new_output_like(k) if ctx.needs_input_grad[1] else None
+        grad_v = new_output_like(v) if ctx.needs_input_grad[2] else None
         for start in range(0, S, block):  # KV = Σ φ(k) vᵀ, z = Σ φ(k)
             fk = _key_features(k, mask, start, block, name, work)
             if grad_v is not None:
@@ -259,16 +259,14 @@ def _key_features(k: Tensor, mask: Tensor | None, start: int, block: int, name: 
     return fk
 
 
-def _chunk_states(
-    updates: Tensor, state: Tensor, reverse: bool = False, out: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+def _chunk_states(updates: Tensor, state: Tensor, reverse: bool = False) -> tuple[Tensor, Tensor]:
     """From per-chunk ``updates`` ``(B, H, m, ·, ·)`` (consumed), the state entering each chunk,
-    ``state`` plus the chunks before it in time order (after it when ``reverse``; written into
-    ``out`` if given), and the state after the last chunk."""
+    ``state`` plus the chunks before it in time order (after it when ``reverse``), and the state
+    after the last chunk."""
     if reverse:
         before, after = _chunk_states(updates.flip(2), state)
         return before.flip(2), after
-    before = torch.empty_like(updates) if out is None else out
+    before = torch.empty_like(updates)
     before[:, :, 0] = state
     if updates.shape[2] > 1:
         updates[:, :, 0] += state
@@ -295,14 +293,17 @@ class _CausalBlock:
     views of them it uses, made once per call: at a few hundred positions per block, making a view
     costs about as much as a small op."""
 
-    def __init__(self, B: int, H: int, n: int, chunk: int, D: int, Dv: int, work: torch.dtype, device) -> None:
+    def __init__(
+        self, B: int, H: int, n: int, chunk: int, D: int, Dv: int, name: str, work: torch.dtype, device
+    ) -> None:
         m = -(-n // chunk)
         rows = m * chunk
+        self.n, self.scaled = n, name == "elu" and work != torch.float64  # φ through exp2 of x·log2 e
         (ab, self.t, c, self.updates, self.before, self.z_updates, self.z_before, self.scores, y, self.inter, d) = (
             new_buffers(
                 [
                     (2, B, H, rows, D),  # φ(q), φ(k)
-                    (2, B, H, n, D),  # the features' temporary
+                    (2, B, H, n if self.scaled else 0, D),  # x·log2 e for φ(q), φ(k)
                     (B, H, rows, Dv),
                     (B, H, m, D, Dv),
                     (B, H, m, D, Dv),
@@ -339,7 +340,7 @@ class _CausalBlock:
 
     def features(self, q: Tensor, k: Tensor, name: str) -> None:
         """φ(q) and φ(k) of the block's positions into the first n rows of ``a`` and ``b``."""
-        if name == "elu" and self.ab.dtype != torch.float64:  # one pass over both after the products
+        if self.scaled:  # one pass over both after the products
             torch.mul(q, _LOG2E, out=self.t_q)
             torch.mul(k, _LOG2E, out=self.t_k)
             _elu_from_scaled(self.t, self.ab_rows)
@@ -380,13 +381,15 @@ class _Causal(torch.autograd.Function):
             state, z = initial[..., :Dv].to(work), initial[..., Dv].to(work)
         out = new_output((B, H, N, Dv), q.dtype, q.device)
         den = q.new_empty(B, H, N, 1, dtype=work)
-        blocks: dict[int, _CausalBlock] = {}  # by length: every block but the last has the same one
+        w: _CausalBlock | None = None  # every block but the last has the same length
         # one split per tensor rather than a slice per block: making a view costs about as much as a small op
         pieces = (x.split(step, dim=2) for x in (q, k, v, out, den))
         masks = itertools.repeat(None) if mask is None else mask[:, None, :, None].split(step, dim=2)
         for qb, kb, vb, out_b, den_b, mask_b in zip(*pieces, masks):
             n = qb.shape[2]
-            w = blocks.get(n) or blocks.setdefault(n, _CausalBlock(B, H, n, chunk, D, Dv, work, q.device))
+            if w is None or w.n != n:
+                w = None  # the last block's buffers replace the others': one set at a time
+                w = _CausalBlock(B, H, n, chunk, D, Dv, name, work, q.device)
             w.features(qb, kb, name)
             if mask_b is not None:
                 w.b_rows *= mask_b
@@ -419,7 +422,7 @@ class _Causal(torch.autograd.Function):
             g = grad[:, :, s:e].to(work) / den[:, :, s:e]
             return _chunked(torch.cat([g, -(g * out[:, :, s:e].to(work)).sum(-1, keepdim=True)], dim=-1), chunk)
 
-        grad_q = new_output(q.shape, q.dtype, q.device) if ctx.needs_input_grad[0] else None
+        grad_q = new_output_like(q) if ctx.needs_input_grad[0] else None
         if grad_q is not None:  # forwards in time: ∂a_i = Σ_{j≤i} (G_i·c_j) b_j + S_before G_i
             state = q.new_zeros(B, H, D, Dv + 1, dtype=work) if initial is None else initial.to(work)
             for s in range(0, N, step):
@@ -430,8 +433,8 @@ class _Causal(torch.autograd.Function):
                 ga = torch.matmul(torch.matmul(G, c.transpose(-1, -2)).tril_(), b)
                 ga = _add_matmul_(ga, G, before.transpose(-1, -2)).view(B, H, -1, D)[:, :, : e - s]
                 grad_q[:, :, s:e] = ga * _feature_grad(q[:, :, s:e].to(work), name)
-        grad_k = new_output(k.shape, k.dtype, k.device) if ctx.needs_input_grad[1] else None
-        grad_v = new_output(v.shape, v.dtype, v.device) if ctx.needs_input_grad[2] else None
+        grad_k = new_output_like(k) if ctx.needs_input_grad[1] else None
+        grad_v = new_output_like(v) if ctx.needs_input_grad[2] else None
         grad_initial = None
         if grad_k is not None or grad_v is not None or ctx.needs_input_grad[4]:
             # backwards in time: ∂b_j = Σ_{i≥j} (G_i·c_j) a_i and ∂c_j = Σ_{i≥j} (a_i·b_j) G_i
