@@ -444,7 +444,7 @@ def test_generate_gives_the_same_tokens_with_and_without_the_kv_cache():
         ({"groups": 0}, "sparse option groups must be >= 1, got 0"),
         ({"head_offset": -1}, "sparse option head_offset must be >= 0, got -1"),
         ({"block": 0}, "sparse option block must be >= 1, got 0"),
-        ({"kernel": "triton"}, "sparse option kernel must be one of 'fused', 'eager', got 'triton'"),
+        ({"kernel": "triton"}, "sparse option kernel must be one of 'fused', 'eager', 'native', got 'triton'"),
         (
             {"pattern": "fixed", "stride": 8, "summary": 3, "groups": 3},
             "sparse fixed needs summary·groups <= stride (nv groups of c summary positions fit in a block of l), "

@@ -18,7 +18,10 @@ the inputs and outputs: no (L, S) tensor exists, and blocks a part does not list
 
 **Kernel.** Each chunk's blocks form the batch of one call of torch's CPU flash-attention kernel
 (``fused``), which returns the log-sum-exp beside the output and accumulates in fp32 for half
-inputs; or of the reference matmul-softmax-matmul (``eager``), with the softmax in fp32 or wider.
+inputs; or of the reference matmul-softmax-matmul (``eager``), with the softmax in fp32 or wider;
+or, opted into, of subquad's native kernel (``native``, ``subquad._native``: C compiled on first use,
+fp32 on AVX2 CPUs), whose cost per short block is lower. Where it cannot run, ``native`` falls back
+to ``fused`` and warns once. The backward of ``native`` is the ``fused`` one.
 
 **Softmax.** Each part gives, per query, its normalised output ``o_p`` and log-sum-exp ``lse_p``.
 Parts hold disjoint key sets, so the pattern's softmax is their log-sum-exp merge, done chunk by
@@ -41,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from subquad import _native
 from subquad._blocks import block_elements, new_output
 from subquad.masks import MaskMod
 
@@ -50,6 +54,7 @@ _TILE_ELEMENTS = 1 << 19  # scores (B·H·blocks·bq·W) computed at once: about
 _FUSED_TILE_ELEMENTS = 1 << 22  # the same for the fused kernel, which never holds them all at once
 _BACKWARD_TILE_ELEMENTS = 1 << 20  # the fused backward returns key gradients per block: keep chunks small
 _VIEW_TILE_ELEMENTS = 1 << 28  # fused forward of view groups with one block's mask: fewer calls and fresh outputs
+_NATIVE_QUERIES, _NATIVE_KEYS = 128, 512  # the native kernel runs groups of blocks at most this long
 
 
 @dataclass(frozen=True)
@@ -102,13 +107,21 @@ def block_sparse_attention(
         scale: the softmax scale.
         kernel: ``fused`` runs each chunk through torch's CPU flash-attention kernel, which also
             returns the log-sum-exp (``eager`` where it is unavailable, or when Dv ≠ D); ``eager`` is
-            matmul, softmax in fp32+, matmul: the reference.
+            matmul, softmax in fp32+, matmul: the reference; ``native``: subquad's C kernel for the
+            forward, opt-in (``fused`` where it cannot run, with a warning).
 
     Returns:
         ``(B, H, L, Dv)`` in q's dtype; zero rows for queries that see no key.
     """
-    fused = kernel == "fused" and fused_kernel_available(q.device) and q.shape[-1] == v.shape[-1]
-    return _BlockSparse.apply(q, k, v, key_padding_mask, tuple(parts), scale, fused)
+    fused = kernel != "eager" and fused_kernel_available(q.device) and q.shape[-1] == v.shape[-1]
+    forward = "fused" if fused else "eager"
+    if kernel == "native":
+        why = _native.supports(q, k, v)
+        if why is None:
+            forward = "native"
+        else:
+            _native.warn_unavailable(why)
+    return _BlockSparse.apply(q, k, v, key_padding_mask, tuple(parts), scale, forward, fused)
 
 
 class _Chunk:
@@ -250,11 +263,15 @@ def _additive(allowed: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def _chunk_forward(q_ext, kf, vf, sources, c: _Chunk, scale: float, fused: bool) -> tuple[Tensor, Tensor]:
+def _chunk_forward(q_ext, kf, vf, sources, c: _Chunk, scale: float, kernel: str) -> tuple[Tensor, Tensor]:
     """One chunk's normalised output ``(B, H, n, bq, Dv)`` and log-sum-exp ``(B, H, n, bq)``."""
     B, H = q_ext.shape[:2]
     qc, kc, vc = c.take(q_ext), c.gather(kf, sources), c.gather(vf, sources)
-    if fused:
+    if kernel == "native":  # lse = −inf already for a row with no key
+        mask = None if c.causal or c.open else _additive(c.allowed, B, H, torch.float32)
+        o, lse = _native.block_attention(_as_batch(qc), _as_batch(kc), _as_batch(vc), mask, c.causal, scale)
+        return _from_batch(o, B, H), _from_batch(lse.squeeze(-1), B, H)
+    if kernel == "fused":
         mask = None if c.causal or c.open else _additive(c.allowed, B, H, qc.dtype)
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _as_batch(qc), _as_batch(kc), _as_batch(vc), is_causal=c.causal, attn_mask=mask, scale=scale
@@ -273,7 +290,31 @@ def _chunk_forward(q_ext, kf, vf, sources, c: _Chunk, scale: float, fused: bool)
     return o, (top + total.log()).squeeze(-1)
 
 
-def _forward(q, k, v, key_padding_mask, parts, scale, fused):
+def _batch_view(x: Tensor) -> Tensor | None:
+    """``_as_batch`` as a view of ``x``, or None where it would be a copy."""
+    try:
+        return x.permute(2, 0, 1, 3, 4).view(x.shape[2], -1, *x.shape[3:])
+    except RuntimeError:
+        return None
+
+
+def _native_in_place(q_ext, kf, vf, sources, c: _Chunk, scale: float, out: Tensor, lse: Tensor, merge: bool) -> bool:
+    """Run a chunk through the native kernel straight into (or merged into) its rows of ``out`` and
+    ``lse``, where the group reads its queries through views that can be written: no block output
+    is allocated and no second pass merges it. False where that cannot be done."""
+    if not c.group.view_writes:
+        return False
+    rows, rows_lse = _batch_view(c.take(out)), _batch_view(c.take(lse))
+    if rows is None or rows_lse is None:
+        return False
+    B, H = q_ext.shape[:2]
+    qc, kc, vc = c.take(q_ext), c.gather(kf, sources), c.gather(vf, sources)
+    mask = None if c.causal or c.open else _additive(c.allowed, B, H, torch.float32)
+    _native.block_attention(_as_batch(qc), _as_batch(kc), _as_batch(vc), mask, c.causal, scale, (rows, rows_lse), merge)
+    return True
+
+
+def _forward(q, k, v, key_padding_mask, parts, scale, kernel):
     """Outputs and log-sum-exps of every part, merged; in the work dtype."""
     B, H, L, _ = q.shape
     S, Dv = k.shape[2], v.shape[3]
@@ -296,9 +337,15 @@ def _forward(q, k, v, key_padding_mask, parts, scale, fused):
             lse = q.new_full((B, H, rows, 1), float("-inf"), dtype=work)
             merge = False
         for group in part:
+            fused = kernel != "eager"
             tile = _FUSED_TILE_ELEMENTS if fused else block_elements(_TILE_ELEMENTS, q.device)
+            # the native kernel's gain is on short blocks; torch's tiles are faster on long ones
+            short = group.queries.shape[1] <= _NATIVE_QUERIES and group.keys.shape[-1] <= _NATIVE_KEYS
+            group_kernel = "fused" if kernel == "native" and not short else kernel
             for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views=fused):
-                o, chunk_lse = _chunk_forward(q_ext, kf, vf, sources, c, scale, fused)
+                if group_kernel == "native" and _native_in_place(q_ext, kf, vf, sources, c, scale, out, lse, merge):
+                    continue
+                o, chunk_lse = _chunk_forward(q_ext, kf, vf, sources, c, scale, group_kernel)
                 if merge:
                     c.merge(out, lse, o.to(work), chunk_lse.to(work).unsqueeze(-1))
                 else:
@@ -312,8 +359,8 @@ class _BlockSparse(torch.autograd.Function):
     """Block-sparse attention whose backward recomputes every chunk (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, parts, scale, fused):  # type: ignore[override]
-        out, lse = _forward(q, k, v, key_padding_mask, parts, scale, fused)
+    def forward(ctx, q, k, v, key_padding_mask, parts, scale, kernel, fused):  # type: ignore[override]
+        out, lse = _forward(q, k, v, key_padding_mask, parts, scale, kernel)
         ctx.save_for_backward(q, k, v, key_padding_mask, out, lse)
         ctx.parts, ctx.scale, ctx.fused = parts, scale, fused
         return out.to(q.dtype)
@@ -358,7 +405,7 @@ class _BlockSparse(torch.autograd.Function):
         grad_q = grad_q[:, :, :L].to(q.dtype)
         grad_k = grad_k.view(B, H, S + 2 * pad, D)[:, :, pad : pad + S].to(k.dtype)
         grad_v = grad_v.view(B, H, S + 2 * pad, Dv)[:, :, pad : pad + S].to(v.dtype)
-        return grad_q, grad_k, grad_v, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
 def _chunk_backward(qc, kc, vc, gc, lse, delta, c: _Chunk, scale: float):

@@ -102,8 +102,9 @@ def _kernel_option():
     """The ``kernel`` option that sparse and pattern share (a fresh field for each config)."""
     return option(
         "fused",
-        "fused: torch's CPU flash kernel per chunk of blocks (else eager); eager: matmul-softmax-matmul (reference)",
-        choices=("fused", "eager"),
+        "fused: torch's CPU flash kernel per chunk of blocks (else eager); eager: matmul-softmax-matmul "
+        "(reference); native: opt-in C kernel for the forward, compiled on first use (fp32, AVX2; else fused)",
+        choices=("fused", "eager", "native"),
     )
 
 
@@ -371,7 +372,7 @@ def _sparse_parts(config: SparseConfig, shape: AttentionShape, causal: bool, dev
     # Whole segments as one query block each, where the fused kernel (which never holds a block's
     # scores at once) runs: fewer, larger calls. Causal columns keep their row blocks, which see
     # only the rows up to their own.
-    whole = config.kernel == "fused" and fused_kernel_available(device)
+    whole = config.kernel != "eager" and fused_kernel_available(device)
     if config.pattern == "fixed":
         blocks = -(-S // l)
         own = torch.arange(blocks * l, device=device).view(blocks, l)
@@ -391,7 +392,9 @@ def _sparse_parts(config: SparseConfig, shape: AttentionShape, causal: bool, dev
     if config.step in ("column", "merged"):
         rows = -(-S // l)
         columns = torch.arange(l, device=device)[:, None] + l * torch.arange(rows, device=device)  # (l, rows)
-        parts.append(_segment_groups(columns, L, offset, block, causal, column, (1, l), whole and not causal))
+        # the native kernel skips the keys past a block's last query itself: whole causal segments too
+        whole_columns = whole and (not causal or config.kernel == "native")
+        parts.append(_segment_groups(columns, L, offset, block, causal, column, (1, l), whole_columns))
     return parts
 
 

@@ -1,0 +1,190 @@
+"""The optional native kernel: batched short-sequence softmax attention in C (``csrc/``).
+
+Opt-in (``kernel="native"`` on ``sparse`` and ``pattern``), never required: nothing is compiled
+when subquad is installed. On first use the C source is compiled with the system's C compiler
+(``$CC``, else ``cc``) into a shared library cached under ``$SUBQUAD_CACHE`` (default
+``~/.cache/subquad``), named by a hash of the source and flags, and loaded with ``ctypes``. It runs
+where the CPU has AVX2 and FMA (x86-64); fp32 only. Where it cannot run (no compiler, another CPU,
+another dtype) the caller falls back to the pure-PyTorch kernels and says why once.
+
+``block_attention`` has the semantics of torch's CPU flash-attention kernel on
+``(n0, n1, L, D)`` batches, with its optional additive mask and causal flag (key ``j <= i``), and
+returns the normalised output and the log-sum-exp; a query that sees no key gets zeros and −inf.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["block_attention", "native_available", "native_unavailable_reason"]
+
+_SOURCE = Path(__file__).parent / "csrc" / "block_attention.c"
+_FLAGS = ["-O3", "-std=gnu11", "-mavx2", "-mfma", "-fPIC", "-shared", "-pthread", "-fno-math-errno"]
+_lock = threading.Lock()
+_state: dict = {}  # "function" once loaded, or "reason" why it cannot be
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SUBQUAD_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "subquad"
+
+
+def _unsupported() -> str | None:
+    """Why this machine cannot run the kernel, or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"it needs an x86-64 CPU, this is {platform.machine()}"
+    if sys.platform == "win32":
+        return "it is built with a POSIX C compiler and pthreads, not on Windows"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"it needs AVX2 and FMA, torch reports CPU capability {capability}"
+    return None
+
+
+def _compile() -> ctypes.CDLL:
+    source = _SOURCE.read_bytes()
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC)")
+    digest = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"block_attention-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run(
+                [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True
+            )
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+            os.replace(built, target)  # atomic: a concurrent process sees the whole library or none
+    return ctypes.CDLL(str(target))
+
+
+def _function():
+    """The loaded C function, or None (the reason is kept in ``_state``)."""
+    if "function" in _state or "reason" in _state:
+        return _state.get("function")
+    with _lock:
+        if "function" in _state or "reason" in _state:
+            return _state.get("function")
+        reason = _unsupported()
+        if reason is None:
+            try:
+                function = _compile().subquad_block_attention
+            except (OSError, RuntimeError) as error:
+                reason = f"it could not be built: {error}"
+        if reason is not None:
+            _state["reason"] = reason
+            return None
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        function.argtypes = (
+            [i64] * 6 + [ptr, i64, i64, i64] * 3 + [ptr, i64, i64, i64] + [ptr, i64, i64, i64] * 2
+            + [ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        )  # fmt: skip
+        function.restype = ctypes.c_int
+        _state["function"] = function
+        return function
+
+
+def native_available() -> bool:
+    """Whether the native kernel runs here (compiles and loads it on the first call)."""
+    return _function() is not None
+
+
+def native_unavailable_reason() -> str | None:
+    """Why the native kernel cannot run here, or None when it can."""
+    _function()
+    return _state.get("reason")
+
+
+def warn_unavailable(why: str) -> None:
+    """Say once per reason that ``kernel="native"`` fell back to the pure-PyTorch kernels."""
+    said = _state.setdefault("warned", set())
+    if why not in said:
+        said.add(why)
+        warnings.warn(f"kernel='native' falls back to the PyTorch kernels: {why}", RuntimeWarning, stacklevel=3)
+
+
+def supports(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why these inputs cannot use the kernel, or None."""
+    if not (q.device.type == k.device.type == v.device.type == "cpu"):
+        return f"it runs on the CPU, the inputs are on {q.device}"
+    if not (q.dtype == k.dtype == v.dtype == torch.float32):
+        return f"it computes in float32, the inputs are {q.dtype}"
+    return native_unavailable_reason()
+
+
+def _strides(x: Tensor) -> list[int]:
+    return [x.data_ptr(), *x.stride()[:3]]
+
+
+def block_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    into: tuple[Tensor, Tensor] | None = None,
+    merge: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Softmax attention of ``q`` ``(n0, n1, Lq, D)`` over ``k``, ``v`` ``(n0, n1, Lk, D|Dv)``.
+
+    ``mask``: additive, broadcastable to ``(n0, n1, Lq, Lk)`` (−inf hides a key). ``causal``: key
+    ``j <= i``. Returns ``out`` ``(n0, n1, Lq, Dv)`` and ``lse`` ``(n0, n1, Lq, 1)``, fp32: new
+    tensors, or ``into`` (views of a larger output are written in place). ``merge``: ``into``
+    already holds the softmax over other keys (its output and log-sum-exp); the result is the
+    softmax over both, as ``subquad.mechanisms._blocksparse`` merges its parts.
+    """
+    function = _function()
+    if function is None:
+        raise RuntimeError(f"the native kernel cannot run: {_state['reason']}")
+    n0, n1, Lq, D = q.shape
+    Lk, Dv = k.shape[2], v.shape[3]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if into is None:
+        if merge:
+            raise ValueError("merge=True merges into the softmax that `into` holds: pass into=(out, lse)")
+        out = torch.empty((n0, n1, Lq, Dv), dtype=torch.float32)
+        lse = torch.empty((n0, n1, Lq, 1), dtype=torch.float32)
+    else:
+        out, lse = into
+        if out.shape != (n0, n1, Lq, Dv) or lse.shape != (n0, n1, Lq, 1):
+            raise ValueError(
+                f"into must be (out, lse) of shapes {(n0, n1, Lq, Dv)} and {(n0, n1, Lq, 1)}, got "
+                f"{tuple(out.shape)} and {tuple(lse.shape)}"
+            )
+        if out.dtype != torch.float32 or lse.dtype != torch.float32 or out.stride(-1) != 1:
+            raise ValueError("into must be float32 tensors, the output's last dimension contiguous")
+    if mask is None:
+        masks = [None, 0, 0, 0]
+    else:
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        # transposed, so that a key's row of it is contiguous over the queries
+        mask = mask.to(torch.float32).expand(*mask.shape[:2], Lq, Lk).transpose(-1, -2).contiguous()
+        masks = [mask.data_ptr(), *(0 if mask.shape[i] == 1 else mask.stride(i) for i in (0, 1)), mask.stride(2)]
+    if out.numel():
+        failed = function(
+            n0, n1, Lq, Lk, D, Dv, *_strides(q), *_strides(k), *_strides(v), *masks,
+            *_strides(out), *_strides(lse), int(causal), float(scale), int(merge), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("the native attention kernel could not allocate its buffers or start its threads")
+    return out, lse

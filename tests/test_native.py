@@ -1,0 +1,147 @@
+"""The optional native kernel (``subquad._native``) against softmax attention in float64."""
+
+import pytest
+import torch
+
+from subquad import _native
+
+from .conftest import randn
+
+needs_native = pytest.mark.skipif(
+    not _native.native_available(), reason=f"the native kernel cannot run here: {_native.native_unavailable_reason()}"
+)
+
+
+def softmax_reference(q, k, v, mask, causal, scale):
+    """Output and log-sum-exp in float64; a query that sees no key: zeros and −inf."""
+    s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask.double()
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0.0))
+    return torch.matmul(p, v.double()), lse
+
+
+def random_mask(shape, seed, hide=0.5):
+    """An additive mask hiding about ``hide`` of the keys; the second query of the first item sees none."""
+    allowed = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) > hide
+    allowed[(0,) * (len(shape) - 2) + (min(1, shape[-2] - 1),)] = False
+    return torch.zeros(shape).masked_fill(~allowed, float("-inf"))
+
+
+def assert_close(out, lse, ref_out, ref_lse, tol=3e-6):
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf())
+    finite = ~ref_lse.isneginf()
+    if finite.any():
+        assert (lse[finite].double() - ref_lse[finite]).abs().max() <= tol * max(1.0, ref_lse[finite].abs().max())
+    assert (out.double() - ref_out).abs().max() <= tol * max(1.0, ref_out.abs().max())
+    assert (out[~finite.expand_as(out)] == 0).all()
+
+
+@needs_native
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [None, "per item", "broadcast"])
+@pytest.mark.parametrize(("Lq", "Lk"), [(1, 1), (5, 7), (32, 32), (37, 50), (100, 100), (32, 159)])
+@pytest.mark.parametrize(("D", "Dv"), [(64, 64), (12, 20), (8, 3)])
+def test_block_attention_equals_softmax_attention(Lq, Lk, D, Dv, causal, masked):
+    """Partial query blocks (5, 37, 100), head sizes that are not multiples of 8, Dv ≠ D."""
+    q, k, v = (randn(*shape, dtype=torch.float32, seed=i) for i, shape in enumerate(
+        [(3, 2, Lq, D), (3, 2, Lk, D), (3, 2, Lk, Dv)]))  # fmt: skip
+    mask = {"per item": lambda: random_mask((3, 2, Lq, Lk), 1), "broadcast": lambda: random_mask((1, 1, Lq, Lk), 2)}
+    mask = mask[masked]() if masked else None
+    out, lse = _native.block_attention(q, k, v, mask, causal, 0.3)
+    assert out.shape == (3, 2, Lq, Dv) and lse.shape == (3, 2, Lq, 1)
+    assert_close(out, lse, *softmax_reference(q, k, v, mask, causal, 0.3))
+
+
+@needs_native
+def test_scores_far_apart_and_hidden_keys_stay_exact():
+    """Scores spread over hundreds: the exponential must underflow to zero, not wrap or NaN."""
+    q, k, v = (randn(2, 2, 40, 16, dtype=torch.float32, seed=i) for i in range(3))
+    q = q * 30
+    mask = random_mask((2, 2, 40, 40), 3, hide=0.9)
+    out, lse = _native.block_attention(q, k, v, mask, False, 1.0)
+    assert torch.isfinite(out).all()
+    assert_close(out, lse, *softmax_reference(q, k, v, mask, False, 1.0), tol=2e-5)
+
+
+@needs_native
+def test_strided_views_give_the_same_bits_as_contiguous_inputs():
+    """Rows far apart (the strided pattern's columns) are packed first; the batch dimension of
+    the smaller stride runs first: neither changes any result."""
+    x = [randn(1, 4, 64 * 16, 32, dtype=torch.float32, seed=i)[0] for i in range(3)]  # (H, N, D)
+    # column c of head h: positions c, c + 16, c + 32, ...: (16 columns, 4 heads, 64 rows, 32)
+    views = [t.as_strided((16, 4, 64, 32), (32, t.stride(0), 16 * 32, 1)) for t in x]
+    assert all(not t.is_contiguous() for t in views)
+    mask = random_mask((1, 4, 64, 64), 4)
+    for causal in (False, True):
+        strided = _native.block_attention(*views, mask, causal, 0.2)
+        contiguous = _native.block_attention(*(t.contiguous() for t in views), mask, causal, 0.2)
+        heads_first = _native.block_attention(*(t.transpose(0, 1).contiguous().transpose(0, 1) for t in views),
+                                              mask, causal, 0.2)  # fmt: skip
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(strided, contiguous, heads_first))
+        assert_close(*strided, *softmax_reference(*views, mask, causal, 0.2))
+
+
+@needs_native
+def test_one_thread_and_two_give_the_same_bits():
+    q, k, v = (randn(5, 3, 70, 16, dtype=torch.float32, seed=i) for i in range(3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _native.block_attention(q, k, v, None, True, 0.25)
+        torch.set_num_threads(2)
+        two = _native.block_attention(q, k, v, None, True, 0.25)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+@needs_native
+@pytest.mark.parametrize("causal", [False, True])
+def test_into_views_and_merging_a_second_key_set(causal):
+    """Attention over keys A written into views of a larger output, then merged with attention
+    over the disjoint keys B, equals attention over A ∪ B; a query that sees neither stays zero."""
+    q, k, v = (randn(2, 3, 45, 8, dtype=torch.float32, seed=i) for i in range(3))
+    mask = random_mask((2, 3, 45, 45), 5, hide=0.3)
+    in_a = torch.rand(45, generator=torch.Generator().manual_seed(6)) > 0.5
+    hide_a = mask.masked_fill(~in_a, float("-inf"))
+    hide_b = mask.masked_fill(in_a, float("-inf"))
+    big_out = torch.full((2, 3, 50, 8), float("nan"))  # rows 45..49 must stay untouched
+    big_lse = torch.full((2, 3, 50, 1), float("nan"))
+    into = (big_out[:, :, :45], big_lse[:, :, :45])
+    written = _native.block_attention(q, k, v, hide_a, causal, 0.4, into)
+    assert written[0].data_ptr() == big_out.data_ptr() and written[1].data_ptr() == big_lse.data_ptr()
+    assert_close(*into, *softmax_reference(q, k, v, hide_a, causal, 0.4))
+    _native.block_attention(q, k, v, hide_b, causal, 0.4, into, merge=True)
+    assert_close(*into, *softmax_reference(q, k, v, mask, causal, 0.4))
+    assert big_out[:, :, 45:].isnan().all() and big_lse[:, :, 45:].isnan().all()
+
+
+@needs_native
+def test_bad_into_raises():
+    q, k, v = (randn(1, 1, 4, 8, dtype=torch.float32, seed=i) for i in range(3))
+    with pytest.raises(ValueError, match=r"merge=True merges into the softmax that `into` holds"):
+        _native.block_attention(q, k, v, None, False, 1.0, merge=True)
+    with pytest.raises(ValueError, match=r"into must be \(out, lse\) of shapes \(1, 1, 4, 8\) and \(1, 1, 4, 1\)"):
+        _native.block_attention(q, k, v, None, False, 1.0, (torch.empty(1, 1, 4, 8), torch.empty(1, 1, 4)))
+    with pytest.raises(ValueError, match="into must be float32 tensors"):
+        _native.block_attention(q, k, v, None, False, 1.0, (torch.empty(1, 1, 4, 8).double(), torch.empty(1, 1, 4, 1)))
+
+
+def test_a_missing_compiler_makes_it_unavailable_with_the_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(_native, "_state", {})
+    monkeypatch.setattr(_native, "_unsupported", lambda: None)
+    monkeypatch.setenv("CC", "no-such-compiler-for-subquad")
+    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path))
+    assert not _native.native_available()
+    assert "no C compiler 'no-such-compiler-for-subquad'" in _native.native_unavailable_reason()
+    with pytest.raises(RuntimeError, match="the native kernel cannot run: it could not be built"):
+        _native.block_attention(*(torch.zeros(1, 1, 2, 8) for _ in range(3)), None, False, 1.0)
+
+
+def test_inputs_it_does_not_take_are_named():
+    q = torch.zeros(1, 1, 2, 8, dtype=torch.float64)
+    assert _native.supports(q, q, q) == "it computes in float32, the inputs are torch.float64"
