@@ -1,8 +1,11 @@
+import warnings
+
 import pytest
 import torch
 from torch.autograd import gradcheck
 
 import subquad
+from subquad import _native
 from subquad.masks import dense_mask
 from subquad.mechanisms import _blocksparse, sparse
 from subquad.mechanisms.full import FullConfig, full_attention
@@ -504,3 +507,92 @@ def test_strided_masks_are_the_two_steps_of_merged():
     i, j, z = torch.arange(30)[:, None], torch.arange(30)[None, :], torch.zeros((), dtype=torch.long)
     assert torch.equal(merged(z, z, i, j), local(z, z, i, j) | column(z, z, i, j))
     assert torch.equal(local(z, z, i, j) & column(z, z, i, j), torch.eye(30, dtype=torch.bool))
+
+
+# --------------------------------------------------------------------------------------------
+# The opt-in native kernel (fp32): the same patterns, through subquad._native
+# --------------------------------------------------------------------------------------------
+
+needs_native = pytest.mark.skipif(
+    not _native.native_available(), reason=f"the native kernel cannot run here: {_native.native_unavailable_reason()}"
+)
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Counts the native kernel's calls, and fails on a fallback warning: the kernel really ran."""
+    calls = []
+    run = _native.block_attention
+    monkeypatch.setattr(_native, "block_attention", lambda *a, **kw: calls.append(1) or run(*a, **kw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        yield calls
+
+
+@needs_native
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("pattern", "step", "groups"), PATTERN_CASES)
+@pytest.mark.parametrize(("L", "S", "stride"), [(45, 45, 8), (64, 64, 8), (19, 45, 8), (300, 300, 16)])
+def test_native_kernel_equals_full_attention_under_the_dense_mask(pattern, step, groups, causal, L, S, stride,
+                                                                  native_calls):  # fmt: skip
+    """fp32 against the float64 oracle, with and without padding; N = 300 is not a multiple of l = 16
+    and its blocks fill the kernel's 32-query blocks; its gradients (the fused backward) too."""
+    config = SparseConfig(pattern=pattern, step=step, stride=stride, summary=2, groups=groups, block=5, kernel="native")
+    exact = [x.requires_grad_(True) for x in qkv(2, 4, L, S, 16)]
+    inputs = [x.detach().float().requires_grad_(True) for x in exact]
+    for kpm in (None, padding(2, S, seed=L)):
+        out = sparse_attention(*inputs, key_padding_mask=kpm, is_causal=causal, config=config)
+        ref = oracle(*exact, config, causal, kpm)
+        assert (out.double() - ref).abs().max() <= 2e-6
+        grad = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        ours, theirs = torch.autograd.grad(out, inputs, grad.float()), torch.autograd.grad(ref, exact, grad)
+        assert all((a.double() - b).abs().max() <= 2e-5 for a, b in zip(ours, theirs))
+    assert native_calls
+
+
+@needs_native
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("mask_mod", [window_with_globals, dilated, per_head_and_batch])
+def test_native_kernel_runs_user_mask_mods_exactly(mask_mod, causal, native_calls):
+    exact = qkv(2, 3, 70, 70, 8)
+    kpm = padding(2, 70, seed=3)
+    out = subquad.attention(
+        *(x.float() for x in exact), "pattern", key_padding_mask=kpm, is_causal=causal,
+        config=PatternConfig(block=16, kernel="native"), mask_mod=mask_mod,
+    )  # fmt: skip
+    mask = dense_mask(mask_mod, 2, 3, 70, 70)
+    ref = full_attention(*exact, key_padding_mask=kpm, is_causal=causal, attn_mask=mask, config=EAGER)
+    assert (out.double() - ref).abs().max() <= 2e-6
+    assert native_calls
+
+
+@needs_native
+def test_native_kernel_at_the_benchmark_geometry_equals_the_fused_kernel(native_calls):
+    """l = 128 with 32-query blocks, causal columns as whole segments, N = 2048: the layout the
+    benchmark times, against torch's kernel."""
+    q, k, v = (x.float() for x in qkv(1, 2, 2048, 2048, 64))
+    for causal in (True, False):
+        native = sparse_attention(q, k, v, is_causal=causal, config=SparseConfig(kernel="native"))
+        fused = sparse_attention(q, k, v, is_causal=causal, config=SparseConfig(kernel="fused"))
+        assert (native - fused).abs().max() <= 2e-6
+    assert native_calls
+
+
+def test_native_kernel_falls_back_to_fused_and_says_why(monkeypatch):
+    monkeypatch.setattr(_native, "_state", {"reason": "a reason for this test"})
+    q, k, v = (x.float() for x in qkv(1, 2, 40, 40, 8))
+    said = "kernel='native' falls back to the PyTorch kernels: a reason for this test"
+    with pytest.warns(RuntimeWarning, match=said):
+        out = sparse_attention(q, k, v, is_causal=True, config=SparseConfig(stride=8, kernel="native"))
+    assert torch.equal(out, sparse_attention(q, k, v, is_causal=True, config=SparseConfig(stride=8, kernel="fused")))
+    with warnings.catch_warnings():  # once per reason
+        warnings.simplefilter("error", RuntimeWarning)
+        sparse_attention(q, k, v, is_causal=True, config=SparseConfig(stride=8, kernel="native"))
+
+
+def test_native_kernel_on_float64_falls_back_and_stays_exact():
+    q, k, v = qkv(1, 2, 40, 40, 8)
+    config = SparseConfig(stride=8, kernel="native")
+    with pytest.warns(RuntimeWarning, match="it computes in float32, the inputs are torch.float64"):
+        out = sparse_attention(q, k, v, is_causal=True, config=config)
+    assert (out - oracle(q, k, v, config, True)).abs().max() <= 1e-10
