@@ -27,7 +27,8 @@ def softmax_reference(q, k, v, mask, causal, scale):
 def random_mask(shape, seed, hide=0.5):
     """An additive mask hiding about ``hide`` of the keys; the second query of the first item sees none."""
     allowed = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) > hide
-    allowed[(0,) * (len(shape) - 2) + (min(1, shape[-2] - 1),)] = False
+    if shape[-2] > 1:
+        allowed[(0,) * (len(shape) - 2) + (1,)] = False
     return torch.zeros(shape).masked_fill(~allowed, float("-inf"))
 
 
@@ -42,14 +43,19 @@ def assert_close(out, lse, ref_out, ref_lse, tol=3e-6):
 
 @needs_native
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("masked", [None, "per item", "broadcast"])
-@pytest.mark.parametrize(("Lq", "Lk"), [(1, 1), (5, 7), (32, 32), (37, 50), (100, 100), (32, 159)])
-@pytest.mark.parametrize(("D", "Dv"), [(64, 64), (12, 20), (8, 3)])
+@pytest.mark.parametrize("masked", [None, "per item", "broadcast", "over queries and heads"])
+@pytest.mark.parametrize(("Lq", "Lk"), [(1, 1), (5, 7), (20, 45), (32, 32), (37, 50), (100, 100), (32, 159), (9, 0)])
+@pytest.mark.parametrize(("D", "Dv"), [(64, 64), (12, 20), (8, 3), (80, 16)])
 def test_block_attention_equals_softmax_attention(Lq, Lk, D, Dv, causal, masked):
-    """Partial query blocks (5, 37, 100), head sizes that are not multiples of 8, Dv ≠ D."""
+    """Last query blocks of 5 and 20 queries (16 and 32 lanes), head sizes that are not multiples
+    of 8, Dv ≠ D, D = 80 (two depth slices), no keys at all."""
     q, k, v = (randn(*shape, dtype=torch.float32, seed=i) for i, shape in enumerate(
         [(3, 2, Lq, D), (3, 2, Lk, D), (3, 2, Lk, Dv)]))  # fmt: skip
-    mask = {"per item": lambda: random_mask((3, 2, Lq, Lk), 1), "broadcast": lambda: random_mask((1, 1, Lq, Lk), 2)}
+    mask = {
+        "per item": lambda: random_mask((3, 2, Lq, Lk), 1),
+        "broadcast": lambda: random_mask((1, 1, Lq, Lk), 2),
+        "over queries and heads": lambda: random_mask((3, 1, 1, Lk), 7) if Lk else torch.zeros(3, 1, 1, 0),
+    }
     mask = mask[masked]() if masked else None
     out, lse = _native.block_attention(q, k, v, mask, causal, 0.3)
     assert out.shape == (3, 2, Lq, Dv) and lse.shape == (3, 2, Lq, 1)
@@ -121,6 +127,49 @@ def test_into_views_and_merging_a_second_key_set(causal):
 
 
 @needs_native
+def test_into_rows_spaced_wider_than_the_output():
+    q, k, v = (randn(2, 2, 30, 8, dtype=torch.float32, seed=i) for i in range(3))
+    wide = torch.zeros(2, 2, 30, 13)
+    lse = torch.zeros(2, 2, 30, 1)
+    _native.block_attention(q, k, v, None, True, 0.5, (wide[..., 2:10], lse))
+    assert_close(wide[..., 2:10], lse, *softmax_reference(q, k, v, None, True, 0.5))
+    assert (wide[..., :2] == 0).all() and (wide[..., 10:] == 0).all()
+
+
+@needs_native
+def test_a_nan_score_gives_nan_as_torch_does():
+    """A NaN (or an overflow to inf) must show, not vanish into a zero weight."""
+    q, k, v = (randn(1, 2, 20, 8, dtype=torch.float32, seed=i) for i in range(3))
+    q[0, 1, 7, 3] = float("nan")
+    k[0, 0, 15, 0] = float("inf")
+    out, lse = _native.block_attention(q, k, v, None, True, 0.5)
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    assert torch.equal(out.isnan(), torch_out.isnan()) and out.isnan().any()
+    assert torch.equal(lse.isnan().squeeze(-1), torch_out.isnan().any(-1))
+    fine = ~torch_out.isnan()
+    assert (out[fine] - torch_out[fine]).abs().max() <= 1e-5
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("shapes", "mask", "message"),
+    [
+        (((1, 2, 4, 8), (1, 1, 4, 8), (1, 1, 4, 8)), None, r"the native kernel needs q \(n0, n1, Lq, D\)"),
+        (((1, 1, 4, 8), (1, 1, 5, 8), (1, 1, 4, 8)), None, r"the native kernel needs q"),
+        (((1, 1, 4, 8), (1, 1, 4, 6), (1, 1, 4, 8)), None, r"the native kernel needs q"),
+        (((1, 1, 4, 8),) * 3, torch.ones(1, 1, 4, 4, dtype=torch.bool), r"mask is additive \(float"),
+        (((2, 1, 4, 8),) * 3, torch.zeros(3, 1, 4, 4), r"broadcasts to \(2, 1, 4, 4\), got torch.float32 of shape"),
+    ],
+)
+def test_inputs_the_kernel_cannot_take_raise(shapes, mask, message):
+    q, k, v = (torch.zeros(shape) for shape in shapes)
+    with pytest.raises(ValueError, match=message):
+        _native.block_attention(q, k, v, mask, False, 1.0)
+    with pytest.raises(ValueError, match="takes 4-D float32 CPU tensors, got q of shape"):
+        _native.block_attention(q.double(), k, v, None, False, 1.0)
+
+
+@needs_native
 def test_bad_into_raises():
     q, k, v = (randn(1, 1, 4, 8, dtype=torch.float32, seed=i) for i in range(3))
     with pytest.raises(ValueError, match=r"merge=True merges into the softmax that `into` holds"):
@@ -138,7 +187,7 @@ def test_a_missing_compiler_makes_it_unavailable_with_the_reason(monkeypatch, tm
     monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path))
     assert not _native.native_available()
     assert "no C compiler 'no-such-compiler-for-subquad'" in _native.native_unavailable_reason()
-    with pytest.raises(RuntimeError, match="the native kernel cannot run: it could not be built"):
+    with pytest.raises(RuntimeError, match="the native kernel cannot run: it could not be built or loaded"):
         _native.block_attention(*(torch.zeros(1, 1, 2, 8) for _ in range(3)), None, False, 1.0)
 
 

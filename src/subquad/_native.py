@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,34 +45,58 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "subquad"
 
 
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
 def _unsupported() -> str | None:
     """Why this machine cannot run the kernel, or None."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"it needs an x86-64 CPU, this is {platform.machine()}"
     if sys.platform == "win32":
         return "it is built with a POSIX C compiler and pthreads, not on Windows"
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        return f"it needs AVX2 and FMA, torch reports CPU capability {capability}"
+    flags = _cpu_flags()
+    if flags is not None:
+        missing = sorted({"avx2", "fma"} - flags)
+        if missing:
+            return f"it needs AVX2 and FMA, this CPU lacks {', '.join(missing)}"
+    else:  # no /proc/cpuinfo: torch's own dispatch says what the CPU runs
+        capability = torch.backends.cpu.get_cpu_capability()
+        if capability not in ("AVX2", "AVX512"):
+            return f"it needs AVX2 and FMA, torch reports CPU capability {capability}"
     return None
 
 
 def _compile() -> ctypes.CDLL:
     source = _SOURCE.read_bytes()
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC)")
-    digest = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    compiler = shlex.split(os.environ.get("CC") or "cc")  # CC may carry a wrapper: "ccache gcc"
+    if not compiler or shutil.which(compiler[0]) is None:
+        raise RuntimeError(f"no C compiler {' '.join(compiler)!r} on PATH (set CC)")
+    digest = hashlib.sha256(source + " ".join([*compiler, *_FLAGS]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"block_attention-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run(
-                [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True
-            )
+            try:
+                result = subprocess.run(
+                    [*compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+            except subprocess.TimeoutExpired as error:
+                raise RuntimeError(f"{' '.join(compiler)} took over {error.timeout} s") from error
             if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+                raise RuntimeError(f"{' '.join(compiler)} failed: {result.stderr.strip()[-500:]}")
             os.replace(built, target)  # atomic: a concurrent process sees the whole library or none
     return ctypes.CDLL(str(target))
 
@@ -88,7 +113,7 @@ def _function():
             try:
                 function = _compile().subquad_block_attention
             except (OSError, RuntimeError) as error:
-                reason = f"it could not be built: {error}"
+                reason = f"it could not be built or loaded: {error}"
         if reason is not None:
             _state["reason"] = reason
             return None
@@ -134,6 +159,33 @@ def _strides(x: Tensor) -> list[int]:
     return [x.data_ptr(), *x.stride()[:3]]
 
 
+def _check(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> None:
+    """What the C code relies on: fp32 CPU tensors of matching sizes."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4 or x.device.type != "cpu" or x.dtype != torch.float32:
+            raise ValueError(
+                f"the native kernel takes 4-D float32 CPU tensors, got {name} of shape {tuple(x.shape)}, "
+                f"{x.dtype} on {x.device}"
+            )
+    if k.shape[:3] != v.shape[:3] or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"the native kernel needs q (n0, n1, Lq, D), k (n0, n1, Lk, D) and v (n0, n1, Lk, Dv), got "
+            f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}; expand broadcast dimensions first"
+        )
+    if mask is not None:
+        try:
+            torch.broadcast_shapes(mask.shape, (*q.shape[:3], k.shape[2]))
+        except RuntimeError:
+            ok = False
+        else:
+            ok = mask.dim() <= 4
+        if not ok or not mask.is_floating_point() or mask.device.type != "cpu":
+            raise ValueError(
+                f"the native kernel's mask is additive (float, -inf hides a key) and broadcasts to "
+                f"{(*q.shape[:3], k.shape[2])}, got {mask.dtype} of shape {tuple(mask.shape)} on {mask.device}"
+            )
+
+
 def block_attention(
     q: Tensor,
     k: Tensor,
@@ -155,6 +207,7 @@ def block_attention(
     function = _function()
     if function is None:
         raise RuntimeError(f"the native kernel cannot run: {_state['reason']}")
+    _check(q, k, v, mask)
     n0, n1, Lq, D = q.shape
     Lk, Dv = k.shape[2], v.shape[3]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -180,11 +233,11 @@ def block_attention(
         # transposed, so that a key's row of it is contiguous over the queries
         mask = mask.to(torch.float32).expand(*mask.shape[:2], Lq, Lk).transpose(-1, -2).contiguous()
         masks = [mask.data_ptr(), *(0 if mask.shape[i] == 1 else mask.stride(i) for i in (0, 1)), mask.stride(2)]
-    if out.numel():
+    if n0 * n1 * Lq:
         failed = function(
             n0, n1, Lq, Lk, D, Dv, *_strides(q), *_strides(k), *_strides(v), *masks,
             *_strides(out), *_strides(lse), int(causal), float(scale), int(merge), torch.get_num_threads(),
         )  # fmt: skip
         if failed:
-            raise MemoryError("the native attention kernel could not allocate its buffers or start its threads")
+            raise MemoryError("the native attention kernel could not allocate its working buffers")
     return out, lse

@@ -46,9 +46,10 @@ typedef struct {
     int failed;
 } Job;
 
-/* exp(x) for x <= 0 (scores minus their maximum), 0 below about -88 and for -inf. */
+/* exp(x) for x <= 0 (scores minus their maximum), 0 below about -88 and for -inf; NaN stays NaN
+ * (max_ps returns its second operand when either is NaN), as torch's kernel lets it through. */
 static inline __m256 exp_nonpositive(__m256 x) {
-    __m256 t = _mm256_max_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(-127.0f));
+    __m256 t = _mm256_max_ps(_mm256_set1_ps(-127.0f), _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)));
     __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(t, n); /* [-0.5, 0.5]: 2^f by its Taylor series to degree 7 */
     __m256 p = _mm256_set1_ps(1.5252733804059840e-05f);
@@ -230,9 +231,9 @@ static void block(const Job *job, int64_t i0, int64_t i1, int64_t first, int64_t
      * softmaxes are weighted by their shares of the merged sum, as log-sum-exps:
      * lse = log(e^old + e^new), keep = e^(old − lse), mine = e^(top − lse) = e^(new − lse)/total. */
     float keep[QB], mine[QB];
-    for (int64_t i = 0; i < count; i++) {
-        float lse = total[i] > 0.0f ? top[i] + logf(total[i]) : NEG_INF;
-        keep[i] = 0.0f, mine[i] = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+    for (int64_t i = 0; i < count; i++) { /* total = 0: no key; NaN (a NaN or +inf score) goes through */
+        float lse = total[i] == 0.0f ? NEG_INF : top[i] + logf(total[i]);
+        keep[i] = 0.0f, mine[i] = total[i] == 0.0f ? 0.0f : 1.0f / total[i];
         if (job->merge) {
             float old = l[i * job->lrow];
             float merged = old == NEG_INF ? lse : lse == NEG_INF ? old
@@ -240,7 +241,7 @@ static void block(const Job *job, int64_t i0, int64_t i1, int64_t first, int64_t
             if (merged == NEG_INF) { /* neither saw a key: o stays zero */
                 keep[i] = 1.0f, mine[i] = 0.0f;
             } else {
-                keep[i] = expf(old - merged), mine[i] = total[i] > 0.0f ? expf(top[i] - merged) : 0.0f;
+                keep[i] = expf(old - merged), mine[i] = total[i] == 0.0f ? 0.0f : expf(top[i] - merged);
             }
             lse = merged;
         }
@@ -331,7 +332,8 @@ static void *run(void *arg) {
     return NULL;
 }
 
-/* Returns 0, or 1 when a buffer could not be allocated or a thread could not start. */
+/* Returns 0, or 1 when a buffer could not be allocated. A thread that cannot start has its share
+ * done by the calling thread. */
 int subquad_block_attention(int64_t n0, int64_t n1, int64_t Lq, int64_t Lk, int64_t D, int64_t Dv, const float *q,
                             int64_t q0, int64_t q1, int64_t qr, const float *k, int64_t k0, int64_t k1, int64_t kr,
                             const float *v, int64_t v0, int64_t v1, int64_t vr, const float *m, int64_t m0, int64_t m1,

@@ -21,7 +21,8 @@ the inputs and outputs: no (L, S) tensor exists, and blocks a part does not list
 inputs; or of the reference matmul-softmax-matmul (``eager``), with the softmax in fp32 or wider;
 or, opted into, of subquad's native kernel (``native``, ``subquad._native``: C compiled on first use,
 fp32 on AVX2 CPUs), whose cost per short block is lower. Where it cannot run, ``native`` falls back
-to ``fused`` and warns once. The backward of ``native`` is the ``fused`` one.
+to what ``fused`` runs and warns once; groups of long blocks (``native_runs``) keep that too. The
+backward of ``native`` is the ``fused`` one.
 
 **Softmax.** Each part gives, per query, its normalised output ``o_p`` and log-sum-exp ``lse_p``.
 Parts hold disjoint key sets, so the pattern's softmax is their log-sum-exp merge, done chunk by
@@ -48,7 +49,7 @@ from subquad import _native
 from subquad._blocks import block_elements, new_output
 from subquad.masks import MaskMod
 
-__all__ = ["Group", "band_groups", "block_sparse_attention", "fused_kernel_available", "work_dtype"]
+__all__ = ["Group", "band_groups", "block_sparse_attention", "fused_kernel_available", "native_runs", "work_dtype"]
 
 _TILE_ELEMENTS = 1 << 19  # scores (B·H·blocks·bq·W) computed at once: about 2 MB in fp32
 _FUSED_TILE_ELEMENTS = 1 << 22  # the same for the fused kernel, which never holds them all at once
@@ -79,6 +80,7 @@ class Group:
     key_source: Callable[[Tensor, int], Tensor] | None = None  # (x_ext, pad) -> the sequence key_view reads
     causal: bool = False  # the element mask is exactly j <= i in square blocks (bq = W)
     view_writes: bool = False  # query_view reads no real query outside the block: outputs go through it
+    triangular: bool = False  # square blocks whose allowed keys all satisfy j <= i: a causal flag may skip the rest
 
 
 Part = Sequence[Group]
@@ -235,6 +237,11 @@ def _scores(qc: Tensor, kc: Tensor, allowed: Tensor) -> Tensor:
     return torch.matmul(qc, kc.transpose(-1, -2)).masked_fill_(~allowed, float("-inf"))
 
 
+def native_runs(queries: int, keys: int) -> bool:
+    """Whether ``kernel="native"`` runs blocks of this many queries and keys (else torch's kernel)."""
+    return queries <= _NATIVE_QUERIES and keys <= _NATIVE_KEYS
+
+
 def fused_kernel_available(device: torch.device) -> bool:
     """Whether torch's CPU flash-attention kernel (which also returns the log-sum-exp) can run here."""
     return device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
@@ -268,8 +275,7 @@ def _chunk_forward(q_ext, kf, vf, sources, c: _Chunk, scale: float, kernel: str)
     B, H = q_ext.shape[:2]
     qc, kc, vc = c.take(q_ext), c.gather(kf, sources), c.gather(vf, sources)
     if kernel == "native":  # lse = −inf already for a row with no key
-        mask = None if c.causal or c.open else _additive(c.allowed, B, H, torch.float32)
-        o, lse = _native.block_attention(_as_batch(qc), _as_batch(kc), _as_batch(vc), mask, c.causal, scale)
+        o, lse = _native.block_attention(_as_batch(qc), _as_batch(kc), _as_batch(vc), *_native_masks(c, B, H), scale)
         return _from_batch(o, B, H), _from_batch(lse.squeeze(-1), B, H)
     if kernel == "fused":
         mask = None if c.causal or c.open else _additive(c.allowed, B, H, qc.dtype)
@@ -288,6 +294,14 @@ def _chunk_forward(q_ext, kf, vf, sources, c: _Chunk, scale: float, kernel: str)
     total = p.sum(-1, keepdim=True)  # (B, H, n, bq, 1)
     o = torch.matmul(p, vc.to(work)).div_(total.clamp_min(torch.finfo(work).tiny))
     return o, (top + total.log()).squeeze(-1)
+
+
+def _native_masks(c: _Chunk, B: int, H: int) -> tuple[Tensor | None, bool]:
+    """The native kernel's additive mask and causal flag for a chunk. Its causal flag only skips
+    keys, so it also serves triangular blocks that need their element mask (padding, the keys past
+    the sequence's end): they skip the keys past each query block, as exact causal ones do."""
+    mask = None if c.causal or c.open else _additive(c.allowed, B, H, torch.float32)
+    return mask, c.causal or c.group.triangular
 
 
 def _batch_view(x: Tensor) -> Tensor | None:
@@ -309,12 +323,12 @@ def _native_in_place(q_ext, kf, vf, sources, c: _Chunk, scale: float, out: Tenso
         return False
     B, H = q_ext.shape[:2]
     qc, kc, vc = c.take(q_ext), c.gather(kf, sources), c.gather(vf, sources)
-    mask = None if c.causal or c.open else _additive(c.allowed, B, H, torch.float32)
-    _native.block_attention(_as_batch(qc), _as_batch(kc), _as_batch(vc), mask, c.causal, scale, (rows, rows_lse), merge)
+    mask, causal = _native_masks(c, B, H)
+    _native.block_attention(_as_batch(qc), _as_batch(kc), _as_batch(vc), mask, causal, scale, (rows, rows_lse), merge)
     return True
 
 
-def _forward(q, k, v, key_padding_mask, parts, scale, kernel):
+def _forward(q, k, v, key_padding_mask, parts, scale, kernel, fused):
     """Outputs and log-sum-exps of every part, merged; in the work dtype."""
     B, H, L, _ = q.shape
     S, Dv = k.shape[2], v.shape[3]
@@ -337,12 +351,13 @@ def _forward(q, k, v, key_padding_mask, parts, scale, kernel):
             lse = q.new_full((B, H, rows, 1), float("-inf"), dtype=work)
             merge = False
         for group in part:
-            fused = kernel != "eager"
-            tile = _FUSED_TILE_ELEMENTS if fused else block_elements(_TILE_ELEMENTS, q.device)
             # the native kernel's gain is on short blocks; torch's tiles are faster on long ones
-            short = group.queries.shape[1] <= _NATIVE_QUERIES and group.keys.shape[-1] <= _NATIVE_KEYS
-            group_kernel = "fused" if kernel == "native" and not short else kernel
-            for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views=fused):
+            group_kernel = kernel
+            if kernel == "native" and not native_runs(group.queries.shape[1], group.keys.shape[-1]):
+                group_kernel = "fused" if fused else "eager"
+            views = group_kernel != "eager"
+            tile = _FUSED_TILE_ELEMENTS if views else block_elements(_TILE_ELEMENTS, q.device)
+            for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views=views):
                 if group_kernel == "native" and _native_in_place(q_ext, kf, vf, sources, c, scale, out, lse, merge):
                     continue
                 o, chunk_lse = _chunk_forward(q_ext, kf, vf, sources, c, scale, group_kernel)
@@ -360,7 +375,7 @@ class _BlockSparse(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, parts, scale, kernel, fused):  # type: ignore[override]
-        out, lse = _forward(q, k, v, key_padding_mask, parts, scale, kernel)
+        out, lse = _forward(q, k, v, key_padding_mask, parts, scale, kernel, fused)
         ctx.save_for_backward(q, k, v, key_padding_mask, out, lse)
         ctx.parts, ctx.scale, ctx.fused = parts, scale, fused
         return out.to(q.dtype)

@@ -33,7 +33,8 @@ that the union of the parts is exactly the pattern's dense mask.
   larger calls than row blocks: about 5% faster forward, 10% forward+backward at N = 16384).
   Causal columns run as row blocks that see only the rows up to their own (a quarter faster
   forward than whole segments under the fused kernel's own causal flag, which at this length
-  computes every diagonal tile in full).
+  computes every diagonal tile in full). Where the native kernel runs (``kernel="native"``), causal
+  columns run whole segments too: it skips the keys past each of its 32-query blocks itself.
 - Fixed: its own block as ``l``-long segments (the same segment code, untransposed; whole segments
   under the fused kernel, causal with its causal flag, whose backward is faster than row blocks'), plus the summary
   keys of the other blocks, gathered once per call per head (nv distinct groups, ``blocks·c`` keys).
@@ -67,11 +68,18 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from subquad import _native
 from subquad._blocks import block_elements
 from subquad._validate import AttentionShape, check_attention_inputs
 from subquad.decoding import KVCache
 from subquad.masks import MaskMod, and_masks, causal_mask, or_masks
-from subquad.mechanisms._blocksparse import Group, band_groups, block_sparse_attention, fused_kernel_available
+from subquad.mechanisms._blocksparse import (
+    Group,
+    band_groups,
+    block_sparse_attention,
+    fused_kernel_available,
+    native_runs,
+)
 from subquad.registry import Config, Mechanism, option
 
 __all__ = [
@@ -103,7 +111,8 @@ def _kernel_option():
     return option(
         "fused",
         "fused: torch's CPU flash kernel per chunk of blocks (else eager); eager: matmul-softmax-matmul "
-        "(reference); native: opt-in C kernel for the forward, compiled on first use (fp32, AVX2; else fused)",
+        "(reference); native: opt-in C kernel for the forward, compiled on first use (fp32, AVX2 CPUs; "
+        "else the PyTorch kernels)",
         choices=("fused", "eager", "native"),
     )
 
@@ -282,6 +291,7 @@ def _segment_groups(
                 "key_pad": max(0, (segments - 1) * a + (width - 1) * b + 1 - L),
                 "uniform": in_range,
                 "causal": whole and causal and in_range,
+                "triangular": whole and causal,  # row j is allowed only for queries of rows >= j
                 "dense": not causal,  # a whole segment: all of it is visible
                 "in_range": in_range,
                 "view_writes": b * R >= a * segments,  # padded rows lie past the last position, not on a query
@@ -364,14 +374,17 @@ def _summary_spans(nonempty: list[int], config: SparseConfig, shape: AttentionSh
 
 
 @functools.lru_cache(maxsize=16)
-def _sparse_parts(config: SparseConfig, shape: AttentionShape, causal: bool, device) -> list[list[Group]]:
+def _sparse_parts(
+    config: SparseConfig, shape: AttentionShape, causal: bool, device, native: bool = False
+) -> list[list[Group]]:
     """The disjoint parts whose union is the pattern (see the module docstring). Cached: a layer
-    calls with the same sizes again and again, and the layout depends on nothing else."""
+    calls with the same sizes again and again, and the layout depends on nothing else. ``native``:
+    the native kernel will run (``kernel="native"`` on inputs it takes)."""
     l, L, S, block = config.stride, shape.queries, shape.keys, config.block
     offset = S - L
     # Whole segments as one query block each, where the fused kernel (which never holds a block's
     # scores at once) runs: fewer, larger calls. Causal columns keep their row blocks, which see
-    # only the rows up to their own.
+    # only the rows up to their own, unless the native kernel runs them.
     whole = config.kernel != "eager" and fused_kernel_available(device)
     if config.pattern == "fixed":
         blocks = -(-S // l)
@@ -392,8 +405,8 @@ def _sparse_parts(config: SparseConfig, shape: AttentionShape, causal: bool, dev
     if config.step in ("column", "merged"):
         rows = -(-S // l)
         columns = torch.arange(l, device=device)[:, None] + l * torch.arange(rows, device=device)  # (l, rows)
-        # the native kernel skips the keys past a block's last query itself: whole causal segments too
-        whole_columns = whole and (not causal or config.kernel == "native")
+        # the native kernel skips the keys past each of its query blocks: whole causal segments too
+        whole_columns = whole and (not causal or (native and native_runs(rows, rows)))
         parts.append(_segment_groups(columns, L, offset, block, causal, column, (1, l), whole_columns))
     return parts
 
@@ -442,7 +455,8 @@ def sparse_attention(
             f"sparse places query i at key position i + S - L, so it needs L <= S, got L={shape.queries} and "
             f"S={shape.keys}; pass the whole sequence as keys, or use the pattern mechanism with a mask_mod"
         )
-    parts = _sparse_parts(config, dataclasses.replace(shape, scale=1.0), is_causal, q.device)
+    native = config.kernel == "native" and _native.supports(q, k, v) is None
+    parts = _sparse_parts(config, dataclasses.replace(shape, scale=1.0), is_causal, q.device, native)
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel)
 
 
