@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import Tensor
+
+from subquad import _native
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> Tensor:
@@ -31,3 +35,25 @@ def padding(B: int, S: int, seed: int = 0, p: float = 0.3) -> Tensor:
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
+
+
+needs_native = pytest.mark.skipif(
+    not _native.native_available(), reason=f"the native kernel cannot run here: {_native.native_unavailable_reason()}"
+)
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """The native kernel's calls (True for one that wrote into the output in place), and an error
+    on a fallback warning: the kernel really ran."""
+    calls = []
+    run = _native.block_attention
+
+    def counted(*args, **kwargs):
+        calls.append((len(args) > 6 and args[6] is not None) or kwargs.get("into") is not None)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(_native, "block_attention", counted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        yield calls

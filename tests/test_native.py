@@ -5,11 +5,7 @@ import torch
 
 from subquad import _native
 
-from .conftest import randn
-
-needs_native = pytest.mark.skipif(
-    not _native.native_available(), reason=f"the native kernel cannot run here: {_native.native_unavailable_reason()}"
-)
+from .conftest import needs_native, randn
 
 
 def softmax_reference(q, k, v, mask, causal, scale):

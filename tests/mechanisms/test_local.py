@@ -14,7 +14,7 @@ from subquad.mechanisms.full import full_attention
 from subquad.mechanisms.local import LocalConfig, WindowCache, local_attention
 from subquad.registry import get_mechanism
 
-from ..conftest import padding, qkv, randn
+from ..conftest import needs_native, padding, qkv, randn
 
 
 def band_mask(L, S, window, is_causal):
@@ -177,6 +177,46 @@ def test_gradients_equal_the_dense_band_mask_on_the_flash_kernel(is_causal, L, S
     got, want = torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g)
     for a, b in zip(got, want, strict=True):
         assert (a - b).abs().max() <= 1e-10
+
+
+@needs_native
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(("L", "S", "window"), [(40, 64, 20), (64, 40, 20), (300, 300, 40), (500, 500, 256)])
+def test_native_kernel_equals_the_dense_band_mask_with_gradients(is_causal, L, S, window, native_calls):
+    """fp32 through the opt-in native kernel against the float64 oracle; its gradients (the fused
+    backward) too. w = 256 non-causal gives blocks of 544 keys."""
+    exact = [x.requires_grad_(True) for x in qkv(2, 2, L, S, 16, seed=3)]
+    inputs = [x.detach().float().requires_grad_(True) for x in exact]
+    kpm = padding(2, S, seed=5)
+    config = LocalConfig(window=window, kernel="native")
+    for context in (torch.no_grad, contextlib.nullcontext):  # 32- and 64-query blocks
+        with context():
+            out = local_attention(*inputs, key_padding_mask=kpm, is_causal=is_causal, config=config)
+        expected = dense_local(*exact, kpm, is_causal, window)
+        assert (out.double() - expected).abs().max() <= 2e-6
+    g = randn(*out.shape, seed=9)
+    got = torch.autograd.grad(out, inputs, g.float())
+    want = torch.autograd.grad(expected, exact, g)
+    assert all((a.double() - b).abs().max() <= 2e-5 for a, b in zip(got, want, strict=True))
+    assert native_calls
+
+
+def test_the_kernel_option_reaches_the_engine(monkeypatch):
+    q, k, v = qkv(1, 2, 100, 100, 8)
+    expected = dense_local(q, k, v, None, True, 16)
+    calls = []
+    monkeypatch.setattr(local, "block_sparse_attention", functools.partial(_count_kernel, calls))
+    for kernel in ("eager", "fused"):
+        out = local_attention(q, k, v, is_causal=True, config=LocalConfig(window=16, kernel=kernel))
+        assert (out - expected).abs().max() <= 1e-10
+    assert calls == ["eager", "fused"]
+
+
+def _count_kernel(calls, *args):
+    from subquad.mechanisms._blocksparse import block_sparse_attention
+
+    calls.append(args[-1])
+    return block_sparse_attention(*args)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from subquad.mechanisms.sparse import (
 )
 from subquad.nn import CausalLM, HeadGroup, MultiheadAttention
 
-from ..conftest import padding, qkv
+from ..conftest import needs_native, padding, qkv
 
 EAGER = FullConfig(backend="eager")
 KERNELS = ["fused", "eager"]
@@ -512,27 +512,6 @@ def test_strided_masks_are_the_two_steps_of_merged():
 # --------------------------------------------------------------------------------------------
 # The opt-in native kernel (fp32): the same patterns, through subquad._native
 # --------------------------------------------------------------------------------------------
-
-needs_native = pytest.mark.skipif(
-    not _native.native_available(), reason=f"the native kernel cannot run here: {_native.native_unavailable_reason()}"
-)
-
-
-@pytest.fixture
-def native_calls(monkeypatch):
-    """The native kernel's calls (True for one that wrote into the output in place), and an error
-    on a fallback warning: the kernel really ran."""
-    calls = []
-    run = _native.block_attention
-
-    def counted(*args, **kwargs):
-        calls.append((len(args) > 6 and args[6] is not None) or kwargs.get("into") is not None)
-        return run(*args, **kwargs)
-
-    monkeypatch.setattr(_native, "block_attention", counted)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        yield calls
 
 
 @needs_native

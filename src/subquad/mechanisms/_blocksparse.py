@@ -48,14 +48,23 @@ from torch import Tensor
 from subquad import _native
 from subquad._blocks import block_elements, new_output
 from subquad.masks import MaskMod
+from subquad.registry import option
 
-__all__ = ["Group", "band_groups", "block_sparse_attention", "fused_kernel_available", "native_runs", "work_dtype"]
+__all__ = [
+    "Group",
+    "band_groups",
+    "block_sparse_attention",
+    "fused_kernel_available",
+    "kernel_option",
+    "native_runs",
+    "work_dtype",
+]
 
 _TILE_ELEMENTS = 1 << 19  # scores (B·H·blocks·bq·W) computed at once: about 2 MB in fp32
 _FUSED_TILE_ELEMENTS = 1 << 22  # the same for the fused kernel, which never holds them all at once
 _BACKWARD_TILE_ELEMENTS = 1 << 20  # the fused backward returns key gradients per block: keep chunks small
 _VIEW_TILE_ELEMENTS = 1 << 28  # fused forward of view groups with one block's mask: fewer calls and fresh outputs
-_NATIVE_QUERIES, _NATIVE_KEYS = 128, 512  # the native kernel runs groups of blocks at most this long
+_NATIVE_QUERIES, _NATIVE_KEYS = 128, 1024  # the native kernel runs groups of blocks at most this long
 
 
 @dataclass(frozen=True)
@@ -235,6 +244,17 @@ def _chunks(
 def _scores(qc: Tensor, kc: Tensor, allowed: Tensor) -> Tensor:
     """Scaled scores ``(B, H, n, bq, W)`` with disallowed entries at −inf."""
     return torch.matmul(qc, kc.transpose(-1, -2)).masked_fill_(~allowed, float("-inf"))
+
+
+def kernel_option():
+    """The ``kernel`` option of the mechanisms computed here (a fresh field for each config)."""
+    return option(
+        "fused",
+        "fused: torch's CPU flash kernel per chunk of blocks (else eager); eager: matmul-softmax-matmul "
+        "(reference); native: opt-in C kernel for the forward, compiled on first use (fp32, AVX2 CPUs; "
+        "else the PyTorch kernels)",
+        choices=("fused", "eager", "native"),
+    )
 
 
 def native_runs(queries: int, keys: int) -> bool:

@@ -10,12 +10,13 @@ contiguous range its queries' windows cover (``block + window - 1`` keys causal,
 ``block + 2·window`` non-causal), read as overlapping views of k and v (no copy), with the exact
 band as the element mask, which is the same for every inner block. This is the local step of the
 block-sparse engine (``_blocksparse.band_groups``) shared with the Sparse Transformer's strided
-pattern: torch's CPU flash-attention kernel per batch of blocks, one autograd Function that saves
-the output and log-sum-exp and recomputes blocks in the backward, so memory is O(N·D) plus one
-batch of blocks, never O(N·window).
+pattern: torch's CPU flash-attention kernel per batch of blocks (or, with ``kernel="native"``, the
+opt-in C kernel of ``subquad._native`` for the forward), one autograd Function that saves the
+output and log-sum-exp and recomputes blocks in the backward, so memory is O(N·D) plus one batch of
+blocks, never O(N·window).
 
-The block is ``_INFERENCE_BLOCK`` (32) where the CPU flash kernel runs a call that can take no
-gradient (gradients disabled, or no input requiring one), and ``_BLOCK`` (64) otherwise. Smaller
+The block is ``_INFERENCE_BLOCK`` (32) where the CPU flash kernel (or the native one) runs a call
+that can take no gradient (gradients disabled, or no input requiring one), and ``_BLOCK`` (64) otherwise. Smaller
 blocks compute fewer keys outside the window (``block − 1`` of ``block + 2·window`` per query),
 which makes a forward at w = 256 about 4% faster, but their overlapping key windows double the
 key gradients the backward scatters, which makes forward+backward about 20% slower. The two
@@ -36,7 +37,7 @@ from torch import Tensor
 
 from subquad._validate import check_attention_inputs
 from subquad.masks import MaskMod
-from subquad.mechanisms._blocksparse import band_groups, block_sparse_attention, fused_kernel_available
+from subquad.mechanisms._blocksparse import band_groups, block_sparse_attention, fused_kernel_available, kernel_option
 from subquad.registry import Config, Mechanism, option
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ _INFERENCE_BLOCK = 32  # queries per block of a call that can take no gradient, 
 class LocalConfig(Config):
     mechanism = "local"
     window: int = option(256, "w: causal sees the last w keys (itself included); non-causal w on each side", ge=1)
+    kernel: str = kernel_option()
 
 
 def window_mask(window: int, is_causal: bool, offset: int) -> MaskMod:
@@ -95,10 +97,10 @@ def local_attention(
     offset = S - L
     left, right = (w - 1, 0) if is_causal else (w, w)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    fused = fused_kernel_available(q.device) and q.shape[-1] == v.shape[-1]
+    fused = config.kernel != "eager" and fused_kernel_available(q.device) and q.shape[-1] == v.shape[-1]
     block = _INFERENCE_BLOCK if fused and not needs_grad else _BLOCK
     groups = band_groups(L, offset, left, right, min(block, L), window_mask(w, is_causal, offset), q.device)
-    return block_sparse_attention(q, k, v, [groups], key_padding_mask, shape.scale)
+    return block_sparse_attention(q, k, v, [groups], key_padding_mask, shape.scale, config.kernel)
 
 
 class WindowCache:

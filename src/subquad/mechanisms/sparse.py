@@ -78,6 +78,7 @@ from subquad.mechanisms._blocksparse import (
     band_groups,
     block_sparse_attention,
     fused_kernel_available,
+    kernel_option,
     native_runs,
 )
 from subquad.registry import Config, Mechanism, option
@@ -106,17 +107,6 @@ _SUMMARY_SCORES = 1 << 19  # off the CPU: scores per call against them, times bl
 # ---------------------------------------------------------------------------------------------
 
 
-def _kernel_option():
-    """The ``kernel`` option that sparse and pattern share (a fresh field for each config)."""
-    return option(
-        "fused",
-        "fused: torch's CPU flash kernel per chunk of blocks (else eager); eager: matmul-softmax-matmul "
-        "(reference); native: opt-in C kernel for the forward, compiled on first use (fp32, AVX2 CPUs; "
-        "else the PyTorch kernels)",
-        choices=("fused", "eager", "native"),
-    )
-
-
 def _head_offset_option():
     """The ``head_offset`` option that sparse and pattern share."""
     return option(0, "layer index of this call's first head (a HeadGroup's first head)", ge=0)
@@ -138,7 +128,7 @@ class SparseConfig(Config):
     groups: int = option(1, "fixed: nv distinct summary groups; layer head h uses group h mod nv", ge=1)
     head_offset: int = _head_offset_option()
     block: int = option(32, "queries per block of compute (speed only)", ge=1)
-    kernel: str = _kernel_option()
+    kernel: str = kernel_option()
 
     def check(self) -> None:
         if self.pattern == "fixed" and self.summary * self.groups > self.stride:
@@ -158,7 +148,7 @@ class PatternConfig(Config):
     global_tokens: int = option(0, "window: the first g positions see, and are seen by, every position", ge=0)
     head_offset: int = _head_offset_option()
     block: int = option(64, "query and key block length of the layout (speed only)", ge=1)
-    kernel: str = _kernel_option()
+    kernel: str = kernel_option()
 
     def check(self) -> None:
         if self.name not in PATTERNS:
