@@ -1,11 +1,12 @@
 """The optional native kernel: batched short-sequence softmax attention in C (``csrc/``).
 
-Opt-in (``kernel="native"`` on ``sparse`` and ``pattern``), never required: nothing is compiled
-when subquad is installed. On first use the C source is compiled with the system's C compiler
-(``$CC``, else ``cc``) into a shared library cached under ``$SUBQUAD_CACHE`` (default
-``~/.cache/subquad``), named by a hash of the source and flags, and loaded with ``ctypes``. It runs
-where the CPU has AVX2 and FMA (x86-64); fp32 only. Where it cannot run (no compiler, another CPU,
-another dtype) the caller falls back to the pure-PyTorch kernels and says why once.
+Opt-in (``kernel="native"`` on ``sparse``, ``pattern`` and ``local``), never required: nothing is
+compiled when subquad is installed. On first use the C source is compiled with the system's C
+compiler (``$CC``, else ``cc``) into a shared library cached under ``$SUBQUAD_CACHE`` (default
+``$XDG_CACHE_HOME/subquad``, else ``~/.cache/subquad``), named by a hash of the source, the compiler
+and the flags, and loaded with ``ctypes``. It runs where the CPU has AVX2 and FMA (x86-64); fp32
+only. Where it cannot run (no compiler, another CPU, another dtype) the caller falls back to the
+pure-PyTorch kernels and says why once.
 
 ``block_attention`` has the semantics of torch's CPU flash-attention kernel on
 ``(n0, n1, L, D)`` batches, with its optional additive mask and causal flag (key ``j <= i``), and
@@ -112,7 +113,7 @@ def _function():
         if reason is None:
             try:
                 function = _compile().subquad_block_attention
-            except (OSError, RuntimeError) as error:
+            except (OSError, RuntimeError, ValueError) as error:  # ValueError: CC that shlex cannot split
                 reason = f"it could not be built or loaded: {error}"
         if reason is not None:
             _state["reason"] = reason

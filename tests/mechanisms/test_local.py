@@ -201,6 +201,31 @@ def test_native_kernel_equals_the_dense_band_mask_with_gradients(is_causal, L, S
     assert native_calls
 
 
+@needs_native
+@pytest.mark.parametrize("Dv", [16, 5])
+def test_native_kernel_without_padding_and_with_dv_unlike_d_takes_the_small_block(monkeypatch, Dv, native_calls):
+    """Dv = 5: torch's kernel cannot run, the native one can, so a call without gradients still
+    takes 32-query blocks."""
+    exact = qkv(2, 2, 300, 300, 16, Dv, seed=4)
+    seen = _record_blocks(monkeypatch)
+    out = local_attention(*(x.float() for x in exact), is_causal=True, config=LocalConfig(window=40, kernel="native"))
+    assert {shape[1] for shape, _ in seen} == {local._INFERENCE_BLOCK}
+    assert (out.double() - dense_local(*exact, None, True, 40)).abs().max() <= 2e-6
+    assert native_calls
+
+
+@needs_native
+def test_native_window_cache_equals_parallel_token_by_token(native_calls):
+    q, k, v = (x.float() for x in qkv(2, 3, 120, 120, 8))
+    config = LocalConfig(window=16, kernel="native")
+    parallel = local_attention(q, k, v, is_causal=True, config=config)
+    cache = WindowCache(get_mechanism("local"), config, None)
+    first = cache.step(q[:, :, :30], k[:, :, :30], v[:, :, :30])
+    steps = [cache.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(30, 120)]
+    assert (torch.cat([first, *steps], dim=2) - parallel).abs().max() <= 1e-6
+    assert native_calls
+
+
 def test_the_kernel_option_reaches_the_engine(monkeypatch):
     q, k, v = qkv(1, 2, 100, 100, 8)
     expected = dense_local(q, k, v, None, True, 16)

@@ -1,3 +1,4 @@
+import dataclasses
 import warnings
 
 import pytest
@@ -578,16 +579,51 @@ def test_native_kernel_with_dv_unlike_d_leaves_long_blocks_to_eager(causal, nati
 
 
 def test_native_kernel_falls_back_to_fused_and_says_why(monkeypatch):
+    """Columns of 38 rows, blocks of 5: whole causal segments where native runs, row blocks here;
+    the fallback takes the fused kernel's own layout, so its result is the fused one, bit for bit."""
     monkeypatch.setattr(_native, "_state", {"reason": "a reason for this test"})
-    q, k, v = (x.float() for x in qkv(1, 2, 40, 40, 8))
+    q, k, v = (x.float() for x in qkv(1, 2, 300, 300, 8))
     said = "kernel='native' falls back to the PyTorch kernels: a reason for this test"
+    config = SparseConfig(stride=8, block=5, kernel="native")
     with pytest.warns(RuntimeWarning, match=said):
-        out = sparse_attention(q, k, v, is_causal=True, config=SparseConfig(stride=8, kernel="native"))
-    fused = sparse_attention(q, k, v, is_causal=True, config=SparseConfig(stride=8, kernel="fused"))
-    assert (out - fused).abs().max() <= 1e-6
+        out = sparse_attention(q, k, v, is_causal=True, config=config)
+    fused = sparse_attention(q, k, v, is_causal=True, config=dataclasses.replace(config, kernel="fused"))
+    assert torch.equal(out, fused)
     with warnings.catch_warnings():  # once per reason
         warnings.simplefilter("error", RuntimeWarning)
-        sparse_attention(q, k, v, is_causal=True, config=SparseConfig(stride=8, kernel="native"))
+        sparse_attention(q, k, v, is_causal=True, config=config)
+
+
+@pytest.mark.parametrize(
+    ("L", "S", "native", "whole"),
+    [(300, 300, True, True), (300, 300, False, False), (290, 300, True, False), (2100, 2100, True, False)],
+)
+def test_causal_columns_are_whole_segments_only_where_the_native_kernel_runs_them(L, S, native, whole):
+    """Whole segments need the native kernel, L = S (square triangular views) and at most 128 rows
+    (2100 / 16 gives 132); otherwise row blocks, which see only the rows up to their own."""
+    config = SparseConfig(stride=8 if S == 300 else 16, block=5, kernel="native")
+    shape = subquad._validate.AttentionShape(1, 2, L, S, 8, 8, 1.0)
+    columns = sparse._sparse_parts(config, shape, True, torch.device("cpu"), native)[1]
+    rows = -(-S // config.stride)
+    assert {g.queries.shape[1] for g in columns} == ({rows} if whole else {5})
+    assert all(g.triangular for g in columns) == whole
+
+
+@needs_native
+def test_native_kernel_skips_keys_in_triangular_blocks_that_need_a_mask(monkeypatch):
+    """With padding the whole causal columns need their element mask; the causal flag goes with it,
+    so the kernel still skips the keys past each query block."""
+    seen = []
+    run = _native.block_attention
+    monkeypatch.setattr(
+        _native, "block_attention", lambda *a, **kw: seen.append((a[3] is not None, a[4])) or run(*a, **kw)
+    )
+    exact = qkv(1, 2, 300, 300, 8)
+    kpm = padding(1, 300, seed=2)
+    config = SparseConfig(stride=8, kernel="native")
+    out = sparse_attention(*(x.float() for x in exact), key_padding_mask=kpm, is_causal=True, config=config)
+    assert (True, True) in seen
+    assert (out.double() - oracle(*exact, config, True, kpm)).abs().max() <= 2e-6
 
 
 def test_native_kernel_on_float64_falls_back_and_stays_exact():

@@ -119,7 +119,7 @@ def block_sparse_attention(
         kernel: ``fused`` runs each chunk through torch's CPU flash-attention kernel, which also
             returns the log-sum-exp (``eager`` where it is unavailable, or when Dv ≠ D); ``eager`` is
             matmul, softmax in fp32+, matmul: the reference; ``native``: subquad's C kernel for the
-            forward, opt-in (``fused`` where it cannot run, with a warning).
+            forward, opt-in (what ``fused`` runs where it cannot, with a warning).
 
     Returns:
         ``(B, H, L, Dv)`` in q's dtype; zero rows for queries that see no key.
@@ -258,7 +258,8 @@ def kernel_option():
 
 
 def native_runs(queries: int, keys: int) -> bool:
-    """Whether ``kernel="native"`` runs blocks of this many queries and keys (else torch's kernel)."""
+    """Whether ``kernel="native"`` runs blocks of this many queries and keys (else what ``fused``
+    runs: torch's kernel, or eager when Dv ≠ D or off the CPU)."""
     return queries <= _NATIVE_QUERIES and keys <= _NATIVE_KEYS
 
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from subquad import _native
 from subquad._validate import check_attention_inputs
 from subquad.masks import MaskMod
 from subquad.mechanisms._blocksparse import band_groups, block_sparse_attention, fused_kernel_available, kernel_option
@@ -98,7 +99,8 @@ def local_attention(
     left, right = (w - 1, 0) if is_causal else (w, w)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     fused = config.kernel != "eager" and fused_kernel_available(q.device) and q.shape[-1] == v.shape[-1]
-    block = _INFERENCE_BLOCK if fused and not needs_grad else _BLOCK
+    native = config.kernel == "native" and _native.supports(q, k, v) is None  # runs Dv != D too
+    block = _INFERENCE_BLOCK if (fused or native) and not needs_grad else _BLOCK
     groups = band_groups(L, offset, left, right, min(block, L), window_mask(w, is_causal, offset), q.device)
     return block_sparse_attention(q, k, v, [groups], key_padding_mask, shape.scale, config.kernel)
 

@@ -34,7 +34,8 @@ that the union of the parts is exactly the pattern's dense mask.
   Causal columns run as row blocks that see only the rows up to their own (a quarter faster
   forward than whole segments under the fused kernel's own causal flag, which at this length
   computes every diagonal tile in full). Where the native kernel runs (``kernel="native"``), causal
-  columns run whole segments too: it skips the keys past each of its 32-query blocks itself.
+  columns run whole segments too when L = S and a column holds at most 128 rows: it skips the keys
+  past each of its 32-query blocks itself.
 - Fixed: its own block as ``l``-long segments (the same segment code, untransposed; whole segments
   under the fused kernel, causal with its causal flag, whose backward is faster than row blocks'), plus the summary
   keys of the other blocks, gathered once per call per head (nv distinct groups, ``blocks·c`` keys).
@@ -396,7 +397,8 @@ def _sparse_parts(
         rows = -(-S // l)
         columns = torch.arange(l, device=device)[:, None] + l * torch.arange(rows, device=device)  # (l, rows)
         # the native kernel skips the keys past each of its query blocks: whole causal segments too
-        whole_columns = whole and (not causal or (native and native_runs(rows, rows)))
+        # (with L = S: only then are the segments views it reads as square triangular blocks)
+        whole_columns = whole and (not causal or (native and offset == 0 and native_runs(rows, rows)))
         parts.append(_segment_groups(columns, L, offset, block, causal, column, (1, l), whole_columns))
     return parts
 
