@@ -38,6 +38,16 @@ __all__ = ["Windows", "window_attention"]
 
 _GROUP_ELEMENTS = 1 << 20  # score entries computed at once (about 4 MB in fp32)
 _MIN_BLOCK = 16  # the narrowest query block run
+# Windows are computed in whole multiples of this many key slots. A row's softmax and its P·V sum
+# run over the chunk's slot count, and vectorised reductions group their terms by that length; in
+# whole multiples the unseen slots only add exact zeros to the same groups, so a query's output is
+# bit-identical whichever other blocks share its chunk (in causal routing: whatever comes later).
+_KEY_QUANTUM = 16
+
+
+def _key_slots(need: int) -> int:
+    """The key slots computed for blocks needing ``need``: whole multiples of ``_KEY_QUANTUM``."""
+    return -(-max(1, need) // _KEY_QUANTUM) * _KEY_QUANTUM
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,7 @@ class _Plan:
         self.queries = torch.where(queries >= 0, queries + rows[..., None] * L, R * L).view(R * nb, Tq)[order]
         self.start = (start * tile + rows * M).flatten()[order]  # each window's first slot
         self.seen = seen.reshape(R * nb, -1)[order]  # (R·nb, Tq or 1)
-        self.longest = max(1, int(need.max()))  # buffers hold `step` blocks of Tq queries and this many keys
+        self.longest = _key_slots(int(need.max()))  # buffers hold `step` blocks of Tq queries and this many keys
         self.Tq, self.step = Tq, max(1, block_elements(_GROUP_ELEMENTS, table.device) // (Tq * self.longest))
         # Off the CPU each chunk costs dozens of kernel launches, more than computing unseen slots.
         tight = table.device.type == "cpu"
@@ -138,7 +148,7 @@ def _chunks(widths: list[int], needs: list[int], step: int, tight: bool = True) 
     for end in range(1, len(needs) + 1):
         if (end == len(needs) or end - first == step or widths[end] != widths[first]
                 or (tight and needs[end] > needs[first] * 9 // 8 + 8)):  # fmt: skip
-            chunks.append((first, end, widths[first], max(1, needs[end - 1])))
+            chunks.append((first, end, widths[first], _key_slots(needs[end - 1])))
             first = end
     return chunks
 

@@ -70,6 +70,7 @@ def _describe(mech: Mechanism) -> dict[str, Any]:
         "paper": mech.paper,
         "causal": mech.causal,
         "cross": mech.cross,
+        "longer_queries": mech.cross and mech.longer_queries,
         "recurrent": mech.recurrent,
         "decoding": getattr(mech.decoder, "description", None),
         "dtypes": [str(d).replace("torch.", "") for d in mech.dtypes],
@@ -97,12 +98,13 @@ def _run_list(args: argparse.Namespace) -> int:
         print(json.dumps(described, indent=2, default=str))
         return 0
     yes = {True: "yes", False: "no"}
+    cross = lambda d: "yes" if d["longer_queries"] else "yes (L <= S)" if d["cross"] else "no"  # noqa: E731
     for d in described:
         print(f"{d['name']}: {d['summary']}")
         if d["paper"]:
             print(f"  paper: {d['paper']}")
         print(
-            f"  causal: {yes[d['causal']]}   cross (L != S): {yes[d['cross']]}   "
+            f"  causal: {yes[d['causal']]}   cross (L != S): {cross(d)}   "
             f"recurrent: {yes[d['recurrent']]}   dtypes: {', '.join(d['dtypes'])}"
         )
         print(f"  cached decoding: {d['decoding'] or 'none (generate with use_cache=False)'}")

@@ -19,9 +19,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from subquad._validate import SUPPORTED_DTYPES, check_dtype
+from subquad._contain import KEY, QUERY, contained
+from subquad._validate import SUPPORTED_DTYPES, check_attention_inputs, check_dtype, check_query_padding_mask
 
 __all__ = [
+    "KEY",
+    "QUERY",
     "Config",
     "Mechanism",
     "attention",
@@ -143,9 +146,14 @@ class Mechanism:
         summary: one line for ``subquad list``.
         paper: the paper and section it implements.
         causal, cross: whether ``is_causal=True`` and L != S are supported.
+        longer_queries: with ``cross``, whether L > S is supported too (else only L < S).
         dtypes: the floating dtypes it computes in.
         tensor_args: extra keyword arguments ``fn`` takes, tensors (e.g. class logits) or a
             ``mask_mod`` callable, all optional for ``fn`` unless ``inputs`` produces them in layers.
+            A mechanism that takes ``query_padding_mask`` couples its queries (clustering, balanced
+            tiles): it then needs one whenever a ``key_padding_mask`` is given.
+        positions: for each extra tensor whose last dimension runs over positions, ``QUERY`` or
+            ``KEY``; padded and non-finite entries there are contained like those of q, k and v.
         state: an ``nn.Module`` class built as ``state(config, num_heads, head_dim, seed)`` holding
             what persists across calls (centroids, hash planes); passed to ``fn`` as ``state``.
         inputs: an ``nn.Module`` class built as ``inputs(config, embed_dim, num_heads)`` that a layer
@@ -159,6 +167,8 @@ class Mechanism:
             ``subquad.decoding.KVCache``. ``None``: no cached decoding.
         uses_qk: False for a mechanism that reads only the shapes of ``q`` and ``k`` (agglomerative);
             layers then build no query/key projections for it.
+        examples: small option sets (dicts for ``make_config``) that reach the mechanism's code
+            paths at short lengths; the contract suite runs every property on each.
     """
 
     name: str
@@ -168,6 +178,7 @@ class Mechanism:
     paper: str = ""
     causal: bool = True
     cross: bool = True
+    longer_queries: bool = True
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
     tensor_args: tuple[str, ...] = ()
     state: type[torch.nn.Module] | None = None
@@ -175,6 +186,16 @@ class Mechanism:
     example_tensors: Callable[..., dict[str, Tensor]] | None = None
     decoder: type | None = None
     uses_qk: bool = True
+    positions: typing.Mapping[str, str] = field(default_factory=dict, hash=False)
+    examples: tuple[typing.Mapping[str, Any], ...] = field(default=({},), hash=False)
+
+    def __post_init__(self) -> None:
+        for name, side in self.positions.items():
+            if name not in self.tensor_args or side not in (QUERY, KEY):
+                raise ValueError(
+                    f"{self.name}: positions must map names of tensor_args {list(self.tensor_args)} to "
+                    f"{QUERY!r} or {KEY!r}, got {name!r}: {side!r}"
+                )
 
     @property
     def recurrent(self) -> bool:
@@ -194,7 +215,8 @@ class Mechanism:
         state: torch.nn.Module | None = None,
         **tensors: Tensor,
     ) -> Tensor:
-        """Check this mechanism's capabilities, then run it."""
+        """Check this mechanism's capabilities, then run it with padded and future content
+        contained (``subquad._contain``)."""
         if config is not None and type(config) is not self.config:
             raise ValueError(f"{self.name} needs a {self.config.__name__}, got {type(config).__name__}")
         unknown = sorted(set(tensors) - set(self.tensor_args))
@@ -202,20 +224,42 @@ class Mechanism:
             raise ValueError(f"{self.name} takes no tensor argument {unknown}; it takes {list(self.tensor_args)}")
         if is_causal is True and not self.causal:
             raise ValueError(no_causal_form(self.name))
-        if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == k.dim() == 4:
-            if not self.cross and q.shape[2] != k.shape[2]:
-                raise ValueError(f"{self.name} needs as many queries as keys, got L={q.shape[2]} and S={k.shape[2]}")
-            check_dtype(q.dtype, self.dtypes)
-        return self.fn(
+        shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, None)
+        if not self.cross and shape.queries != shape.keys:
+            raise ValueError(f"{self.name} needs as many queries as keys, got L={shape.queries} and S={shape.keys}")
+        check_dtype(q.dtype, self.dtypes)
+        query_padding_mask = tensors.get("query_padding_mask")
+        check_query_padding_mask(query_padding_mask, shape, q.device)
+        if key_padding_mask is not None and query_padding_mask is None and "query_padding_mask" in self.tensor_args:
+            raise ValueError(
+                f"{self.name} groups its queries, so padded queries would change real outputs: with "
+                "key_padding_mask, pass query_padding_mask too, bool (B, L), True = real query (in "
+                "self-attention the same mask; torch.ones(B, L, dtype=torch.bool) if no query is padded)"
+            )
+
+        def run(q: Tensor, k: Tensor, v: Tensor, tensors: dict[str, Any]) -> Tensor:
+            return self.fn(
+                q,
+                k,
+                v,
+                key_padding_mask=key_padding_mask,
+                is_causal=is_causal,
+                scale=scale,
+                config=config,
+                state=state,
+                **tensors,
+            )
+
+        return contained(
+            run,
             q,
             k,
             v,
+            tensors,
+            positions=self.positions,
             key_padding_mask=key_padding_mask,
+            query_padding_mask=query_padding_mask,
             is_causal=is_causal,
-            scale=scale,
-            config=config,
-            state=state,
-            **tensors,
         )
 
 

@@ -333,14 +333,10 @@ def test_low_precision_matches_fp32_on_the_same_inputs(name, dtype, tol):
     """Half inputs are clustered and attended in fp32, so they match an fp32 call on the same rounded
     inputs to the output's rounding."""
     q, k, v = (x.to(dtype) for x in qkv(2, 2, 100, 90, 16))
-    kpm = padding(2, 90, seed=1)
-    out = (
-        run(name, q, k, v, clusters=8, topk=6, key_padding_mask=kpm)
-        if name != "clustered"
-        else run(name, q, k, v, clusters=8, key_padding_mask=kpm)
-    )
-    ref = run(name, q.float(), k.float(), v.float(), clusters=8, key_padding_mask=kpm, **(
-        {"topk": 6} if name != "clustered" else {}))  # fmt: skip
+    masks = {"key_padding_mask": padding(2, 90, seed=1), "query_padding_mask": torch.ones(2, 100, dtype=torch.bool)}
+    options = {"clusters": 8, **({"topk": 6} if name != "clustered" else {})}
+    out = run(name, q, k, v, **options, **masks)
+    ref = run(name, q.float(), k.float(), v.float(), **options, **masks)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert (out.float() - ref).abs().max() <= tol * ref.abs().max()
 
@@ -360,7 +356,8 @@ def test_gradients_reach_queries_keys_and_values_and_are_finite():
     q, k, v = (x.float().requires_grad_(True) for x in qkv(2, 2, 50, 40, 8))
     kpm = padding(2, 40, seed=1)
     kpm[1] = False  # a sequence without any real key: zeros, finite gradients
-    out = run("improved-clustered", q, k, v, clusters=5, topk=4, key_padding_mask=kpm)
+    qpm = torch.ones(2, 50, dtype=torch.bool)
+    out = run("improved-clustered", q, k, v, clusters=5, topk=4, key_padding_mask=kpm, query_padding_mask=qpm)
     assert (out[1] == 0).all()
     out.square().sum().backward()
     for x in (q, k, v):
@@ -503,8 +500,8 @@ def test_all_padded_queries_or_keys_give_zeros(name):
     q, k, v = qkv(2, 2, 12, 10, 4)
     no_queries = torch.zeros(2, 12, dtype=torch.bool)
     assert (run(name, q, k, v, clusters=3, query_padding_mask=no_queries) == 0).all()
-    no_keys = torch.zeros(2, 10, dtype=torch.bool)
-    out = run(name, q, k, v, clusters=3, key_padding_mask=no_keys)
+    no_keys, queries = torch.zeros(2, 10, dtype=torch.bool), torch.ones(2, 12, dtype=torch.bool)
+    out = run(name, q, k, v, clusters=3, key_padding_mask=no_keys, query_padding_mask=queries)
     assert torch.isfinite(out).all() and (out == 0).all()
 
 

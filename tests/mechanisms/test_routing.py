@@ -220,11 +220,15 @@ def test_low_precision(dtype, tol, is_causal):
 # --------------------------------------------------------------------------------------------
 
 
-def test_default_clusters_are_sqrt_of_the_length_and_survive_a_state_dict_round_trip():
+def test_the_default_centroids_do_not_depend_on_the_length_and_survive_a_state_dict_round_trip():
     layer = subquad.nn.MultiheadAttention(32, 4, "routing", seed=3)
+    assert layer.states["0"].centroids.shape == (4, 64, 8), "k fixed by the config, before any input"
     x = randn(1, 100, 32, dtype=torch.float32)
     out = layer(x)
-    assert layer.states["0"].centroids.shape == (4, 10, 8)
+    assert layer.states["0"].centroids.shape == (4, 64, 8)
+    small = subquad.nn.MultiheadAttention(32, 4, "routing", clusters=10, seed=3)
+    with pytest.raises(ValueError, match=r"centroids of shape \(4, 64, 8\) do not fit .* = \(4, 10, 8\)"):
+        small.load_state_dict(layer.state_dict())
     copy = subquad.nn.MultiheadAttention(32, 4, "routing", seed=99)
     copy.load_state_dict(layer.state_dict())
     assert torch.equal(copy.states["0"].centroids, layer.states["0"].centroids)

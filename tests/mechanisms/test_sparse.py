@@ -626,7 +626,8 @@ def test_native_kernel_skips_keys_in_triangular_blocks_that_need_a_mask(monkeypa
     assert (out.double() - oracle(*exact, config, True, kpm)).abs().max() <= 2e-6
 
 
-def test_native_kernel_on_float64_falls_back_and_stays_exact():
+def test_native_kernel_on_float64_falls_back_and_stays_exact(monkeypatch):
+    monkeypatch.setitem(_native._state, "warned", set())  # once per process: earlier tests may have warned
     q, k, v = qkv(1, 2, 40, 40, 8)
     config = SparseConfig(stride=8, kernel="native")
     with pytest.warns(RuntimeWarning, match="it computes in float32, the inputs are torch.float64"):

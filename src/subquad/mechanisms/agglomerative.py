@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from subquad._blocks import Scratch, block_elements, new_output
 from subquad._validate import AttentionShape, check_attention_inputs, check_logits
-from subquad.registry import Config, Mechanism, option
+from subquad.registry import KEY, QUERY, Config, Mechanism, option
 
 __all__ = ["AgglomerativeConfig", "AgglomerativeDecoder", "AgglomerativeInputs", "agglomerative_attention"]
 
@@ -306,6 +306,8 @@ MECHANISM = Mechanism(
     causal=True,
     cross=True,
     tensor_args=("query_logits", "key_logits"),
+    positions={"query_logits": QUERY, "key_logits": KEY},
+    examples=({}, {"clip": 0.5}),
     inputs=AgglomerativeInputs,
     example_tensors=_example_logits,
     decoder=AgglomerativeDecoder,

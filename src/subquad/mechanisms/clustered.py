@@ -564,6 +564,12 @@ CLUSTERED = Mechanism(
     causal=False,
     tensor_args=("query_padding_mask",),
     state=ClusteredState,
+    examples=(
+        {},
+        {"clusters": 3},
+        {"clusters": 2, "kmeans": "hamming", "bits": 8, "iterations": 3},
+        {"clusters": 5, "fit_per_cluster": 0},
+    ),
 )
 
 IMPROVED_CLUSTERED = Mechanism(
@@ -575,6 +581,7 @@ IMPROVED_CLUSTERED = Mechanism(
     causal=False,
     tensor_args=("query_padding_mask",),
     state=ClusteredState,
+    examples=({}, {"clusters": 3, "topk": 4}, {"clusters": 2, "kmeans": "hamming", "bits": 8, "topk": 2}),
 )
 
 MECHANISMS = (CLUSTERED, IMPROVED_CLUSTERED)

@@ -196,4 +196,5 @@ MECHANISM = Mechanism(
     paper="Vaswani et al. 2017, eq. 1",
     tensor_args=("attn_mask",),
     decoder=KVCache,
+    examples=({}, {"backend": "eager"}),
 )

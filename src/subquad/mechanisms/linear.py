@@ -582,4 +582,5 @@ MECHANISM = Mechanism(
     causal=True,
     cross=True,
     decoder=LinearDecoder,
+    examples=({"chunk": 5}, {"feature_map": "relu", "chunk": 3}, {}),
 )

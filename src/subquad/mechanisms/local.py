@@ -146,4 +146,5 @@ MECHANISM = Mechanism(
     causal=True,
     cross=True,
     decoder=WindowCache,
+    examples=({}, {"window": 5}, {"window": 3, "kernel": "eager"}, {"window": 9, "kernel": "native"}),
 )

@@ -80,7 +80,7 @@ from subquad._blocks import BlockOutput, block_elements, tracks_grad
 from subquad._validate import AttentionShape, check_attention_inputs, check_logits, resolve_scale
 from subquad.decoding import KVCache
 from subquad.mechanisms.linear import causal_dot, feature_map
-from subquad.registry import Config, Mechanism, option
+from subquad.registry import QUERY, Config, Mechanism, option
 
 __all__ = [
     "MultiresConfig",
@@ -319,7 +319,9 @@ def _causal_kernel(
     query_slot = torch.arange(w, device=q.device) + segment  # (B, w)
     per_segment = torch.zeros(B, n + 1, dtype=torch.long, device=q.device).scatter_add_(1, segment, real.long())
     landmark_slot = torch.arange(n, device=q.device) + torch.cumsum(per_segment[:, :n], dim=1)  # (B, n)
-    slots = w + n
+    # Whole chunks: w counts the queries routed here, later ones included, and a shorter last chunk
+    # would sum the earlier slots in another order, so the past would move with the future.
+    slots = -(-(w + n) // _CAUSAL_CHUNK) * _CAUSAL_CHUNK
 
     fq = feature_map(q, config.feature_map) * real[:, None, :, None].to(q.dtype)
     fk = feature_map(k_means, config.feature_map) * valid[:, None, :, None].to(q.dtype)
@@ -504,7 +506,13 @@ def multires_attention(
     for h, rate in enumerate(config.rates):
         heads = slice(h * subheads, (h + 1) * subheads)
         kh, vh = k[:, heads], v[:, heads]
-        order, real = _routed_queries((choice == h) & visible)  # each head computes its own queries only
+        routed = (choice == h) & visible
+        if config.similarity == "softmax" and is_causal:
+            # The ablation runs every query, so a row's matmul shapes, and with them its rounding,
+            # do not depend on how many later queries pick this head: the past stays bit-identical.
+            order, real = torch.arange(L, device=q.device).expand(B, L), routed
+        else:
+            order, real = _routed_queries(routed)  # each head computes its own queries only
         if order.shape[1] == 0:  # no query chose this resolution
             outputs.append(q.new_zeros(B, subheads, L, Dv))
             continue
@@ -541,6 +549,13 @@ MECHANISM = Mechanism(
     causal=True,
     cross=True,
     tensor_args=("router_logits",),
+    positions={"router_logits": QUERY},
+    examples=(
+        {},
+        {"rates": (0.5, 0.25)},
+        {"rates": (1.0, 0.34), "similarity": "softmax"},
+        {"rates": (0.5,), "routing": "random", "feature_map": "elu"},
+    ),
     state=MultiresState,
     inputs=MultiresInputs,
     example_tensors=_example_logits,

@@ -6,13 +6,15 @@ vector x̂, so a query and a key in one cluster have a large dot product, the pa
 argument). Each token's cluster depends only on its own vector and the centroids. Attention stays
 inside clusters, with O(N·w·D) cost for w ≈ S/k keys per query.
 
-**Non-causal: balanced clusters (the paper's).** Per (batch, head) row, the queries in
-(cluster, position) order are cut into k tiles (tile t: ranks ⌊tL/k⌋ to ⌊(t+1)L/k⌋ − 1), and so
-are the S_r real keys (tile t: ranks a_t = ⌊tS_r/k⌋ to b_t − 1, b_t = max(⌊(t+1)S_r/k⌋, a_t + 1);
-padding comes after every real key and joins no tile). Query tile t attends to exactly key tile t:
-about S/k keys per query, like the paper's clusters of the w = n/k tokens nearest each centroid,
-but every query is in one tile and every tile of a row with a real key holds one (the paper's
-top-w selection leaves 13–20% of queries in no cluster, with a zero output). The computation is a
+**Non-causal: balanced clusters (the paper's).** Per (batch, head) row, the L_r real queries in
+(cluster, position) order are cut into k tiles (tile t: ranks ⌊tL_r/k⌋ to ⌊(t+1)L_r/k⌋ − 1), and
+so are the S_r real keys (tile t: ranks a_t = ⌊tS_r/k⌋ to b_t − 1, b_t = max(⌊(t+1)S_r/k⌋,
+a_t + 1)). Padded keys and padded queries (``query_padding_mask``) come after every real one and
+join no tile, so what they hold moves no real token between tiles; padded queries return zeros.
+Query tile t attends to exactly key tile t: about S/k keys per query, like the paper's clusters
+of the w = n/k tokens nearest each centroid, but every real query is in one tile and every tile
+of a row with a real key holds one (the paper's top-w selection leaves 13–20% of queries in no
+cluster, with a zero output). The computation is a
 permutation of q, k and v and dense attention inside the tiles, through the same
 ``subquad._tiles.window_attention`` as below; ``window`` plays no part.
 
@@ -37,9 +39,14 @@ together in blocks of ``_QUERY_BLOCK`` through ``subquad._tiles.window_attention
 saves the log-sum-exp, recomputes scores in the backward), which cuts each block's window to the
 keys its queries see and merges the own key through the log-sum-exp.
 
+**Fixed k and w.** The paper argues k ≈ √n, and its official configurations fix the tile size
+(w = 256–512). Here both are options with fixed defaults (k = 64, w = 128), never derived from the
+sequence's length: a causal output at position i must not depend on how many tokens follow it (a
+tile size of S/k would move every tile boundary as tokens are appended), and a state's centroids
+keep their shape for the model's life. For long non-causal inputs, set ``clusters`` near √N.
+
 **Centroids** live in ``RoutingState``, owned by the layer: unit vectors drawn from its seed, so a
-fresh model routes and generates before any update; ``clusters=None`` picks k = round(√S) from the
-first sequence seen (the paper's optimum). In training mode each call, after attending with the
+fresh model routes and generates before any update. In training mode each call, after attending with the
 current centroids, moves every centroid by an exponential moving average (``decay``) towards the
 mean of the normalised queries and keys routed to it, leaving out padded keys and padded queries
 (``query_padding_mask``; layers pass it in self-attention). The commitment loss
@@ -51,13 +58,10 @@ device, and updates nothing; a state on another device than the inputs is refuse
 sees at most its cluster's last two tiles. ``RoutingCache`` therefore keeps, per head and
 cluster, a ring of 2w slots holding those two tiles (a new tile clears the slots of the one two
 back), so each token costs O(k·D + w·D) and the cache O(k·w·D) per head, whatever the prefix.
-This needs a fixed ``window``: with ``window=None`` the tile size follows the sequence length, so
-the cache falls back to an exact KV cache that re-routes the prefix at each step.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +72,6 @@ from torch import Tensor, nn
 from subquad._blocks import block_elements
 from subquad._tiles import Windows, window_attention
 from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask
-from subquad.decoding import KVCache
 from subquad.registry import Config, Mechanism, option
 
 __all__ = [
@@ -89,13 +92,13 @@ _ASSIGN_ELEMENTS = 1 << 19  # position × centroid scores held at once while rou
 @dataclass(frozen=True)
 class RoutingConfig(Config):
     mechanism = "routing"
-    clusters: int | None = option(
-        None, "k centroids shared by queries and keys; None: round(sqrt(S)) at first use", ge=1
-    )
-    window: int | None = option(
-        None, "causal: w keys per cluster tile, a query sees its tile and the previous one; None: ceil(S / k) "
-        "(non-causal tiles always hold about S / k keys)", ge=1,
+    clusters: int = option(
+        64, "k centroids shared by queries and keys (the paper: about sqrt(N)); non-causal: k tiles of S / k keys",
+        ge=1, le=1 << 16,
     )  # fmt: skip
+    window: int = option(
+        128, "causal: w keys per cluster tile; a query sees its tile and the previous one", ge=1, le=1 << 16
+    )
     decay: float = option(0.999, "EMA decay of the centroids (training mode only)", ge=0, le=1)
     commitment: float = option(1e-4, "β of the commitment loss β·‖x̂ − sg(μ)‖²", ge=0)
 
@@ -120,26 +123,16 @@ class RoutingState(nn.Module):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         self.config, self.num_heads, self.head_dim, self.seed = config, num_heads, head_dim, seed % 2**63
-        clusters = config.clusters or 0  # 0: chosen at first use
-        self.register_buffer("centroids", _initial_centroids(num_heads, clusters, head_dim, self.seed))
+        self.register_buffer("centroids", _initial_centroids(num_heads, config.clusters, head_dim, self.seed))
         self.loss: Tensor | None = None
-
-    def centroids_for(self, keys: int, device: torch.device) -> Tensor:
-        """The centroids, first built with k = round(√keys) when the config leaves k open."""
-        if self.centroids.shape[1] == 0:
-            clusters = max(1, round(math.sqrt(keys)))
-            self.centroids = _initial_centroids(self.num_heads, clusters, self.head_dim, self.seed).to(device)
-        return self.centroids
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         saved = state_dict.get(prefix + "centroids")
         if saved is not None and saved.shape != self.centroids.shape:
-            if self.config.clusters is not None or saved.shape[0::2] != self.centroids.shape[0::2]:
-                raise ValueError(
-                    f"routing centroids of shape {tuple(saved.shape)} do not fit this layer's "
-                    f"(heads, clusters, head_dim) = {tuple(self.centroids.shape)}"
-                )
-            self.centroids = torch.empty_like(saved, device=self.centroids.device)
+            raise ValueError(
+                f"routing centroids of shape {tuple(saved.shape)} do not fit this layer's "
+                f"(heads, clusters, head_dim) = {tuple(self.centroids.shape)}"
+            )
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()
@@ -169,7 +162,7 @@ class RoutingState(nn.Module):
 
     def extra_repr(self) -> str:
         heads, clusters, dim = self.centroids.shape
-        return f"heads={heads}, clusters={clusters or 'sqrt(S) at first use'}, head_dim={dim}, seed={self.seed}"
+        return f"heads={heads}, clusters={clusters}, head_dim={dim}, seed={self.seed}"
 
 
 def route(x: Tensor, centroids: Tensor) -> Tensor:
@@ -191,26 +184,38 @@ def route(x: Tensor, centroids: Tensor) -> Tensor:
     return cluster
 
 
-def balanced_windows(q_cluster: Tensor, k_cluster: Tensor, clusters: int, key_valid: Tensor | None = None) -> Windows:
+def balanced_windows(
+    q_cluster: Tensor,
+    k_cluster: Tensor,
+    clusters: int,
+    key_valid: Tensor | None = None,
+    query_valid: Tensor | None = None,
+) -> Windows:
     """The non-causal scheme: k balanced tiles of queries and keys sorted by cluster (module docstring).
 
     Args:
         q_cluster: ``(R, L)`` query clusters; ``k_cluster``: ``(R, S)`` key clusters.
         clusters: k, the number of tiles.
         key_valid: bool ``(R, S)``; padded keys join no tile.
+        query_valid: bool ``(R, L)``; padded queries join no tile (a last block that sees nothing).
 
     Returns:
-        ``Windows`` with one block per query tile, whose window is the key tile of the same rank.
+        ``Windows`` with one block per query tile, whose window is the key tile of the same rank,
+        and one more block for the padded queries.
     """
     R, L = q_cluster.shape
     S, dev = k_cluster.shape[1], q_cluster.device
     tile = torch.arange(clusters + 1, device=dev)
-    # Query tile t: ranks [⌊tL/k⌋, ⌊(t+1)L/k⌋) of the queries sorted by (cluster, position).
-    q_bound = tile * L // clusters
-    Tq = int((q_bound[1:] - q_bound[:-1]).max())
-    q_rank = q_bound[:-1, None] + torch.arange(Tq, device=dev)  # (k, Tq)
-    q_order = q_cluster.sort(dim=1, stable=True).indices
-    queries = torch.where(q_rank < q_bound[1:, None], q_order[:, q_rank.clamp(max=L - 1)], -1)  # (R, k, Tq)
+    # Query tile t: ranks [⌊tL_r/k⌋, ⌊(t+1)L_r/k⌋) of the real queries sorted by (cluster, position);
+    # the padded queries, sorted last, make block k.
+    cq = q_cluster if query_valid is None else torch.where(query_valid, q_cluster, clusters)
+    real_q = torch.full((R, 1), L, device=dev) if query_valid is None else query_valid.sum(1, keepdim=True)
+    q_bound = torch.cat([tile * real_q // clusters, torch.full_like(real_q, L)], dim=1)  # (R, k + 2)
+    Tq = max(1, int((q_bound[:, 1:] - q_bound[:, :-1]).max()))
+    q_rank = q_bound[:, :-1, None] + torch.arange(Tq, device=dev)  # (R, k + 1, Tq)
+    q_order = cq.sort(dim=1, stable=True).indices
+    q_sorted = q_order.gather(1, q_rank.clamp(max=L - 1).view(R, -1)).view(q_rank.shape)
+    queries = torch.where(q_rank < q_bound[:, 1:, None], q_sorted, -1)  # (R, k + 1, Tq)
     # Key tile t: ranks [a_t, b_t) of the real keys sorted by (cluster, position), padding last.
     ck = k_cluster if key_valid is None else torch.where(key_valid, k_cluster, clusters)
     real = torch.full((R, 1), S, device=dev) if key_valid is None else key_valid.sum(1, keepdim=True)
@@ -221,8 +226,9 @@ def balanced_windows(q_cluster: Tensor, k_cluster: Tensor, clusters: int, key_va
     k_order = ck.sort(dim=1, stable=True).indices
     k_sorted = k_order.gather(1, k_rank.clamp(max=S - 1).view(R, -1)).view(k_rank.shape)
     table = torch.where(k_rank < b[..., None], k_sorted, -1)
-    start = tile[:-1].expand(R, clusters)
-    return Windows(table.view(R, -1), Tk, queries, start, (b - a)[..., None])
+    start = torch.cat([tile[:-1], tile[:1]]).expand(R, clusters + 1)  # the padded block: any window
+    seen = torch.cat([b - a, torch.zeros_like(a[:, :1])], dim=1)  # ... of which it sees nothing
+    return Windows(table.view(R, -1), Tk, queries, start, seen[..., None])
 
 
 def causal_windows(
@@ -296,8 +302,8 @@ def _resolve_state(
             "move the state (or the layer that owns it) there with .to(device)"
         )
     H, C, D = state.centroids.shape
-    if (H, D) != (shape.heads, shape.head_dim) or (config.clusters is not None and C not in (0, config.clusters)):
-        want = (shape.heads, config.clusters or "k", shape.head_dim)
+    if (H, C, D) != (shape.heads, config.clusters, shape.head_dim):
+        want = (shape.heads, config.clusters, shape.head_dim)
         raise ValueError(
             f"routing state has centroids of shape (heads, clusters, head_dim) = {(H, C, D)}, "
             f"but this call needs {want}"
@@ -326,8 +332,9 @@ def routing_attention(
         scale: softmax scale, default ``D ** -0.5``.
         config: ``RoutingConfig``.
         state: the layer's ``RoutingState`` (centroids; updated in training mode).
-        query_padding_mask: bool ``(B, L)``, True marks a real query; padded queries do not move
-            the centroids.
+        query_padding_mask: bool ``(B, L)``, True marks a real query; padded queries join no
+            non-causal tile, return zeros there, and do not move the centroids. Needed with
+            ``key_padding_mask``.
 
     Returns:
         ``(B, H, L, Dv)``.
@@ -339,16 +346,16 @@ def routing_attention(
     B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
     R = B * H
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    centroids = state.centroids_for(S, q.device).to(work)
-    C = centroids.shape[1]
-    window = config.window or -(-S // C)
+    centroids = state.centroids.to(work)
+    C, window = centroids.shape[1], config.window
     key_valid = None if key_padding_mask is None else key_padding_mask[:, None].expand(B, H, S).reshape(R, S)
+    query_valid = None if query_padding_mask is None else query_padding_mask[:, None].expand(B, H, L).reshape(R, L)
     with torch.no_grad():
         q_cluster, k_cluster = route(q, centroids), route(k, centroids)
         if is_causal:
             windows = causal_windows(q_cluster.view(R, L), k_cluster.view(R, S), C, window, key_valid)
         else:
-            windows = balanced_windows(q_cluster.view(R, L), k_cluster.view(R, S), C, key_valid)
+            windows = balanced_windows(q_cluster.view(R, L), k_cluster.view(R, S), C, key_valid, query_valid)
     out = window_attention(q.reshape(R, L, D), k.reshape(R, S, D), v.reshape(R, S, Dv), windows, shape.scale)
     out = out.view(B, H, L, Dv)
     if state.training:
@@ -383,14 +390,13 @@ def routing_loss(model: nn.Module) -> Tensor:
 
 class RoutingCache:
     """Decoding cache of causal routing attention: per head and cluster, the keys and values of
-    the cluster's last two tiles (module docstring). A KV cache when the config's window is None."""
+    the cluster's last two tiles (module docstring)."""
 
     recurrent = True
-    description = "per cluster, its last two tiles of keys (O(clusters·window) per head); a KV cache if window=None"
+    description = "per cluster, its last two tiles of keys (O(clusters·window) per head)"
 
     def __init__(self, mechanism: Mechanism, config: RoutingConfig, state: nn.Module | None) -> None:
         self.config = config
-        self.kv = KVCache(mechanism, config, state) if config.window is None else None
         self.state = state
         self.keys: Tensor | None = None  # (B, H, k, 2w, D): two tiles per cluster, as a ring
         self.values: Tensor | None = None
@@ -400,8 +406,6 @@ class RoutingCache:
 
     def step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the cache and the new keys."""
-        if self.kv is not None:
-            return self.kv.step(q, k, v)
         shape = check_attention_inputs(q, k, v, None, True, None)
         if shape.queries != shape.keys:
             raise ValueError(f"a decoding step takes as many queries as keys, got {shape.queries} and {shape.keys}")
@@ -411,10 +415,9 @@ class RoutingCache:
                 f"the cache holds keys of (B, H, D) = ({B}, {H}, {D}), got {tuple(k.shape)}; "
                 "start a new cache for a new batch"
             )
-        # Without a state, the one built at the first step is kept: k, if left open, stays fixed.
         state = self.state = _resolve_state(self.state, self.config, shape, q.device)
         work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        centroids = state.centroids_for(self.length + shape.keys, q.device).to(work)
+        centroids = state.centroids.to(work)
         outputs = [
             self._one(q[:, :, t], k[:, :, t], v[:, :, t], centroids, shape.scale, work) for t in range(shape.keys)
         ]
@@ -463,4 +466,5 @@ MECHANISM = Mechanism(
     tensor_args=("query_padding_mask",),
     state=RoutingState,
     decoder=RoutingCache,
+    examples=({}, {"clusters": 3, "window": 4}, {"clusters": 1, "window": 2}),
 )

@@ -616,6 +616,14 @@ MECHANISMS = (
         summary="Sparse Transformer strided (local/column/merged) and fixed patterns, block-sparse",
         paper="Child et al. 2019, Generating Long Sequences with Sparse Transformers, §4.2",
         decoder=KVCache,  # exact: the causal pattern of position p reads only keys <= p
+        longer_queries=False,
+        examples=(
+            {},
+            {"stride": 4, "block": 4},
+            {"stride": 5, "step": "column", "block": 3, "kernel": "eager"},
+            {"pattern": "fixed", "stride": 6, "summary": 2, "groups": 2, "block": 4},
+            {"stride": 4, "block": 4, "kernel": "native"},
+        ),
     ),
     Mechanism(
         name="pattern",
@@ -624,5 +632,6 @@ MECHANISMS = (
         summary="any mask_mod (named, or passed as mask_mod=), block-sparse with autograd",
         paper="mask_mod(b, h, q_idx, kv_idx) patterns, as in FlexAttention",
         tensor_args=("mask_mod",),
+        examples=({}, {"window": 4, "block": 4}, {"window": 3, "dilation": 2, "global_tokens": 1, "block": 5}),
     ),
 )
