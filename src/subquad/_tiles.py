@@ -117,6 +117,7 @@ class _Plan:
         rows = torch.arange(R, device=table.device)[:, None]
         self.dummy = R * L  # row R·L of the outputs takes the empty query slots
         self.keys = torch.where(table >= 0, table + rows * S, 0).flatten()  # (R·M) rows of k
+        self.filled = (table >= 0).flatten()  # (R·M): slots holding a key
         need = seen.amax(-1).flatten()  # (R·nb)
         used = (queries >= 0).sum(-1).flatten()
         width = torch.full_like(used, _MIN_BLOCK)  # the next power of two holding a block's queries
@@ -137,7 +138,10 @@ class _Plan:
         blocks = slice(first, end)
         slots = (self.start[blocks, None] + torch.arange(Tk, device=self.start.device)).clamp_(max=len(self.keys) - 1)
         seen = self.seen[blocks, :Tq]
-        return _Chunk(self.queries[blocks, :Tq], self.dummy, self.keys[slots], seen, q, k, v, buffers)
+        # The slots no query of a block sees (empty ones, those past its window: another row's)
+        # are computed with zero keys and values, so nothing they hold meets a zero weight.
+        shown = self.filled[slots] & (torch.arange(Tk, device=slots.device) < seen.amax(-1, keepdim=True))
+        return _Chunk(self.queries[blocks, :Tq], self.dummy, self.keys[slots], shown, seen, q, k, v, buffers)
 
 
 def _chunks(widths: list[int], needs: list[int], step: int, tight: bool = True) -> list[tuple[int, int, int, int]]:
@@ -156,14 +160,14 @@ def _chunks(widths: list[int], needs: list[int], step: int, tight: bool = True) 
 class _Chunk:
     """One chunk of blocks: gathered queries, window keys and values, and the unseen slots."""
 
-    def __init__(self, query_rows, dummy, key_rows, seen, q, k, v, buffers: dict[str, Tensor]) -> None:
+    def __init__(self, query_rows, dummy, key_rows, shown, seen, q, k, v, buffers: dict[str, Tensor]) -> None:
         self.query_rows = query_rows.flatten()  # (n·Tq), `dummy` for an empty slot
         self.q_ok = query_rows < dummy  # (n, Tq)
         self.q_rows = query_rows.clamp(max=dummy - 1)  # (n, Tq): empty slots compute on a real row
         self.key_rows = key_rows  # (n, Tk)
         self.q = _take(buffers["q"], q, self.q_rows)  # (n, Tq, D)
-        self.k = _take(buffers["k"], k, key_rows)  # (n, Tk, D)
-        self.v = _take(buffers["v"], v, key_rows)  # (n, Tk, Dv)
+        self.k = _take(buffers["k"], k, key_rows).masked_fill_(~shown[..., None], 0)  # (n, Tk, D)
+        self.v = _take(buffers["v"], v, key_rows).masked_fill_(~shown[..., None], 0)  # (n, Tk, Dv)
         Tk = key_rows.shape[1]
         self.seen = seen.clamp(max=Tk)  # (n, Tq or 1)
         # Every query sees the whole window: no mask. Checked on the CPU only: elsewhere the check

@@ -31,12 +31,11 @@ settings.register_profile(
 CONTRACT = settings.get_profile("contract")
 
 
-@dataclass(frozen=True, repr=False)
 class Case:
-    """One mechanism with one of its example option sets."""
+    """One mechanism with one of its example option sets (a plain class: failures print its name)."""
 
-    mech: Mechanism
-    options: tuple[tuple[str, object], ...]
+    def __init__(self, mech: Mechanism, options: tuple[tuple[str, object], ...]) -> None:
+        self.mech, self.options = mech, options
 
     @property
     def config(self) -> Config:

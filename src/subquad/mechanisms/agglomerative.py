@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from subquad._blocks import Scratch, block_elements, new_output
 from subquad._validate import AttentionShape, check_attention_inputs, check_logits
+from subquad.ops import softmax
 from subquad.registry import KEY, QUERY, Config, Mechanism, option
 
 __all__ = ["AgglomerativeConfig", "AgglomerativeDecoder", "AgglomerativeInputs", "agglomerative_attention"]
@@ -77,8 +78,8 @@ def _weights(
     query_logits = _check_logits("query_logits", query_logits, (B, H, L), v.device)
     key_logits = _check_logits("key_logits", key_logits, (B, H, S), v.device)
     work = torch.float32 if v.dtype in (torch.float16, torch.bfloat16) else v.dtype
-    c_q = torch.softmax(query_logits.to(work), dim=1).unsqueeze(-1)  # across the classes (heads)
-    c_r = torch.softmax(key_logits.to(work), dim=1).unsqueeze(-1)
+    c_q = softmax(query_logits.to(work), dim=1).unsqueeze(-1)  # across the classes (heads)
+    c_r = softmax(key_logits.to(work), dim=1).unsqueeze(-1)
     if key_padding_mask is not None:
         c_r = c_r * key_padding_mask[:, None, :, None].to(work)
     return c_q, c_r, v.to(work)

@@ -80,6 +80,7 @@ from subquad._blocks import BlockOutput, block_elements, tracks_grad
 from subquad._validate import AttentionShape, check_attention_inputs, check_logits, resolve_scale
 from subquad.decoding import KVCache
 from subquad.mechanisms.linear import causal_dot, feature_map
+from subquad.ops import softmax
 from subquad.registry import QUERY, Config, Mechanism, option
 
 __all__ = [
@@ -235,7 +236,7 @@ def route(
     at position ``first + i``.
     """
     if config.routing == "learned":
-        probs = torch.softmax(router_logits.to(work), dim=1)  # (B, R, L)
+        probs = softmax(router_logits.to(work), dim=1)  # (B, R, L)
         choice = probs.argmax(dim=1)  # (B, L)
         return choice, probs.gather(1, choice.unsqueeze(1)).squeeze(1)
     positions = torch.arange(first, first + queries)

@@ -535,7 +535,7 @@ def _pattern_groups(mask_mod: MaskMod, shape: AttentionShape, block: int, head_o
     order = torch.argsort((~occupied).to(torch.uint8), dim=-1, stable=True)  # occupied key blocks first
     most = counts.amax(0)  # (nq,)
     quantum = max(1, -(-int(most.max()) // 8))
-    widths = -(-most // quantum) * quantum
+    widths = (-(-most // quantum) * quantum).clamp(max=occupied.shape[-1])  # no wider than the key blocks
     h = (torch.arange(H, device=device) + head_offset).view(1, H, 1, 1, 1)
     b = torch.arange(shape.batch, device=device).view(-1, 1, 1, 1, 1)
     groups = []
