@@ -11,7 +11,9 @@ whatever the mechanism does inside:
 - **Check** (CPU): when every entry of q, k, v and the position-aligned extra tensors is finite,
   run the mechanism on them as they are: its masks exclude finite content exactly, in the forward
   and in the backward. The check is one read of each input (a sum: a NaN or inf entry always
-  makes it non-finite; an overflow only sends the call down the safe path).
+  makes it non-finite; an overflow only sends the call down the safe path). In causal form
+  without padding, only the keys a query may not see are read: those after the first query's
+  position, so a decoding step checks its new keys, not the whole cache.
 - **Sanitise** (when an entry is not finite, and always off the CPU, where checking would make
   the host wait for the device): run it on copies of the inputs whose padded positions and
   non-finite entries are zero, then write NaN into every output that may depend on a non-finite
@@ -69,11 +71,32 @@ def contained(
     """
     if not (is_causal or key_padding_mask is not None or query_padding_mask is not None):
         return run(q, k, v, tensors)  # no position is padded or in the future
-    extras = [tensors.get(name) for name in positions]
-    checked = [q, k, v, *(x for x in extras if isinstance(x, Tensor) and x.is_floating_point())]
+    checked = _unseen_by_some(q, k, v, tensors, positions, key_padding_mask, is_causal)
     if q.device.type == "cpu" and _all_finite(checked):
         return run(q, k, v, tensors)
     return _sanitised(run, q, k, v, tensors, positions, key_padding_mask, query_padding_mask, is_causal)
+
+
+def _unseen_by_some(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    tensors: dict,
+    positions: Mapping[str, str],
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+) -> list[Tensor]:
+    """The inputs whose content some real output must not see: the queries (one may be padded)
+    and, of the keys, the padded ones (so all, when some are padded) and in causal form those
+    after query 0's position (every query sees the rest)."""
+    L, S = q.shape[2], k.shape[2]
+    first = 0 if key_padding_mask is not None else max(0, S - L + 1) if is_causal else S
+    checked = [q, k[:, :, first:], v[:, :, first:]]
+    for name, side in positions.items():
+        x = tensors.get(name)
+        if isinstance(x, Tensor) and x.is_floating_point():
+            checked.append(x if side == QUERY else x[..., first:])
+    return checked
 
 
 def _all_finite(xs: list[Tensor]) -> bool:
@@ -113,18 +136,19 @@ def _sanitised(
     k, bad_k = _clean(k, key_padding_mask, 2)
     v, bad_v = _clean(v, key_padding_mask, 2)
     bad_k = bad_k | bad_v
+    B, L, S = q.shape[0], q.shape[2], k.shape[2]
     tensors = dict(tensors)
     for name, side in positions.items():
         x = tensors.get(name)
-        if isinstance(x, Tensor) and x.is_floating_point():
+        n = L if side == QUERY else S
+        if isinstance(x, Tensor) and x.is_floating_point() and x.dim() >= 2 and x.shape[:: x.dim() - 1] == (B, n):
             real = query_padding_mask if side == QUERY else key_padding_mask
             tensors[name], bad = _clean(x, real, -1)
             if side == QUERY:
                 bad_q = bad_q | bad
             else:
                 bad_k = bad_k | bad
-    out = run(q, k, v, tensors)
-    L, S = q.shape[2], k.shape[2]
+    out = run(q, k, v, tensors)  # extras of a wrong shape go in as they are: the mechanism says what is wrong
     if is_causal:  # query i (key position i + S - L) sees a bad key at or before its position
         seen = bad_k.cummax(dim=1).values  # (B, S): a bad key at or before each position
         first = max(0, L - S)  # queries before every key see none
@@ -133,4 +157,6 @@ def _sanitised(
     else:
         reached = bad_k.any(dim=1, keepdim=True).expand_as(bad_q)
     poisoned = bad_q | reached  # (B, L)
+    if query_padding_mask is not None:
+        poisoned &= query_padding_mask  # padded queries keep their finite outputs
     return out.masked_fill(poisoned[:, None, :, None], float("nan"))

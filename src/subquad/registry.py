@@ -150,8 +150,9 @@ class Mechanism:
         dtypes: the floating dtypes it computes in.
         tensor_args: extra keyword arguments ``fn`` takes, tensors (e.g. class logits) or a
             ``mask_mod`` callable, all optional for ``fn`` unless ``inputs`` produces them in layers.
-            A mechanism that takes ``query_padding_mask`` couples its queries (clustering, balanced
-            tiles): it then needs one whenever a ``key_padding_mask`` is given.
+            ``query_padding_mask`` among them: it takes a bool ``(B, L)`` mask of real queries.
+        groups_queries: its outputs depend on which queries share a group (clusters, balanced
+            tiles), so it needs a ``query_padding_mask`` whenever a ``key_padding_mask`` is given.
         positions: for each extra tensor whose last dimension runs over positions, ``QUERY`` or
             ``KEY``; padded and non-finite entries there are contained like those of q, k and v.
         state: an ``nn.Module`` class built as ``state(config, num_heads, head_dim, seed)`` holding
@@ -179,6 +180,7 @@ class Mechanism:
     causal: bool = True
     cross: bool = True
     longer_queries: bool = True
+    groups_queries: bool = False
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
     tensor_args: tuple[str, ...] = ()
     state: type[torch.nn.Module] | None = None
@@ -190,6 +192,8 @@ class Mechanism:
     examples: tuple[typing.Mapping[str, Any], ...] = field(default=({},), hash=False)
 
     def __post_init__(self) -> None:
+        if self.groups_queries and "query_padding_mask" not in self.tensor_args:
+            raise ValueError(f"{self.name}: groups_queries needs query_padding_mask among its tensor_args")
         for name, side in self.positions.items():
             if name not in self.tensor_args or side not in (QUERY, KEY):
                 raise ValueError(
@@ -230,7 +234,7 @@ class Mechanism:
         check_dtype(q.dtype, self.dtypes)
         query_padding_mask = tensors.get("query_padding_mask")
         check_query_padding_mask(query_padding_mask, shape, q.device)
-        if key_padding_mask is not None and query_padding_mask is None and "query_padding_mask" in self.tensor_args:
+        if key_padding_mask is not None and query_padding_mask is None and self.groups_queries:
             raise ValueError(
                 f"{self.name} groups its queries, so padded queries would change real outputs: with "
                 "key_padding_mask, pass query_padding_mask too, bool (B, L), True = real query (in "

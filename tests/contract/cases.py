@@ -23,7 +23,7 @@ from subquad.registry import KEY, QUERY, Config, Mechanism, get_mechanism
 
 settings.register_profile(
     "contract",
-    max_examples=int(os.environ.get("SUBQUAD_CONTRACT_EXAMPLES", "6")),
+    max_examples=int(os.environ.get("SUBQUAD_CONTRACT_EXAMPLES", "15")),
     deadline=None,
     derandomize=True,  # CI sees the same examples every run; raise the count to explore more
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

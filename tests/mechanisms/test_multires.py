@@ -51,7 +51,7 @@ def dense_multires(q, k, v, kpm, is_causal, logits, config):
     for b in range(B):
         for head in range(H):
             r = head // (H // R)
-            length = segment_length(config.rates[r])
+            length = segment_length(config.rates[r], 2**62)  # unclamped: the oracle's own grid
             for i in range(L):
                 p = i + S - L
                 if int(probs[b, :, i].argmax()) != r or (is_causal and p < 0):
@@ -136,7 +136,7 @@ def test_router_forced_to_one_head_gives_that_heads_attention_alone(chosen):
     config = MultiresConfig(rates=RATES)
     out = multires_attention(q, k, v, key_padding_mask=kpm, config=config, router_logits=logits)
     heads = slice(2 * chosen, 2 * chosen + 2)
-    length = segment_length(RATES[chosen])
+    length = segment_length(RATES[chosen], 19)
     for b in range(2):
         A = averaging_matrix(19, length, kpm, b)
         real = A.sum(1) > 0
@@ -164,7 +164,8 @@ def test_segment_means_with_padding_equal_a_dense_averaging_matrix(length):
 
 @pytest.mark.parametrize(("rate", "length"), [(1.0, 1), (0.5, 2), (1 / 3, 3), (0.0625, 16), (0.3, 3), (0.7, 1)])
 def test_segment_length_gives_at_least_the_papers_landmarks(rate, length):
-    assert segment_length(rate) == length
+    assert segment_length(rate, 4097) == length
+    assert segment_length(rate, 1) == 1, "never longer than the keys"
     for N in (1, 7, 64, 1000, 4097):
         m = -(-N // length)
         assert m >= -(-round(N * rate, 9) // 1)
@@ -401,7 +402,7 @@ def test_layer_owns_the_router_and_equals_the_functional_form():
     for is_causal in (False, True):
         heads = multires_attention(
             q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=layer.groups[0].config,
-            router_logits=router.router(x).transpose(1, 2),
+            router_logits=router.router(x).transpose(1, 2), query_padding_mask=kpm,  # self-attention: the same tokens
         )  # fmt: skip
         expected = layer.out_proj(heads.transpose(1, 2).reshape(2, 13, 32))
         assert (layer(x, key_padding_mask=kpm, is_causal=is_causal) - expected).abs().max() <= 1e-12
@@ -447,7 +448,7 @@ def test_tiny_encoder_classifier_overfits_a_small_batch():
 
 def test_registry_record_and_bench_inputs():
     mech = get_mechanism("multires")
-    assert mech.causal and mech.cross and mech.tensor_args == ("router_logits",)
+    assert mech.causal and mech.cross and mech.tensor_args == ("router_logits", "query_padding_mask")
     q, k, v = qkv(1, 8, 12, 12, 4, dtype=torch.float32)
     tensors = mech.example_tensors(q, k, v, MultiresConfig(), torch.Generator().manual_seed(0))
     assert tensors["router_logits"].shape == (1, 4, 12) and tensors["router_logits"].dtype == torch.float32
@@ -522,3 +523,15 @@ def test_any_int_seed_works():
 def test_state_seed_must_be_an_int():
     with pytest.raises(ValueError, match="seed must be an int, got 1.5"):
         MultiresState(MultiresConfig(), 4, 8, seed=1.5)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_rate_below_one_over_n_is_one_segment_of_every_key_whatever_its_size(is_causal):
+    """rates=(1e-9,)*4 once made segments of 10^9 positions (about 100 GB); a segment longer than
+    the keys is the same landmark as one of exactly the keys."""
+    q, k, v, logits = inputs(2, 4, 50, 50)
+    tiny = MultiresConfig(rates=(1e-9,) * 4)
+    whole = MultiresConfig(rates=(1 / 50,) * 4)
+    a = multires_attention(q, k, v, is_causal=is_causal, config=tiny, router_logits=logits)
+    b = multires_attention(q, k, v, is_causal=is_causal, config=whole, router_logits=logits)
+    assert torch.equal(a, b)

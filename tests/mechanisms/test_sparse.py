@@ -488,6 +488,11 @@ def test_more_queries_than_keys_raises():
             "mask_mod must return a bool tensor (True = may attend) from broadcastable index tensors, got "
             "torch.float32; combine conditions with & and |, not 'and'/'or'",
         ),
+        (
+            lambda: pattern_attention(*qkv(), mask_mod=lambda b, h, i, j: (i >= j) and (i - j < 4)),
+            "mask_mod is called with index tensors, so Python's 'and', 'or', 'not' and 'if' cannot combine its "
+            "conditions; use & | ~ and torch.where, e.g. (q_idx >= kv_idx) & (q_idx - kv_idx < w)",
+        ),
         (lambda: register_pattern("", window_with_globals), "a pattern name must be a non-empty string, got ''"),
         (lambda: register_pattern("x", 3), "register_pattern needs a factory (config, L, S) -> mask_mod, got int"),
         (

@@ -221,3 +221,18 @@ def test_kv_cache_checks_new_entries_before_writing():
     ):
         cache.step(q[:1], q[:1], q[:1])
     assert cache.length == 1 and cache.keys.shape[0] == 3
+
+
+def test_cross_attention_with_a_query_grouping_mechanism_takes_the_query_padding_mask():
+    torch.manual_seed(0)
+    layer = MultiheadAttention(16, 2, "clustered", clusters=3).eval()
+    query, memory = torch.randn(2, 9, 16), torch.randn(2, 7, 16)
+    kpm, qpm = torch.ones(2, 7, dtype=torch.bool), torch.ones(2, 9, dtype=torch.bool)
+    kpm[0, 5:], qpm[1, 6:] = False, False
+    with pytest.raises(ValueError, match="clustered groups its queries.*pass query_padding_mask too"):
+        layer(query, memory, key_padding_mask=kpm)
+    out = layer(query, memory, key_padding_mask=kpm, query_padding_mask=qpm)
+    junk = query.clone()
+    junk[1, 6:] = float("nan")  # what the padded queries hold reaches no real query's output
+    again = layer(junk, memory, key_padding_mask=kpm, query_padding_mask=qpm)
+    assert torch.equal(out[qpm], again[qpm])

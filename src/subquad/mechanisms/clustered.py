@@ -563,6 +563,7 @@ CLUSTERED = Mechanism(
     paper=f"{_PAPER}, §3.2 eq. 3-6",
     causal=False,
     tensor_args=("query_padding_mask",),
+    groups_queries=True,
     state=ClusteredState,
     examples=(
         {},
@@ -580,6 +581,7 @@ IMPROVED_CLUSTERED = Mechanism(
     paper=f"{_PAPER}, §3.3 eq. 9-10",
     causal=False,
     tensor_args=("query_padding_mask",),
+    groups_queries=True,
     state=ClusteredState,
     examples=({}, {"clusters": 3, "topk": 4}, {"clusters": 2, "kmeans": "hamming", "bits": 8, "topk": 2}),
 )

@@ -77,7 +77,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from subquad._blocks import BlockOutput, block_elements, tracks_grad
-from subquad._validate import AttentionShape, check_attention_inputs, check_logits, resolve_scale
+from subquad._validate import (
+    AttentionShape,
+    check_attention_inputs,
+    check_logits,
+    check_query_padding_mask,
+    resolve_scale,
+)
 from subquad.decoding import KVCache
 from subquad.mechanisms.linear import causal_dot, feature_map
 from subquad.ops import softmax
@@ -167,10 +173,12 @@ class MultiresInputs(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def segment_length(rate: float) -> int:
+def segment_length(rate: float, keys: int) -> int:
     """ℓ = ⌊1/c⌋ positions per segment: the longest segment that gives at least m = ⌈N·c⌉ landmarks
-    at every N (exactly m when 1/c is a whole number, as for all the paper's rates)."""
-    return max(1, math.floor(1 / rate + 1e-9))
+    at every N (exactly m when 1/c is a whole number, as for all the paper's rates). At most the
+    ``keys`` S: one segment of all the keys is the same landmark as any longer one (segments start
+    at position 0, causal ones too), and the work stays O(S) for any rate."""
+    return max(1, min(math.floor(1 / rate + 1e-9), keys))
 
 
 def segment_means(x: Tensor, key_padding_mask: Tensor | None, length: int) -> tuple[Tensor, Tensor]:
@@ -269,8 +277,9 @@ def _kernel(
     sums = []
     for h, rate in enumerate(config.rates):
         heads = slice(h * subheads, (h + 1) * subheads)
-        k_means, valid = segment_means(k[:, heads], mask, segment_length(rate))  # (B, S', n, D), (B, n)
-        v_means, _ = segment_means(v[:, heads], mask, segment_length(rate))
+        length = segment_length(rate, k.shape[2])
+        k_means, valid = segment_means(k[:, heads], mask, length)  # (B, S', n, D), (B, n)
+        v_means, _ = segment_means(v[:, heads], mask, length)
         fk = feature_map(k_means, config.feature_map) * valid[:, None, :, None].to(q.dtype)
         v1 = torch.cat([v_means, v_means.new_ones(*v_means.shape[:3], 1)], dim=-1)  # the normaliser column
         sums.append(torch.matmul(fk.transpose(-1, -2), v1))  # (B, S', D, Dv + 1)
@@ -459,6 +468,7 @@ def multires_attention(
     config: MultiresConfig | None = None,
     state: nn.Module | None = None,
     router_logits: Tensor | None = None,
+    query_padding_mask: Tensor | None = None,
 ) -> Tensor:
     """AdaMRA: each query attends to the landmarks of the resolution its router picks (eq. 6–9).
 
@@ -471,6 +481,10 @@ def multires_attention(
         config: ``MultiresConfig``.
         state: ``MultiresState`` holding the seed of random routing (seed 0 when None).
         router_logits: ``(B, R, L)``, one logit per resolution for each query (learned routing).
+        query_padding_mask: bool ``(B, L)``, True marks a real query; padded queries are routed to
+            no resolution and return zeros. Optional: a query's output depends on the others only
+            through rounding (how many share its resolution sets the shapes of its products), but
+            with it, what padded queries hold cannot change even that.
 
     Returns:
         ``(B, H, L, Dv)``: a query's chosen heads weighted by its router probability, zeros in the
@@ -492,13 +506,17 @@ def multires_attention(
     first = shape.keys - shape.queries if is_causal else 0  # the position of query 0 (random routing)
     choice, weight = route(router_logits, config, shape.batch, shape.queries, first, seed, work)
     choice, weight = choice.to(q.device), weight.to(q.device)
-    visible = torch.ones(shape.queries, dtype=torch.bool, device=q.device)
+    check_query_padding_mask(query_padding_mask, shape, q.device)
+    visible = torch.ones(1, shape.queries, dtype=torch.bool, device=q.device)
     if is_causal:  # queries before every key (L > S) see nothing
-        visible = torch.arange(shape.queries, device=q.device) >= shape.queries - shape.keys
+        visible = visible & (torch.arange(shape.queries, device=q.device) >= shape.queries - shape.keys)
+    if query_padding_mask is not None:
+        visible = visible & query_padding_mask  # (B, L)
     B, L, Dv = shape.batch, shape.queries, shape.value_dim
     if config.similarity == "kernel" and not is_causal:  # every head for every query, in one product
         resolution = torch.arange(shape.heads, device=q.device) // subheads
-        gate = torch.where(choice[:, None, :] == resolution[None, :, None], weight[:, None, :], 0.0)  # (B, H, L)
+        chosen = (choice[:, None, :] == resolution[None, :, None]) & visible[:, None, :]
+        gate = torch.where(chosen, weight[:, None, :], 0.0)  # (B, H, L)
         return _kernel(q, k, v, key_padding_mask, config, subheads, gate).to(dtype)
     # Without autograd every head group writes into one output; with it, the groups are concatenated.
     track = tracks_grad(q, k, v, *(() if router_logits is None else (router_logits,)))
@@ -508,10 +526,10 @@ def multires_attention(
         heads = slice(h * subheads, (h + 1) * subheads)
         kh, vh = k[:, heads], v[:, heads]
         routed = (choice == h) & visible
-        if config.similarity == "softmax" and is_causal:
+        if config.similarity == "softmax":
             # The ablation runs every query, so a row's matmul shapes, and with them its rounding,
-            # do not depend on how many later queries pick this head: the past stays bit-identical.
-            order, real = torch.arange(L, device=q.device).expand(B, L), routed
+            # do not depend on how many other queries (later ones, other rows) pick this head.
+            order, real = torch.arange(L, device=q.device).expand(B, L), routed.expand(B, L)
         else:
             order, real = _routed_queries(routed)  # each head computes its own queries only
         if order.shape[1] == 0:  # no query chose this resolution
@@ -519,7 +537,7 @@ def multires_attention(
             continue
         qh = _gather(q[:, heads], order)  # (B, S', w, D)
         position = order + (shape.keys - L if is_causal else 0)  # key positions (causal)
-        length = segment_length(rate)
+        length = segment_length(rate, shape.keys)
         if config.similarity == "softmax":
             scale_h = resolve_scale(scale, shape.head_dim)
             rows = _softmax(qh, position, real, kh, vh, key_padding_mask, length, is_causal, scale_h)
@@ -549,7 +567,7 @@ MECHANISM = Mechanism(
     paper="Zhang, Ma, Seidl & Tresp 2021, Adaptive Multi-Resolution Attention, §3.2, eq. 6-9",
     causal=True,
     cross=True,
-    tensor_args=("router_logits",),
+    tensor_args=("router_logits", "query_padding_mask"),
     positions={"router_logits": QUERY},
     examples=(
         {},

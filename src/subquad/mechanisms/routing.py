@@ -94,10 +94,10 @@ class RoutingConfig(Config):
     mechanism = "routing"
     clusters: int = option(
         64, "k centroids shared by queries and keys (the paper: about sqrt(N)); non-causal: k tiles of S / k keys",
-        ge=1, le=1 << 16,
+        ge=1, le=4096,
     )  # fmt: skip
     window: int = option(
-        128, "causal: w keys per cluster tile; a query sees its tile and the previous one", ge=1, le=1 << 16
+        128, "causal: w keys per cluster tile; a query sees its tile and the previous one", ge=1, le=4096
     )
     decay: float = option(0.999, "EMA decay of the centroids (training mode only)", ge=0, le=1)
     commitment: float = option(1e-4, "β of the commitment loss β·‖x̂ − sg(μ)‖²", ge=0)
@@ -464,6 +464,7 @@ MECHANISM = Mechanism(
     causal=True,
     cross=True,
     tensor_args=("query_padding_mask",),
+    groups_queries=True,
     state=RoutingState,
     decoder=RoutingCache,
     examples=({}, {"clusters": 3, "window": 4}, {"clusters": 1, "window": 2}),

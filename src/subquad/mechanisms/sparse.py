@@ -124,11 +124,11 @@ class SparseConfig(Config):
         "strided: local (p − j < l), column ((p − j) mod l = 0), or merged (both in one head)",
         choices=("local", "column", "merged"),
     )
-    stride: int = option(128, "l: the stride of strided, the block length of fixed", ge=1)
+    stride: int = option(128, "l: the stride of strided, the block length of fixed", ge=1, le=1 << 20)
     summary: int = option(8, "fixed: c, summary positions at the end of each block", ge=1)
     groups: int = option(1, "fixed: nv distinct summary groups; layer head h uses group h mod nv", ge=1)
     head_offset: int = _head_offset_option()
-    block: int = option(32, "queries per block of compute (speed only)", ge=1)
+    block: int = option(32, "queries per block of compute (speed only)", ge=1, le=4096)
     kernel: str = kernel_option()
 
     def check(self) -> None:
@@ -148,7 +148,7 @@ class PatternConfig(Config):
     dilation: int = option(1, "window: keep only keys with (p − j) mod dilation = 0", ge=1)
     global_tokens: int = option(0, "window: the first g positions see, and are seen by, every position", ge=0)
     head_offset: int = _head_offset_option()
-    block: int = option(64, "query and key block length of the layout (speed only)", ge=1)
+    block: int = option(64, "query and key block length of the layout (speed only)", ge=1, le=4096)
     kernel: str = kernel_option()
 
     def check(self) -> None:
@@ -499,7 +499,15 @@ def pattern_mask_mod(
 
 
 def _evaluate(mask_mod: MaskMod, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    out = mask_mod(b, h, q_idx, kv_idx)
+    try:
+        out = mask_mod(b, h, q_idx, kv_idx)
+    except RuntimeError as error:
+        if "Boolean value of Tensor" not in str(error):
+            raise
+        raise ValueError(
+            "mask_mod is called with index tensors, so Python's 'and', 'or', 'not' and 'if' cannot "
+            "combine its conditions; use & | ~ and torch.where, e.g. (q_idx >= kv_idx) & (q_idx - kv_idx < w)"
+        ) from error
     if not isinstance(out, Tensor) or out.dtype != torch.bool:
         got = out.dtype if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(

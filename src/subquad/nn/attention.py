@@ -146,11 +146,15 @@ class MultiheadAttention(nn.Module):
         value: Tensor | None = None,
         *,
         key_padding_mask: Tensor | None = None,
+        query_padding_mask: Tensor | None = None,
         is_causal: bool = False,
         cache: list[Any] | None = None,
     ) -> Tensor:
         """Attend ``query`` to ``key``/``value`` (to itself when they are None).
 
+        ``key_padding_mask`` is bool ``(B, S)``, True = a real token. Mechanisms that group their
+        queries (clustered, routing) also need to know the padded queries: in self-attention they
+        are the padded keys; in cross-attention pass ``query_padding_mask`` ``(B, L)``.
         With ``cache`` (from ``new_cache``), ``query`` holds the next tokens of a causal
         self-attention sequence; their keys and values are appended to the cache.
         """
@@ -171,8 +175,11 @@ class MultiheadAttention(nn.Module):
             heads = slice(start, start + g.heads)
             start += g.heads
             tensors = self.inputs[str(i)](query, key) if str(i) in self.inputs else {}
-            if key is query and key_padding_mask is not None and "query_padding_mask" in g.mechanism.tensor_args:
-                tensors.setdefault("query_padding_mask", key_padding_mask)  # self-attention: the same tokens
+            if "query_padding_mask" in g.mechanism.tensor_args:
+                if query_padding_mask is not None:
+                    tensors["query_padding_mask"] = query_padding_mask
+                elif key is query and key_padding_mask is not None:
+                    tensors["query_padding_mask"] = key_padding_mask  # self-attention: the same tokens
             if cache is not None:
                 outputs.append(cache[i].step(q[:, heads], k[:, heads], v[:, heads], **tensors))
                 continue

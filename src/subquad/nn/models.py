@@ -280,7 +280,13 @@ class CausalLM(nn.Module):
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-        total = tokens.shape[-1] + max_new_tokens if isinstance(tokens, Tensor) else 0
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[1] == 0:
+            got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(
+                f"generate continues a prompt of shape (B, T) with T >= 1, got {got}: the next token is "
+                "predicted from the last one; start from a token of your own, e.g. torch.zeros(B, 1, dtype=torch.long)"
+            )
+        total = tokens.shape[-1] + max_new_tokens
         if total > self.backbone.embed.max_len:
             raise ValueError(f"prompt plus max_new_tokens is {total} tokens but max_len={self.backbone.embed.max_len}")
         cache = self.new_cache() if use_cache else None
