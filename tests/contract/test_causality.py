@@ -3,8 +3,8 @@
 - Prefix consistency: the outputs at positions < t equal those of the same call on the first t
   positions. A default derived from the sequence's length (a cluster count, a tile size) breaks
   this while every fixed-length check passes.
-- Future edits: whatever the positions after t hold (new values, NaN, ±inf), the outputs at
-  positions <= t are bit-identical, and so, up to rounding, are the gradients they send to
+- Future edits: whatever the positions after t hold (new values, NaN, ±inf, padding or not), the
+  outputs at positions <= t are bit-identical, and so, up to rounding, are the gradients they send to
   inputs at positions <= t.
 """
 
@@ -58,11 +58,15 @@ def test_future_edits_leave_the_past_bit_identical(case, data, seed, fill, dtype
     future_q, future_k = positions_after(t, B, L, S)
     y = edit(case, x, future_q, future_k, fill_with(fill, seed + 1))
     past = ~future_q[0]  # queries at positions <= t
+    kpm = None
+    if data.draw(st.booleans(), label="padding"):  # and the future's padding flipped
+        kpm = torch.rand(B, S, generator=torch.Generator().manual_seed(seed)) > 0.3
+    masks = (kpm, None if kpm is None else torch.where(future_k, ~kpm, kpm))
 
     outs, grads = [], []
-    for inputs in (x, y):
+    for inputs, mask in zip((x, y), masks, strict=True):
         leaves = inputs.leaves()
-        out = call(case, leaves, is_causal=True)[:, :, past]
+        out = call(case, leaves, is_causal=True, key_padding_mask=mask)[:, :, past]
         weight = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view(out.shape)
         (out.double() * weight).sum().backward()
         outs.append(out.detach())

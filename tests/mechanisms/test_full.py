@@ -98,22 +98,6 @@ def test_queries_without_keys_give_zero_output_and_finite_zero_gradients(config)
 
 
 @pytest.mark.parametrize("config", BACKENDS)
-@pytest.mark.parametrize(("L", "S"), [(9, 9), (4, 9)])
-def test_causality_editing_the_future_leaves_the_past_unchanged(config, L, S):
-    q, k, v = qkv(2, 2, L, S, 8)
-    out = full_attention(q, k, v, is_causal=True, config=config)
-    for p in range(S - L, S - 1):  # a position on the key axis; query i sits at i + S - L
-        q2, k2, v2 = q.clone(), k.clone(), v.clone()
-        k2[:, :, p + 1 :] += 3 * torch.randn_like(k2[:, :, p + 1 :])
-        v2[:, :, p + 1 :] -= 2
-        q2[:, :, p + 1 - (S - L) :] *= -1.5
-        out2 = full_attention(q2, k2, v2, is_causal=True, config=config)
-        past = p + 1 - (S - L)
-        assert (out2[:, :, :past] - out[:, :, :past]).abs().max() <= 1e-12
-        assert (out2[:, :, past:] - out[:, :, past:]).abs().max() > 1e-3  # the edit is visible after p
-
-
-@pytest.mark.parametrize("config", BACKENDS)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gradcheck(config, is_causal):
     q, k, v = (x.requires_grad_() for x in qkv(1, 2, 5, 6, 3))

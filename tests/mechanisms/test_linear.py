@@ -84,21 +84,6 @@ def test_zero_features_and_unseen_keys_give_zeros_not_nan():
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
-@pytest.mark.parametrize(("L", "S"), [(30, 30), (20, 30), (30, 20)])
-def test_causality_editing_the_future_leaves_the_past_unchanged(L, S):
-    q, k, v = qkv(2, 2, L, S, 6)
-    out = linear_attention(q, k, v, is_causal=True, config=LinearConfig(chunk=7))
-    for t in (0, 5, L - 2):
-        key_t = t + S - L  # the last key position query t sees
-        q2, k2, v2 = q.clone(), k.clone(), v.clone()
-        q2[:, :, t + 1 :] = randn(*q2[:, :, t + 1 :].shape, seed=t)
-        if key_t + 1 < S:
-            k2[:, :, max(key_t + 1, 0) :] = 5.0
-            v2[:, :, max(key_t + 1, 0) :] = -3.0
-        edited = linear_attention(q2, k2, v2, is_causal=True, config=LinearConfig(chunk=7))
-        assert (edited[:, :, : t + 1] - out[:, :, : t + 1]).abs().max() <= 1e-12
-
-
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("fm", ["elu", "relu"])
 @pytest.mark.parametrize(("L", "S"), [(11, 11), (7, 11), (11, 7)])

@@ -80,20 +80,6 @@ def test_a_window_with_only_padded_keys_returns_zeros_with_finite_gradients():
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
-@pytest.mark.parametrize(("L", "S"), [(64, 64), (40, 64)])
-def test_causality_editing_the_future_leaves_the_past_unchanged(L, S):
-    q, k, v = qkv(2, 2, L, S, 8)
-    out = local_attention(q, k, v, is_causal=True, config=LocalConfig(window=9))
-    for t in (0, 17, L - 2):
-        q2, k2, v2 = q.clone(), k.clone(), v.clone()
-        q2[:, :, t + 1 :] = torch.randn_like(q2[:, :, t + 1 :]) * 5
-        k2[:, :, t + 1 + S - L :] = torch.randn_like(k2[:, :, t + 1 + S - L :]) * 5
-        v2[:, :, t + 1 + S - L :] = torch.randn_like(v2[:, :, t + 1 + S - L :]) * 5
-        out2 = local_attention(q2, k2, v2, is_causal=True, config=LocalConfig(window=9))
-        assert (out2[:, :, : t + 1] - out[:, :, : t + 1]).abs().max() <= 1e-7
-        assert (out2[:, :, t + 1 :] - out[:, :, t + 1 :]).abs().max() > 1e-3
-
-
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_gradcheck(is_causal):
     q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 23, 23, 4, 3))
