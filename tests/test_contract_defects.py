@@ -106,17 +106,29 @@ def test_generate_from_an_empty_prompt_gets_a_clear_error():
         model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
 
 
-@pytest.mark.parametrize("name", ["routing", "multires"])
-def test_causal_outputs_are_bit_identical_when_only_the_future_changes_in_float32(name):
-    """They moved by 3e-8 to 7e-7: a summation order that followed later tokens."""
+@pytest.mark.parametrize(
+    ("name", "dtype", "L", "S", "D"),
+    [("routing", torch.float32, 300, 300, 16), ("multires", torch.float64, 16, 152, 4)],
+)
+def test_causal_outputs_are_bit_identical_when_only_the_future_changes(name, dtype, L, S, D):
+    """They moved by 3e-8 to 7e-7 in fp32 (routing) and by rounding in fp64 (multires, 2 of these
+    20 inputs): a summation order that followed later tokens."""
+    t = S - 4  # the last key position kept
+    past = torch.arange(L) + S - L <= t  # the queries at positions <= t
     changed = 0
-    for seed in range(6):
-        q, k, v = (_randn(2, 4, 300, 16, seed=10 * seed + s) for s in range(3))
+    for seed in range(20):
+        q, k, v = (
+            _randn(2, 4, L, D, seed=seed, dtype=dtype),
+            *(_randn(2, 4, S, D, seed=seed + s, dtype=dtype) for s in (1, 2)),
+        )
         extras = _extras(name, q, k, v)
         before = subquad.attention(q, k, v, name, is_causal=True, **extras)
-        for x in (q, k, v):
-            x[:, :, 150:] = _randn(*x[:, :, 150:].shape, seed=10 * seed + 5)
-        edited = {key: torch.cat([t[..., :150], _randn(*t[..., 150:].shape, seed=99)], -1) for key, t in extras.items()}
-        after = subquad.attention(q, k, v, name, is_causal=True, **edited)
-        changed += not torch.equal(before[:, :, :150], after[:, :, :150])
-    assert changed == 0, f"{changed} of 6 inputs moved"
+        q[:, :, ~past] = 3 * _randn(2, 4, int((~past).sum()), D, seed=seed + 3, dtype=dtype)
+        k[:, :, t + 1 :], v[:, :, t + 1 :] = (
+            3 * _randn(2, 4, S - t - 1, D, seed=seed + s, dtype=dtype) for s in (4, 5)
+        )
+        for x in extras.values():  # router logits run over the queries
+            x[..., ~past] = 3 * _randn(*x[..., ~past].shape, seed=seed + 6, dtype=dtype)
+        after = subquad.attention(q, k, v, name, is_causal=True, **extras)
+        changed += not torch.equal(before[:, :, past], after[:, :, past])
+    assert changed == 0, f"{changed} of 20 inputs moved"

@@ -54,6 +54,7 @@ def contained(
     key_padding_mask: Tensor | None,
     query_padding_mask: Tensor | None,
     is_causal: bool,
+    uses_qk: bool = True,
 ) -> Tensor:
     """``run(q, k, v, tensors)`` with padded and future content kept out of real outputs.
 
@@ -65,6 +66,7 @@ def contained(
             dimension runs over the queries or the keys.
         key_padding_mask, query_padding_mask: bool ``(B, S)`` and ``(B, L)``, True = real.
         is_causal: the causal form: query ``i`` sits at key position ``i + S - L``.
+        uses_qk: False for a mechanism that reads only the shapes of q and k: they are not checked.
 
     Returns:
         ``run``'s output, with NaN where a non-finite real entry may reach (module docstring).
@@ -72,6 +74,8 @@ def contained(
     if not (is_causal or key_padding_mask is not None or query_padding_mask is not None):
         return run(q, k, v, tensors)  # no position is padded or in the future
     checked = _unseen_by_some(q, k, v, tensors, positions, key_padding_mask, is_causal)
+    if not uses_qk:
+        checked = checked[2:]  # q and k only give shapes (often as zero-stride views)
     if q.device.type == "cpu" and _all_finite(checked):
         return run(q, k, v, tensors)
     return _sanitised(run, q, k, v, tensors, positions, key_padding_mask, query_padding_mask, is_causal)

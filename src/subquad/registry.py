@@ -264,6 +264,7 @@ class Mechanism:
             key_padding_mask=key_padding_mask,
             query_padding_mask=query_padding_mask,
             is_causal=is_causal,
+            uses_qk=self.uses_qk,
         )
 
 
