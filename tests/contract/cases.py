@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -240,7 +240,6 @@ __all__ = [
     "grads_at",
     "make_inputs",
     "positions_after",
-    "replace",
     "sizes",
     "with_batch",
 ]
