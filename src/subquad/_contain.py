@@ -11,15 +11,14 @@ whatever the mechanism does inside:
 - **Check** (CPU): when every entry of q, k, v and the position-aligned extra tensors is finite,
   run the mechanism on them as they are: its masks exclude finite content exactly, in the forward
   and in the backward. The check is one read of each input (a sum: a NaN or inf entry always
-  makes it non-finite; an overflow only sends the call down the safe path). In causal form
-  without padding, only the keys a query may not see are read: those after the first query's
-  position, so a decoding step checks its new keys, not the whole cache.
+  makes it non-finite; an overflow only sends the call down the safe path).
 - **Sanitise** (when an entry is not finite, and always off the CPU, where checking would make
   the host wait for the device): run it on copies of the inputs whose padded positions and
   non-finite entries are zero, then write NaN into every output that may depend on a non-finite
   entry at a real position:
 
-  - a query's (or a query-aligned extra tensor's) entry: that query's output;
+  - a query's (or a query-aligned extra tensor's) entry: that query's output (for a mechanism that
+    groups its queries, as for a key: its content reaches the others);
   - a key's or value's (or a key-aligned extra's) entry at position p: in causal form, every output
     at position p or later; otherwise every output of that batch row.
 
@@ -55,6 +54,7 @@ def contained(
     query_padding_mask: Tensor | None,
     is_causal: bool,
     uses_qk: bool = True,
+    groups_queries: bool = False,
 ) -> Tensor:
     """``run(q, k, v, tensors)`` with padded and future content kept out of real outputs.
 
@@ -67,40 +67,21 @@ def contained(
         key_padding_mask, query_padding_mask: bool ``(B, S)`` and ``(B, L)``, True = real.
         is_causal: the causal form: query ``i`` sits at key position ``i + S - L``.
         uses_qk: False for a mechanism that reads only the shapes of q and k: they are not checked.
+        groups_queries: a query's content reaches the outputs of others (clusters, balanced tiles),
+            so a non-finite query entry spreads as a key's does.
 
     Returns:
         ``run``'s output, with NaN where a non-finite real entry may reach (module docstring).
     """
     if not (is_causal or key_padding_mask is not None or query_padding_mask is not None):
         return run(q, k, v, tensors)  # no position is padded or in the future
-    checked = _unseen_by_some(q, k, v, tensors, positions, key_padding_mask, is_causal)
-    if not uses_qk:
-        checked = checked[2:]  # q and k only give shapes (often as zero-stride views)
+    extras = [tensors.get(name) for name in positions]
+    checked = ([q, k] if uses_qk else []) + [v, *(x for x in extras if isinstance(x, Tensor) and x.is_floating_point())]
     if q.device.type == "cpu" and _all_finite(checked):
         return run(q, k, v, tensors)
-    return _sanitised(run, q, k, v, tensors, positions, key_padding_mask, query_padding_mask, is_causal)
-
-
-def _unseen_by_some(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    tensors: dict,
-    positions: Mapping[str, str],
-    key_padding_mask: Tensor | None,
-    is_causal: bool,
-) -> list[Tensor]:
-    """The inputs whose content some real output must not see: the queries (one may be padded)
-    and, of the keys, the padded ones (so all, when some are padded) and in causal form those
-    after query 0's position (every query sees the rest)."""
-    L, S = q.shape[2], k.shape[2]
-    first = 0 if key_padding_mask is not None else max(0, S - L + 1) if is_causal else S
-    checked = [q, k[:, :, first:], v[:, :, first:]]
-    for name, side in positions.items():
-        x = tensors.get(name)
-        if isinstance(x, Tensor) and x.is_floating_point():
-            checked.append(x if side == QUERY else x[..., first:])
-    return checked
+    return _sanitised(
+        run, q, k, v, tensors, positions, key_padding_mask, query_padding_mask, is_causal, uses_qk, groups_queries
+    )
 
 
 def _all_finite(xs: list[Tensor]) -> bool:
@@ -135,12 +116,16 @@ def _sanitised(
     key_padding_mask: Tensor | None,
     query_padding_mask: Tensor | None,
     is_causal: bool,
+    uses_qk: bool,
+    groups_queries: bool,
 ) -> Tensor:
-    q, bad_q = _clean(q, query_padding_mask, 2)
-    k, bad_k = _clean(k, key_padding_mask, 2)
-    v, bad_v = _clean(v, key_padding_mask, 2)
-    bad_k = bad_k | bad_v
     B, L, S = q.shape[0], q.shape[2], k.shape[2]
+    v, bad_k = _clean(v, key_padding_mask, 2)
+    bad_q = torch.zeros(B, L, dtype=torch.bool, device=q.device)
+    if uses_qk:  # else q and k only give shapes: nothing in them is read
+        q, bad_q = _clean(q, query_padding_mask, 2)
+        k, bad = _clean(k, key_padding_mask, 2)
+        bad_k = bad_k | bad
     tensors = dict(tensors)
     for name, side in positions.items():
         x = tensors.get(name)
@@ -153,13 +138,14 @@ def _sanitised(
             else:
                 bad_k = bad_k | bad
     out = run(q, k, v, tensors)  # extras of a wrong shape go in as they are: the mechanism says what is wrong
+    spreading = bad_q if groups_queries else torch.zeros_like(bad_q)  # queries that reach others
     if is_causal:  # query i (key position i + S - L) sees a bad key at or before its position
         seen = bad_k.cummax(dim=1).values  # (B, S): a bad key at or before each position
         first = max(0, L - S)  # queries before every key see none
-        reached = torch.zeros_like(bad_q)
-        reached[:, first:] = seen[:, max(0, S - L) :]
+        reached = spreading.cummax(dim=1).values
+        reached[:, first:] |= seen[:, max(0, S - L) :]
     else:
-        reached = bad_k.any(dim=1, keepdim=True).expand_as(bad_q)
+        reached = (bad_k.any(dim=1, keepdim=True) | spreading.any(dim=1, keepdim=True)).expand_as(bad_q)
     poisoned = bad_q | reached  # (B, L)
     if query_padding_mask is not None:
         poisoned &= query_padding_mask  # padded queries keep their finite outputs

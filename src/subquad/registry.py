@@ -265,6 +265,7 @@ class Mechanism:
             query_padding_mask=query_padding_mask,
             is_causal=is_causal,
             uses_qk=self.uses_qk,
+            groups_queries=self.groups_queries,
         )
 
 

@@ -173,12 +173,13 @@ class MultiresInputs(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def segment_length(rate: float, keys: int) -> int:
+def segment_length(rate: float, keys: int | None = None) -> int:
     """ℓ = ⌊1/c⌋ positions per segment: the longest segment that gives at least m = ⌈N·c⌉ landmarks
     at every N (exactly m when 1/c is a whole number, as for all the paper's rates). At most the
     ``keys`` S: one segment of all the keys is the same landmark as any longer one (segments start
     at position 0, causal ones too), and the work stays O(S) for any rate."""
-    return max(1, min(math.floor(1 / rate + 1e-9), keys))
+    length = max(1, math.floor(1 / rate + 1e-9))
+    return length if keys is None else max(1, min(length, keys))
 
 
 def segment_means(x: Tensor, key_padding_mask: Tensor | None, length: int) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,52 @@
+"""subquad._contain through the dispatcher: where a non-finite real entry goes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import subquad
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _nan_rows(out):
+    return out.isnan().any(-1).any(1)  # (B, L)
+
+
+@pytest.mark.parametrize("name", ["clustered", "improved-clustered", "routing"])
+def test_a_nan_query_of_a_mechanism_that_groups_queries_marks_its_whole_row(name):
+    """Its content reaches other queries' outputs (clusters, balanced tiles), so they are NaN too,
+    not finite values that depend on a NaN."""
+    q, k, v = (_randn(2, 2, 12, 4, seed=s) for s in range(3))
+    real = torch.ones(2, 12, dtype=torch.bool)
+    q[0, :, 3] = float("nan")
+    out = subquad.attention(q, k, v, name, key_padding_mask=real, query_padding_mask=real)
+    assert _nan_rows(out)[0].all() and not _nan_rows(out)[1].any()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_nan_key_in_causal_form_marks_every_later_output_whatever_the_mechanism_sees(masked):
+    """Routing's queries see only their cluster's tiles, yet key 0's cluster shapes those tiles:
+    with or without an all-True mask, every output from position 0 on is NaN."""
+    q, k, v = (_randn(1, 2, 8, 4, seed=s) for s in range(3))
+    k[0, :, 0] = float("nan")
+    mask = torch.ones(1, 8, dtype=torch.bool) if masked else None
+    extra = {"query_padding_mask": mask} if masked else {}
+    out = subquad.attention(q, k, v, "routing", is_causal=True, key_padding_mask=mask, **extra)
+    assert _nan_rows(out).all()
+    local = subquad.attention(q, k, v, "local", is_causal=True, window=3, key_padding_mask=mask)
+    assert _nan_rows(local).all(), "the documented rule, not how far the arithmetic happens to spread it"
+
+
+def test_what_a_mechanism_does_not_read_cannot_mark_an_output():
+    """agglomerative reads only the shapes of q and k: a NaN there changes nothing."""
+    q, k, v = (_randn(1, 2, 6, 4, seed=s) for s in range(3))
+    logits = {"query_logits": _randn(1, 2, 6, seed=4), "key_logits": _randn(1, 2, 6, seed=5)}
+    real = torch.ones(1, 6, dtype=torch.bool)
+    real[0, 4:] = False
+    clean = subquad.attention(q, k, v, "agglomerative", key_padding_mask=real, **logits)
+    q[0, :, 2], k[0, :, 2] = float("nan"), float("nan")
+    assert torch.equal(subquad.attention(q, k, v, "agglomerative", key_padding_mask=real, **logits), clean)
