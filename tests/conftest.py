@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from subquad import _native
+from subquad.kernels import native as _native
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> Tensor:

@@ -4,11 +4,9 @@ import sys
 import pytest
 import torch
 
-from subquad._blocks import (
-    ACCELERATOR_SCALE,
+from subquad.kernels.memory import (
     BlockOutput,
     Scratch,
-    block_elements,
     new_buffers,
     new_output,
     new_output_like,
@@ -55,11 +53,6 @@ def test_scratch_reuses_one_buffer_per_name_and_grows_when_asked_for_more():
     assert scratch("y", (5, 2)).data_ptr() != a.data_ptr()  # another name, another buffer
     larger = scratch("x", (7, 7))  # does not fit: a new buffer
     assert larger.shape == (7, 7) and scratch("x", (2, 3, 4)).data_ptr() == larger.data_ptr()
-
-
-def test_blocks_are_larger_off_the_cpu_only():
-    assert block_elements(1 << 19, torch.device("cpu")) == 1 << 19
-    assert block_elements(1 << 19, torch.device("cuda")) == (1 << 19) * ACCELERATOR_SCALE > 1 << 19
 
 
 def test_new_output_is_an_empty_tensor_of_the_shape_dtype_and_device():

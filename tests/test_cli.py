@@ -1,11 +1,15 @@
 import argparse
 import json
+import subprocess
+import sys
+from dataclasses import fields, replace
 
 import pytest
 
 import subquad
 from subquad import registry
-from subquad.cli import _option_parser, main
+from subquad.bench.runner import BenchSettings
+from subquad.cli import _add_bench_arguments, _bench_settings, _option_parser, main
 
 from .test_registry import TOY
 
@@ -17,6 +21,8 @@ def test_list_shows_options_defaults_and_capabilities(capsys):
     assert "causal: yes   cross (L != S): yes   recurrent: no   dtypes: float16, bfloat16, float32, float64" in out
     assert "cached decoding: KV cache (each new token attends to the whole prefix)" in out
     assert "backend: str = 'sdpa'  {sdpa, eager}" in out
+    assert "grouped-query (enable_gqa): reads grouped K/V in place   dropout_p: yes" in out  # full
+    assert "grouped-query (enable_gqa): repeats grouped K/V heads (a copy per call)   dropout_p: no" in out
 
 
 def test_list_json(capsys):
@@ -105,3 +111,39 @@ def test_options_for_an_unselected_mechanism_raise(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--mechanisms", "full", "--toy.width", "3"])
     assert "options given for ['toy'], which --mechanisms does not select" in capsys.readouterr().err
+
+
+def _bench_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    _add_bench_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_every_bench_setting_has_a_flag_whose_default_is_the_settings_default():
+    args = _bench_args([])
+    assert {f.name for f in fields(BenchSettings)} - {"variants"} <= set(vars(args))
+    settings = _bench_settings(args)
+    assert replace(settings, variants=()) == BenchSettings()
+    assert [v.mechanism for v in settings.variants] == subquad.mechanism_names()
+
+
+def test_bench_flags_build_the_settings():
+    argv = ["--mechanisms", "full", "--lengths", "8", "16", "--causal", "yes", "--backward", "no", "--threads", "3"]
+    argv += ["--dtype", "float64", "--warmup-seconds", "0.5", "--baseline-max-length", "8"]
+    settings = _bench_settings(_bench_args(argv))
+    assert settings.lengths == (8, 16) and settings.causal == (True,) and settings.backward == (False,)
+    assert settings.threads == 3 and settings.dtype == "float64" and settings.warmup_seconds == 0.5
+    assert settings.baseline_max_length == 8 and [v.label for v in settings.variants] == ["full"]
+
+
+def test_python_m_subquad_runs_the_command():
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "subquad", *argv], capture_output=True, text=True, timeout=300)
+
+    listing = run("list")
+    assert listing.returncode == 0, listing.stderr
+    names = [line.split(":")[0] for line in listing.stdout.splitlines() if line and not line.startswith(" ")]
+    assert names == subquad.mechanism_names()
+    bench_help = run("bench", "--help")
+    assert bench_help.returncode == 0, bench_help.stderr
+    assert "--warmup-seconds" in bench_help.stdout

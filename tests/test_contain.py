@@ -23,7 +23,7 @@ def test_a_nan_query_of_a_mechanism_that_groups_queries_marks_its_whole_row(name
     q, k, v = (_randn(2, 2, 12, 4, seed=s) for s in range(3))
     real = torch.ones(2, 12, dtype=torch.bool)
     q[0, :, 3] = float("nan")
-    out = subquad.attention(q, k, v, name, key_padding_mask=real, query_padding_mask=real)
+    out = subquad.attention(q, k, v, mechanism=name, key_padding_mask=real, query_padding_mask=real)
     assert _nan_rows(out)[0].all() and not _nan_rows(out)[1].any()
 
 
@@ -35,9 +35,9 @@ def test_a_nan_key_in_causal_form_marks_every_later_output_whatever_the_mechanis
     k[0, :, 0] = float("nan")
     mask = torch.ones(1, 8, dtype=torch.bool) if masked else None
     extra = {"query_padding_mask": mask} if masked else {}
-    out = subquad.attention(q, k, v, "routing", is_causal=True, key_padding_mask=mask, **extra)
+    out = subquad.attention(q, k, v, mechanism="routing", is_causal=True, key_padding_mask=mask, **extra)
     assert _nan_rows(out).all()
-    local = subquad.attention(q, k, v, "local", is_causal=True, window=3, key_padding_mask=mask)
+    local = subquad.attention(q, k, v, mechanism="local", is_causal=True, window=3, key_padding_mask=mask)
     assert _nan_rows(local).all(), "the documented rule, not how far the arithmetic happens to spread it"
 
 
@@ -47,6 +47,6 @@ def test_what_a_mechanism_does_not_read_cannot_mark_an_output():
     logits = {"query_logits": _randn(1, 2, 6, seed=4), "key_logits": _randn(1, 2, 6, seed=5)}
     real = torch.ones(1, 6, dtype=torch.bool)
     real[0, 4:] = False
-    clean = subquad.attention(q, k, v, "agglomerative", key_padding_mask=real, **logits)
+    clean = subquad.attention(q, k, v, mechanism="agglomerative", key_padding_mask=real, **logits)
     q[0, :, 2], k[0, :, 2] = float("nan"), float("nan")
-    assert torch.equal(subquad.attention(q, k, v, "agglomerative", key_padding_mask=real, **logits), clean)
+    assert torch.equal(subquad.attention(q, k, v, mechanism="agglomerative", key_padding_mask=real, **logits), clean)

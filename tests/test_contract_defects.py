@@ -26,8 +26,8 @@ def test_routing_with_its_defaults_is_prefix_consistent():
     """Its defaults were round(sqrt(S)) clusters and tiles of ceil(S/k): outputs at positions < 150
     moved by up to 3.8 when the sequence went on to 200."""
     q, k, v = (_randn(1, 1, 200, 16, seed=s) for s in range(3))
-    whole = subquad.attention(q, k, v, "routing", is_causal=True)
-    prefix = subquad.attention(q[:, :, :150], k[:, :, :150], v[:, :, :150], "routing", is_causal=True)
+    whole = subquad.attention(q, k, v, mechanism="routing", is_causal=True)
+    prefix = subquad.attention(q[:, :, :150], k[:, :, :150], v[:, :, :150], mechanism="routing", is_causal=True)
     torch.testing.assert_close(whole[:, :, :150], prefix, rtol=1e-5, atol=1e-6)
 
 
@@ -44,7 +44,10 @@ def test_non_causal_routing_padded_queries_do_not_change_real_outputs():
     real[0, 45:] = False
     junk = q.clone()
     junk[0, :, 45:] = 5 * _randn(2, 15, 8, seed=7)
-    a, b = (subquad.attention(x, k, v, "routing", key_padding_mask=real, query_padding_mask=real) for x in (q, junk))
+    a, b = (
+        subquad.attention(x, k, v, mechanism="routing", key_padding_mask=real, query_padding_mask=real)
+        for x in (q, junk)
+    )
     assert torch.equal(a[0, :, :45], b[0, :, :45]) and torch.equal(a[1], b[1])
 
 
@@ -57,10 +60,10 @@ def test_nan_in_padded_keys_values_and_queries_reaches_no_real_output(name):
     masks = {"key_padding_mask": real}
     if "query_padding_mask" in subquad.get_mechanism(name).tensor_args:
         masks["query_padding_mask"] = real
-    clean = subquad.attention(q, k, v, name, **masks, **extras)
+    clean = subquad.attention(q, k, v, mechanism=name, **masks, **extras)
     for x in (q, k, v):
         x[0, :, 30:] = float("nan")
-    dirty = subquad.attention(q, k, v, name, **masks, **extras)
+    dirty = subquad.attention(q, k, v, mechanism=name, **masks, **extras)
     assert torch.isfinite(dirty[0, :, :30]).all()
     assert torch.equal(clean[0, :, :30], dirty[0, :, :30]) and torch.equal(clean[1], dirty[1])
 
@@ -69,10 +72,10 @@ def test_nan_in_padded_keys_values_and_queries_reaches_no_real_output(name):
 def test_nan_in_the_future_reaches_no_earlier_output(name):
     q, k, v = (_randn(1, 4, 40, 8, seed=s) for s in range(3))
     extras = _extras(name, q, k, v)
-    before = subquad.attention(q, k, v, name, is_causal=True, **extras)
+    before = subquad.attention(q, k, v, mechanism=name, is_causal=True, **extras)
     for x in (q, k, v):
         x[:, :, 20:] = float("nan")
-    after = subquad.attention(q, k, v, name, is_causal=True, **extras)
+    after = subquad.attention(q, k, v, mechanism=name, is_causal=True, **extras)
     assert torch.equal(before[:, :, :20], after[:, :, :20])
 
 
@@ -83,21 +86,21 @@ def test_clustered_refuses_a_key_padding_mask_without_a_query_padding_mask(name)
     real = torch.ones(1, 30, dtype=torch.bool)
     real[0, 20:] = False
     with pytest.raises(ValueError, match="pass query_padding_mask too"):
-        subquad.attention(q, k, v, name, key_padding_mask=real)
+        subquad.attention(q, k, v, mechanism=name, key_padding_mask=real)
 
 
 def test_multires_with_a_tiny_rate_runs_in_bounded_memory():
     """rates=(1e-9,)*4 made torch try to allocate about 100 GB."""
     q, k, v = (_randn(1, 4, 50, 8, seed=s) for s in range(3))
     logits = _randn(1, 4, 50, seed=3)
-    out = subquad.attention(q, k, v, "multires", rates=(1e-9,) * 4, router_logits=logits)
+    out = subquad.attention(q, k, v, mechanism="multires", rates=(1e-9,) * 4, router_logits=logits)
     assert torch.isfinite(out).all()
 
 
 def test_a_pattern_mask_mod_written_with_and_gets_our_error():
     q, k, v = (_randn(1, 1, 16, 4, seed=s) for s in range(3))
     with pytest.raises(ValueError, match=r"use & \| ~ and torch.where"):
-        subquad.attention(q, k, v, "pattern", mask_mod=lambda b, h, i, j: (i >= j) and (i - j < 4))
+        subquad.attention(q, k, v, mechanism="pattern", mask_mod=lambda b, h, i, j: (i >= j) and (i - j < 4))
 
 
 def test_generate_from_an_empty_prompt_gets_a_clear_error():
@@ -122,13 +125,13 @@ def test_causal_outputs_are_bit_identical_when_only_the_future_changes(name, dty
             *(_randn(2, 4, S, D, seed=seed + s, dtype=dtype) for s in (1, 2)),
         )
         extras = _extras(name, q, k, v)
-        before = subquad.attention(q, k, v, name, is_causal=True, **extras)
+        before = subquad.attention(q, k, v, mechanism=name, is_causal=True, **extras)
         q[:, :, ~past] = 3 * _randn(2, 4, int((~past).sum()), D, seed=seed + 3, dtype=dtype)
         k[:, :, t + 1 :], v[:, :, t + 1 :] = (
             3 * _randn(2, 4, S - t - 1, D, seed=seed + s, dtype=dtype) for s in (4, 5)
         )
         for x in extras.values():  # router logits run over the queries
             x[..., ~past] = 3 * _randn(*x[..., ~past].shape, seed=seed + 6, dtype=dtype)
-        after = subquad.attention(q, k, v, name, is_causal=True, **extras)
+        after = subquad.attention(q, k, v, mechanism=name, is_causal=True, **extras)
         changed += not torch.equal(before[:, :, past], after[:, :, past])
     assert changed == 0, f"{changed} of 20 inputs moved"

@@ -10,43 +10,48 @@ import pytest
 import torch
 
 from subquad.nn import CausalLM, HeadGroup
-from subquad.registry import get_mechanism, make_config
+from subquad.registry import get_mechanism, make_config, mechanism_names
 
 from .conftest import padding, qkv
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-# Options small enough for N = 100 to cross many blocks, chunks, tiles and segments.
+# Options small enough for N = 100 to cross many blocks, chunks, tiles and segments: case -> (mechanism, options).
 CASES = {
-    "full": {},
-    "full-eager": {"backend": "eager"},
-    "clustered": {"clusters": 5},
-    "clustered-hamming": {"clusters": 5, "kmeans": "hamming", "bits": 16},
-    "improved-clustered": {"clusters": 5, "topk": 7},
-    "linear": {"chunk": 16},
-    "linear-relu": {"chunk": 13, "feature_map": "relu"},
-    "agglomerative": {},
-    "local": {"window": 9},
-    "routing": {"clusters": 4, "window": 8},
-    "multires": {"rates": (0.5, 0.25, 0.2, 0.1)},
-    "multires-softmax": {"rates": (0.5, 0.25, 0.2, 0.1), "similarity": "softmax"},
-    "sparse": {"stride": 8, "block": 8},
-    "sparse-column": {"stride": 8, "step": "column", "block": 8},
-    "sparse-fixed": {"pattern": "fixed", "stride": 16, "summary": 3, "groups": 2, "block": 8},
-    "pattern": {"window": 9, "dilation": 2, "global_tokens": 3, "block": 16},
+    "full": ("full", {}),
+    "full-eager": ("full", {"backend": "eager"}),
+    "clustered": ("clustered", {"clusters": 5}),
+    "clustered-hamming": ("clustered", {"clusters": 5, "kmeans": "hamming", "bits": 16}),
+    "improved-clustered": ("improved-clustered", {"clusters": 5, "topk": 7}),
+    "linear": ("linear", {"chunk": 16}),
+    "linear-relu": ("linear", {"chunk": 13, "feature_map": "relu"}),
+    "agglomerative": ("agglomerative", {}),
+    "local": ("local", {"window": 9}),
+    "routing": ("routing", {"clusters": 4, "tile": 8}),
+    "multires": ("multires", {"rates": (0.5, 0.25, 0.2, 0.1)}),
+    "multires-softmax": ("multires", {"rates": (0.5, 0.25, 0.2, 0.1), "similarity": "softmax"}),
+    "sparse": ("sparse", {"stride": 8, "block": 8}),
+    "sparse-column": ("sparse", {"stride": 8, "step": "column", "block": 8}),
+    "sparse-fixed": ("sparse", {"pattern": "fixed", "stride": 16, "summary": 3, "groups": 2, "block": 8}),
+    "pattern": ("pattern", {"window": 9, "dilation": 2, "global_tokens": 3, "block": 16}),
 }
+# Every registered mechanism, built-in or added, also runs with each example option set of its
+# record (``Mechanism.examples``): registering one is enough to be tested here.
+for _name in mechanism_names():
+    for _i, _example in enumerate(get_mechanism(_name).examples):
+        CASES.setdefault(f"{_name}[example {_i}]", (_name, dict(_example)))
 B, H, D = 2, 4, 16
 
 
 def _mechanism(case):
-    return case.split("-")[0] if case not in ("improved-clustered",) else case
+    return CASES[case][0]
 
 
 def _run(case, device, dtype, is_causal, L, S, backward, stateless=False):
     """One call of the case on ``device`` in ``dtype``: ``(out, gradients)`` as CPU float64;
     without the mechanism's state object if ``stateless``."""
     mech = get_mechanism(_mechanism(case))
-    config = make_config(mech, **CASES[case])
+    config = make_config(mech, **CASES[case][1])
     q, k, v = qkv(B, H, L, S, D, seed=3)
     kpm = padding(B, S, seed=4)
     tensors = {}
@@ -99,7 +104,7 @@ def test_a_call_without_a_state_on_cuda_equals_the_cpu(case):
 
 def test_routing_refuses_a_state_on_another_device():
     mech = get_mechanism("routing")
-    config = make_config(mech, **CASES["routing"])
+    config = make_config(mech, **CASES["routing"][1])
     q, k, v = (x.cuda() for x in qkv(B, H, 20, 20, D, seed=3))
     with pytest.raises(ValueError, match=r"centroids are on cpu but the inputs are on cuda:0; move the state"):
         mech(q, k, v, config=config, state=mech.state(config, H, D, 7))
@@ -107,7 +112,7 @@ def test_routing_refuses_a_state_on_another_device():
 
 def test_the_routing_cache_without_a_state_on_cuda_equals_the_parallel_form():
     mech = get_mechanism("routing")
-    config = make_config(mech, **CASES["routing"])
+    config = make_config(mech, **CASES["routing"][1])
     q, k, v = (x.cuda() for x in qkv(B, H, 30, 30, D, seed=3, dtype=torch.float64))
     cache = mech.decoder(mech, config, None)
     steps = torch.cat([cache.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(30)], 2)
@@ -116,7 +121,7 @@ def test_the_routing_cache_without_a_state_on_cuda_equals_the_parallel_form():
 
 # Mechanisms with a discrete choice (clusters, resolution) that rounding can flip; the others are
 # close to float64 in every dtype.
-DISCRETE = {"clustered", "clustered-hamming", "improved-clustered", "routing", "multires", "multires-softmax"}
+DISCRETE = {"clustered", "improved-clustered", "routing", "multires"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -127,7 +132,7 @@ def test_low_precision_on_cuda_is_finite_and_close(case, dtype):
     for is_causal in _causal_forms(case):
         out, grads = _run(case, "cuda", dtype, is_causal, 100, 100, backward=True)
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
-        if case not in DISCRETE:
+        if _mechanism(case) not in DISCRETE:
             ref, _ = _run(case, "cpu", torch.float64, is_causal, 100, 100, backward=False)
             tol = 2e-5 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
@@ -145,7 +150,7 @@ ATTENTION = {
     "linear": "linear",
     "agglomerative": "agglomerative",
     "local": HeadGroup("local", window=6),
-    "routing+local": (HeadGroup("local", 2, window=6), HeadGroup("routing", clusters=3, window=5)),
+    "routing+local": (HeadGroup("local", 2, window=6), HeadGroup("routing", clusters=3, tile=5)),
     "sparse": [HeadGroup("sparse", stride=4, block=4), HeadGroup("sparse", pattern="fixed", stride=8, summary=2)],
     "multires": HeadGroup("multires", rates=(0.5, 0.25, 0.25, 0.125)),
 }

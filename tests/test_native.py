@@ -1,9 +1,9 @@
-"""The optional native kernel (``subquad._native``) against softmax attention in float64."""
+"""The optional native kernel (``subquad.kernels.native``) against softmax attention in float64."""
 
 import pytest
 import torch
 
-from subquad import _native
+from subquad.kernels import native as _native
 
 from .conftest import needs_native, randn
 

@@ -47,7 +47,7 @@ def test_builtins_are_registered_in_order():
 
 def test_attention_dispatches_by_name_with_options():
     q, k, v = qkv()
-    eager = subquad.attention(q, k, v, "full", backend="eager", is_causal=True)
+    eager = subquad.attention(q, k, v, mechanism="full", backend="eager", is_causal=True)
     assert torch.allclose(eager, full_attention(q, k, v, is_causal=True), atol=1e-12)
     same = subquad.attention(q, k, v, config=FullConfig(backend="eager"), is_causal=True)
     assert torch.equal(same, eager)
@@ -75,8 +75,10 @@ def test_wrong_config_class_raises(toy):
 
 def test_attn_mask_is_for_full_only(toy):
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="a dense attn_mask is accepted by full only"):
-        subquad.attention(q, k, v, "toy", attn_mask=torch.ones(7, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match="toy takes no dense attn_mask; pass key_padding_mask"):
+        subquad.attention(q, k, v, mechanism="toy", attn_mask=torch.ones(7, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match="toy takes no dense attn_mask"):
+        subquad.attention(q, k, v, torch.ones(7, 7, dtype=torch.bool), mechanism="toy")  # SDPA's position
 
 
 def test_config_is_frozen_and_checks_values():
@@ -122,17 +124,17 @@ def test_register_rejects_duplicates_and_non_mechanisms(toy):
 def test_capabilities_are_enforced(toy):
     q, k, v = qkv()
     with pytest.raises(ValueError, match="toy has no causal form; mechanisms with one: full"):
-        subquad.attention(q, k, v, "toy", is_causal=True)
+        subquad.attention(q, k, v, mechanism="toy", is_causal=True)
     with pytest.raises(ValueError, match="toy needs as many queries as keys, got L=7 and S=4"):
-        subquad.attention(q, k[:, :, :4], v[:, :, :4], "toy")
+        subquad.attention(q, k[:, :, :4], v[:, :, :4], mechanism="toy")
     with pytest.raises(ValueError, match="unsupported dtype torch.bfloat16; use one of float32, float64"):
-        subquad.attention(*(x.bfloat16() for x in (q, k, v)), "toy")
+        subquad.attention(*(x.bfloat16() for x in (q, k, v)), mechanism="toy")
 
 
 def test_tensor_arguments_are_routed_by_name(toy):
     q, k, v = qkv()
     gate = torch.rand(2, 3, 7, dtype=torch.float64)
-    out = subquad.attention(q, k, v, "toy", gate=gate, width=2)
+    out = subquad.attention(q, k, v, mechanism="toy", gate=gate, width=2)
     assert torch.allclose(out, full_attention(q, k, v) * gate[..., None])
     with pytest.raises(ValueError, match=r"toy takes no tensor argument \['bias'\]; it takes \['gate'\]"):
         TOY(q, k, v, bias=gate)
@@ -163,10 +165,12 @@ def test_mutable_option_default_and_unsupported_type_are_refused():
         Odd()
 
 
-def test_a_tensor_in_the_mechanism_slot_hints_at_attn_mask():
+def test_a_tensor_given_as_the_mechanism_hints_at_attn_mask():
     q, k, v = qkv()
+    mask = torch.ones(7, 7, dtype=torch.bool).tril()
     with pytest.raises(ValueError, match="mechanism must be a registered name, got Tensor; pass a mask as attn_mask"):
-        subquad.attention(q, k, v, torch.ones(7, 7, dtype=torch.bool))
+        subquad.attention(q, k, v, mechanism=mask)
+    assert torch.equal(subquad.attention(q, k, v, mask), full_attention(q, k, v, attn_mask=mask))  # SDPA's slot
 
 
 def test_builtins_load_before_the_first_registration(monkeypatch):

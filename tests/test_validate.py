@@ -39,7 +39,10 @@ def test_bad_tensors_raise_with_the_values_and_fix(make, message):
 
 def test_grouped_query_hint():
     q, k, v = qkv(H=4)
-    with pytest.raises(ValueError, match="repeat_interleave"):
+    with pytest.raises(
+        ValueError,
+        match="head counts differ: q has H=4, k has H=2, v has H=2; for grouped-query attention pass enable_gqa=True",
+    ):
         check_attention_inputs(q, k[:, :2], v[:, :2])
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "AttentionShape",
     "check_attention_inputs",
     "check_dtype",
+    "check_gqa",
     "check_logits",
     "check_query_padding_mask",
 ]
@@ -99,8 +100,8 @@ def check_attention_inputs(
         raise ValueError(f"batch sizes differ: q has B={B}, k has B={Bk}, v has B={Bv}")
     if not (H == Hk == Hv):
         raise ValueError(
-            f"head counts differ: q has H={H}, k has H={Hk}, v has H={Hv}. For grouped-query "
-            "attention, repeat the key/value heads first: k.repeat_interleave(H // Hk, dim=1)"
+            f"head counts differ: q has H={H}, k has H={Hk}, v has H={Hv}; for grouped-query attention "
+            "pass enable_gqa=True (H must be a multiple of the key/value heads)"
         )
     if S != Sv:
         raise ValueError(f"k and v must have the same length, got S={S} for k and S={Sv} for v")
@@ -111,6 +112,19 @@ def check_attention_inputs(
     if key_padding_mask is not None:
         _check_padding_mask(key_padding_mask, B, S, q.device)
     return AttentionShape(B, H, L, S, D, Dv, resolve_scale(scale, D))
+
+
+def check_gqa(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """Check grouped-query inputs: ``k`` and ``v`` share a head count that divides q's. Returns
+    the group size G = H / H_kv (query heads per key/value head)."""
+    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+    H, Hk, Hv = q.shape[1], k.shape[1], v.shape[1]
+    if Hk != Hv or Hk < 1 or H % Hk != 0:
+        raise ValueError(
+            f"grouped-query attention needs k and v with one head count that divides q's, got q H={H}, "
+            f"k H={Hk}, v H={Hv}"
+        )
+    return H // Hk
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:

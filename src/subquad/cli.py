@@ -14,14 +14,16 @@ import sys
 import time
 import types
 import typing
-from collections.abc import Callable
-from dataclasses import MISSING, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, Field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from subquad import __version__
-from subquad._validate import DTYPE_NAMES
 from subquad.registry import Mechanism, get_mechanism, mechanism_names
+
+if TYPE_CHECKING:
+    from subquad.bench.runner import BenchSettings
 
 __all__ = ["main"]
 
@@ -72,6 +74,8 @@ def _describe(mech: Mechanism) -> dict[str, Any]:
         "cross": mech.cross,
         "longer_queries": mech.cross and mech.longer_queries,
         "recurrent": mech.recurrent,
+        "gqa": "reads grouped K/V in place" if mech.gqa else "repeats grouped K/V heads (a copy per call)",
+        "dropout": mech.dropout,
         "decoding": getattr(mech.decoder, "description", None),
         "dtypes": [str(d).replace("torch.", "") for d in mech.dtypes],
         "tensor_args": list(mech.tensor_args),
@@ -108,6 +112,7 @@ def _run_list(args: argparse.Namespace) -> int:
             f"recurrent: {yes[d['recurrent']]}   dtypes: {', '.join(d['dtypes'])}"
         )
         print(f"  cached decoding: {d['decoding'] or 'none (generate with use_cache=False)'}")
+        print(f"  grouped-query (enable_gqa): {d['gqa']}   dropout_p: {yes[d['dropout']]}")
         if d["tensor_args"]:
             print(f"  extra call arguments: {', '.join(d['tensor_args'])}")
         print("  options:" if d["options"] else "  options: none")
@@ -122,87 +127,19 @@ def _run_list(args: argparse.Namespace) -> int:
 
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """A flag per `BenchSettings` field, then ``--out``, ``--no-plots`` and each mechanism's options."""
     from subquad.bench.runner import BenchSettings
 
-    d = BenchSettings()
     names = mechanism_names()
-    parser.add_argument(
-        "--mechanisms",
-        nargs="+",
-        default=names,
-        metavar="NAME",
-        help=f"mechanisms to run (default: all: {' '.join(names)}); full always runs as baseline",
-    )
-    parser.add_argument(
-        "--lengths",
-        nargs="+",
-        type=int,
-        default=list(d.lengths),
-        metavar="N",
-        help="sequence lengths (default: %(default)s)",
-    )
-    parser.add_argument("--batch", type=int, default=d.batch, help="batch size B (default: %(default)s)")
-    parser.add_argument("--heads", type=int, default=d.heads, help="heads H (default: %(default)s)")
-    parser.add_argument("--head-dim", type=int, default=d.head_dim, help="head dim D (default: %(default)s)")
-    parser.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES, help="(default: %(default)s)")
-    parser.add_argument("--device", default=d.device, help="cpu or cuda (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=d.threads, help="CPU threads (default: torch's default)")
-    parser.add_argument(
-        "--causal",
-        choices=["both", "yes", "no"],
-        default="both",
-        help="causal cells, non-causal cells, or both (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--backward",
-        choices=["both", "yes", "no"],
-        default="both",
-        help="forward+backward cells, forward cells, or both (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=d.repeats,
-        help="most timed calls per cell, after the warm-up (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--warmup-seconds",
-        type=float,
-        default=d.warmup_seconds,
-        help="untimed calls per cell until this long has passed, the first call included (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-seconds",
-        type=float,
-        default=d.max_seconds,
-        help="stop repeating once the timed calls of a cell took this long (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--error-rows",
-        type=int,
-        default=d.error_rows,
-        help="query rows compared with float64 full attention (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--centres",
-        type=int,
-        default=d.centres,
-        help="centres per head of the clustered inputs of the error column (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--spread",
-        type=float,
-        default=d.spread,
-        help="spread of the clustered inputs around their centres (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--baseline-max-length",
-        type=int,
-        default=d.baseline_max_length,
-        help="run the full-attention baseline only up to this N; longer cells get no ratio (default: all)",
-    )
-    parser.add_argument("--timeout", type=float, default=d.timeout, help="seconds per cell (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=d.seed, help="input and state seed (default: %(default)s)")
+    hints = typing.get_type_hints(BenchSettings)
+    for f in fields(BenchSettings):
+        if f.name == "variants":  # mechanism names here; with the --NAME.OPTION flags they make the variants
+            parser.add_argument(
+                "--mechanisms", nargs="+", default=names, metavar="NAME",
+                help=f"mechanisms to run (default: all: {' '.join(names)}); full always runs as baseline",
+            )  # fmt: skip
+        else:
+            parser.add_argument(f"--{f.name.replace('_', '-')}", **_setting_flag(f, hints[f.name]))
     parser.add_argument(
         "--out",
         type=Path,
@@ -223,6 +160,42 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                 f"--{name}.{f.name}", dest=f"opt:{name}:{f.name}", nargs="+", type=parse, metavar=metavar,
                 choices=choices, help=f"{f.metadata.get('help', '')} (default: {f.default!r})",
             )  # fmt: skip
+
+
+def _setting_flag(f: Field, tp: Any) -> dict[str, Any]:
+    """The ``add_argument`` keywords of a `BenchSettings` field, from its type and metadata."""
+    meta, default = f.metadata, f.default
+    shown = meta["shown_default"] or "%(default)s"
+    kwargs = {"metavar": meta["metavar"], "help": f"{meta['help']} (default: {shown})".lstrip()}
+    if meta["choices"] is not None:  # a mapping's choices stand for its values
+        choices = meta["choices"]
+        if isinstance(choices, Mapping):
+            default = next(name for name, value in choices.items() if value == default)
+        return {**kwargs, "choices": list(choices), "default": default}
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):  # an optional setting: None is its default
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) is Sequence:
+        return {**kwargs, "nargs": "+", "type": typing.get_args(tp)[0], "default": list(default)}
+    return {**kwargs, "type": tp, "default": default}
+
+
+def _bench_settings(args: argparse.Namespace) -> BenchSettings:
+    """The `BenchSettings` that ``subquad bench``'s parsed arguments ask for."""
+    from subquad.bench.runner import BenchSettings
+
+    hints = typing.get_type_hints(BenchSettings)
+    return BenchSettings(**{f.name: _setting_value(f, hints[f.name], args) for f in fields(BenchSettings)})
+
+
+def _setting_value(f: Field, tp: Any, args: argparse.Namespace) -> Any:
+    """One `BenchSettings` field's value from the parsed arguments: what a choice stands for, a tuple of
+    several values."""
+    if f.name == "variants":
+        return _variants(args)
+    value, choices = getattr(args, f.name), f.metadata["choices"]
+    if isinstance(choices, Mapping):
+        return choices[value]
+    return tuple(value) if typing.get_origin(tp) is Sequence else value
 
 
 def _option_parser(tp: Any) -> tuple[Callable[[str], Any], str]:
@@ -273,20 +246,13 @@ def _run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from subquad.bench import report
-    from subquad.bench.runner import BenchSettings, run_bench
+    from subquad.bench.runner import run_bench
 
-    modes = {"both": (False, True), "yes": (True,), "no": (False,)}
-    settings = BenchSettings(
-        variants=_variants(args), lengths=args.lengths, batch=args.batch, heads=args.heads,
-        head_dim=args.head_dim, dtype=args.dtype, device=args.device, threads=args.threads,
-        causal=modes[args.causal], backward=modes[args.backward], repeats=args.repeats,
-        max_seconds=args.max_seconds, warmup_seconds=args.warmup_seconds, error_rows=args.error_rows,
-        centres=args.centres, spread=args.spread,
-        baseline_max_length=args.baseline_max_length, timeout=args.timeout, seed=args.seed,
-    )  # fmt: skip
+    settings = _bench_settings(args)
     args.out.mkdir(parents=True, exist_ok=True)  # before the run, so a bad folder fails at once
-    threads = args.threads or torch.get_num_threads()
-    title = f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype} {args.device}, {threads} threads"
+    threads = settings.threads or torch.get_num_threads()
+    title = f"B={settings.batch} H={settings.heads} D={settings.head_dim} {settings.dtype} {settings.device}"
+    title += f", {threads} threads"
     cells = settings.cells()
     print(f"subquad {__version__} bench: {len(cells)} cells, {title}, torch {torch.__version__}", file=sys.stderr)
     meta = {

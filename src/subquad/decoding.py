@@ -1,24 +1,143 @@
 """Decoding caches for autoregressive generation.
 
-A mechanism names its decoder in its registry record (``Mechanism.decoder``); layers build one
-per head group with ``decoder(mechanism, config, state)`` and call ``step(q, k, v, **tensors)`` with
-the new tokens. A mechanism without a decoder cannot decode from a cache: generate without one.
+A mechanism names its decoder in its registry record (``Mechanism.decoder``): a subclass of
+``Decoder``. Layers build one per head group with ``decoder(mechanism, config, state)`` and call
+``step(q, k, v, **tensors)`` with the new tokens. ``Decoder.step`` checks every step the same way
+and keeps the length; a subclass writes only its maths, in ``_step``. A mechanism without a decoder
+cannot decode from a cache: generate without one.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 
+from subquad._validate import check_attention_inputs
+
 if TYPE_CHECKING:
     from subquad.registry import Config, Mechanism
 
-__all__ = ["KVCache"]
+__all__ = ["Decoder", "KVCache"]
+
+_SIZES = ("B", "H", "D", "Dv")  # the sizes of a step, in the order of ``Decoder.shape``
 
 
-class KVCache:
+class Decoder(ABC):
+    """Base class of decoding caches: the checks every step needs, and the length bookkeeping.
+
+    ``step(q, k, v, **tensors)`` takes the next ``T`` tokens of a causal self-attention sequence,
+    their queries and keys ``(B, H, T, D)``, values ``(B, H, T, Dv)`` and the mechanism's extra
+    tensors for them, and returns their outputs ``(B, H, T, Dv)``. It checks, once, here:
+
+    - the attention contract (``check_attention_inputs``: 4-D tensors of one dtype on one device),
+      and as many queries as keys, since a step's tokens are both;
+    - that B, H, D and Dv (those of them named in ``fixed``), the dtype and the device are those of
+      the first step: what the decoder holds was computed for them, so a new batch needs a new
+      cache. This is checked before anything is written, so a refused step leaves the cache as it
+      was;
+    - that the extra tensors are named in ``Mechanism.tensor_args`` and lie on the inputs' device
+      (None ones are left out, as if not passed);
+
+    then runs the subclass's ``_step`` on the checked inputs and advances ``length`` by ``T``.
+    Inside ``_step``, ``length`` is still the number of tokens before this step: the position of
+    the step's first token.
+
+    Class attributes of a subclass:
+        recurrent: what it holds is O(1) per head in the prefix length (``Mechanism.recurrent``).
+        description: one line for ``subquad list``.
+        holds: ``"keys"`` for a cache of past keys and values, ``"state"`` for a summary of them;
+            it words the error for a step of other sizes.
+        fixed: the sizes, of ``("B", "H", "D", "Dv")``, that a later step must repeat.
+
+    Args:
+        mechanism: the mechanism's registry record.
+        config: its config.
+        state: the layer's state module for it (``Mechanism.state``), or None.
+    """
+
+    recurrent: ClassVar[bool] = False
+    description: ClassVar[str] = ""
+    holds: ClassVar[str] = "state"
+    fixed: ClassVar[tuple[str, ...]] = _SIZES
+
+    def __init__(self, mechanism: Mechanism, config: Config, state: torch.nn.Module | None) -> None:
+        self.mechanism, self.config, self.state = mechanism, config, state
+        self.shape: tuple[int, int, int, int] | None = None  # (B, H, D, Dv) of the first step
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+        self.length = 0  # tokens decoded so far
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, **tensors: Tensor | None) -> Tensor:
+        """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the prefix and the new keys.
+
+        Args:
+            q, k: ``(B, H, T, D)``; v: ``(B, H, T, Dv)``: the next ``T`` tokens.
+            **tensors: the mechanism's extra tensors for those tokens.
+
+        Returns:
+            ``(B, H, T, Dv)``.
+        """
+        shape = check_attention_inputs(q, k, v, None, True, None)
+        if shape.queries != shape.keys:
+            raise ValueError(f"a decoding step takes as many queries as keys, got {shape.queries} and {shape.keys}")
+        sizes = (shape.batch, shape.heads, shape.head_dim, shape.value_dim)
+        self._check_held(sizes, q, k, v)
+        given = self._check_tensors(tensors, q.device)
+        out = self._step(q, k, v, **given)
+        if self.shape is None:
+            self.shape, self.dtype, self.device = sizes, q.dtype, q.device
+        self.length += shape.keys
+        return out
+
+    @abstractmethod
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, **tensors: Tensor) -> Tensor:
+        """The outputs ``(B, H, T, Dv)`` of ``T`` checked new tokens, at positions ``length`` to
+        ``length + T - 1``; updates what the decoder holds."""
+
+    def _check_held(self, sizes: tuple[int, int, int, int], q: Tensor, k: Tensor, v: Tensor) -> None:
+        """A later step must have the sizes in ``fixed``, the dtype and the device of the first."""
+        if self.shape is None:
+            return
+        if any(self.shape[_SIZES.index(n)] != sizes[_SIZES.index(n)] for n in self.fixed):
+            raise ValueError(f"{self._mismatch(self.shape, sizes, k, v)}; start a new cache for a new batch")
+        if q.device != self.device:
+            raise ValueError(f"the cache is on {self.device} but q, k and v are on {q.device}; move them with .to()")
+        if q.dtype != self.dtype:
+            what = "keys and values" if self.holds == "keys" else "state"
+            raise ValueError(
+                f"the cache holds {what} of {self.dtype} inputs, got {q.dtype}; cast them or start a new cache"
+            )
+
+    def _mismatch(self, held: tuple[int, ...], sizes: tuple[int, ...], k: Tensor, v: Tensor) -> str:
+        """What the decoder holds, of (B, H, D, Dv) = ``held``, against a step of other ``sizes``."""
+        if self.holds != "keys":
+            pick = [_SIZES.index(n) for n in self.fixed]
+            was, now = tuple(held[i] for i in pick), tuple(sizes[i] for i in pick)
+            return f"the decoder holds state for ({', '.join(self.fixed)}) = {was}, got {now}"
+        if held[:3] != sizes[:3]:
+            return f"the cache holds keys of (B, H, D) = {held[:3]}, got {tuple(k.shape)}"
+        return f"the cache holds values of (B, H, Dv) = {(*held[:2], held[3])}, got {tuple(v.shape)}"
+
+    def _check_tensors(self, tensors: dict[str, Tensor | None], device: torch.device) -> dict[str, Tensor]:
+        """The extra tensors that were given (not None): named in ``tensor_args``, on ``device``."""
+        given = {name: t for name, t in tensors.items() if t is not None}
+        unknown = sorted(set(given) - set(self.mechanism.tensor_args))
+        if unknown:
+            raise ValueError(
+                f"{self.mechanism.name} takes no tensor argument {unknown}; it takes {list(self.mechanism.tensor_args)}"
+            )
+        for name, t in given.items():
+            if not isinstance(t, Tensor):
+                raise ValueError(f"{name} must be a tensor for a decoding step, got {type(t).__name__}")
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device} but q, k and v are on {device}; move it with .to()")
+        return given
+
+
+class KVCache(Decoder):
     """Decoding cache that keeps every key and value seen so far.
 
     Exact for a mechanism whose causal output at a position depends only on that position's query
@@ -30,38 +149,22 @@ class KVCache:
 
     recurrent = False  # state grows with the prefix
     description = "KV cache (each new token attends to the whole prefix)"
+    holds = "keys"
 
     def __init__(self, mechanism: Mechanism, config: Config, state: torch.nn.Module | None) -> None:
         if not (mechanism.causal and mechanism.cross):
             raise ValueError(f"{mechanism.name} needs a causal form that takes L != S to decode from a KV cache")
-        self.mechanism, self.config, self.state = mechanism, config, state
+        super().__init__(mechanism, config, state)
         self.keys: Tensor | None = None  # (B, H, capacity, D)
         self.values: Tensor | None = None  # (B, H, capacity, Dv)
-        self.length = 0
 
-    def step(self, q: Tensor, k: Tensor, v: Tensor, **tensors: Tensor) -> Tensor:
+    def _step(self, q: Tensor, k: Tensor, v: Tensor, **tensors: Tensor) -> Tensor:
         """Append ``k``, ``v`` ``(B, H, T, D)`` and attend the ``T`` new queries causally."""
-        self._check_matches(k, self.keys, "k")
-        self._check_matches(v, self.values, "v")
         self.keys = _append(self.keys, self.length, k)
         self.values = _append(self.values, self.length, v)
-        self.length += k.shape[2]
-        keys, values = self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        end = self.length + k.shape[2]
+        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
         return self.mechanism(q, keys, values, is_causal=True, config=self.config, state=self.state, **tensors)
-
-    @staticmethod
-    def _check_matches(x: Tensor, buffer: Tensor | None, name: str) -> None:
-        """New entries must match what the cache holds, checked before anything is written."""
-        if buffer is None:
-            return
-        B, H, _, D = buffer.shape
-        if x.dim() != 4 or (x.shape[0], x.shape[1], x.shape[3]) != (B, H, D) or x.dtype != buffer.dtype:
-            raise ValueError(
-                f"the cache holds {name} of (B, H, D) = ({B}, {H}, {D}) {buffer.dtype}, got shape "
-                f"{tuple(x.shape)} {x.dtype}; start a new cache for a new batch"
-            )
-        if x.device != buffer.device:
-            raise ValueError(f"the cache is on {buffer.device} but {name} is on {x.device}")
 
 
 def _append(buffer: Tensor | None, length: int, x: Tensor) -> Tensor:

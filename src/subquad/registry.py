@@ -3,15 +3,22 @@
 Every mechanism is one record (``Mechanism``) built in its own file under ``mechanisms/`` and listed
 once in ``_BUILTIN_MODULES`` below. Options live in exactly one place, the mechanism's frozen config
 dataclass; the dispatcher, the layers and the command line all read them from there.
+
+A package adds mechanisms without touching subquad by naming its module as an entry point of the
+group ``subquad.mechanisms`` (in its ``pyproject.toml``: ``[project.entry-points."subquad.mechanisms"]``
+then ``mine = "my_package.attention"``). The module defines ``MECHANISM`` or ``MECHANISMS`` like a
+built-in one and is registered after the built-ins; one that fails to load is skipped with a warning.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import math
 import operator
 import types
 import typing
+import warnings
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
@@ -20,7 +27,13 @@ import torch
 from torch import Tensor
 
 from subquad._contain import KEY, QUERY, contained
-from subquad._validate import SUPPORTED_DTYPES, check_attention_inputs, check_dtype, check_query_padding_mask
+from subquad._validate import (
+    SUPPORTED_DTYPES,
+    check_attention_inputs,
+    check_dtype,
+    check_gqa,
+    check_query_padding_mask,
+)
 
 __all__ = [
     "KEY",
@@ -37,6 +50,8 @@ __all__ = [
 ]
 
 # One line per built-in module: each defines its ``MECHANISM`` record, or several as ``MECHANISMS``.
+# Installed packages add modules of their own under the entry-point group ``PLUGIN_GROUP``.
+PLUGIN_GROUP = "subquad.mechanisms"
 _BUILTIN_MODULES = (
     "subquad.mechanisms.full",
     "subquad.mechanisms.clustered",
@@ -46,6 +61,7 @@ _BUILTIN_MODULES = (
     "subquad.mechanisms.routing",
     "subquad.mechanisms.multires",
     "subquad.mechanisms.sparse",
+    "subquad.mechanisms.pattern",
 )
 
 
@@ -74,6 +90,7 @@ class Config:
     """
 
     mechanism: ClassVar[str] = ""
+    renamed: ClassVar[typing.Mapping[str, str]] = {}  # old option name -> new: make_config warns and maps it
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -162,14 +179,18 @@ class Mechanism:
         example_tensors: ``example_tensors(q, k, v, config, generator) -> dict`` makes the extra
             tensor arguments for benchmarks from seeded random draws; needed when ``tensor_args``
             are required.
-        decoder: the decoding cache layers use for generation, built as
-            ``decoder(mechanism, config, state)`` with ``step(q, k, v, **tensors) -> out`` and class
-            attributes ``recurrent`` (O(1) state per head) and ``description``; e.g.
-            ``subquad.decoding.KVCache``. ``None``: no cached decoding.
+        decoder: the decoding cache layers use for generation: a subclass of
+            ``subquad.decoding.Decoder``, built as ``decoder(mechanism, config, state)``, whose
+            ``step(q, k, v, **tensors) -> out`` checks each step and keeps the length, and whose
+            ``_step`` holds the mechanism's maths; class attributes ``recurrent`` (O(1) state per
+            head) and ``description``. E.g. ``subquad.decoding.KVCache``. ``None``: no cached decoding.
         uses_qk: False for a mechanism that reads only the shapes of ``q`` and ``k`` (agglomerative);
             layers then build no query/key projections for it.
         examples: small option sets (dicts for ``make_config``) that reach the mechanism's code
             paths at short lengths; the contract suite runs every property on each.
+        gqa: ``fn`` takes grouped-query inputs itself (k and v with H / G heads, and
+            ``enable_gqa=True``) without copying them; otherwise the call repeats them.
+        dropout: ``fn`` takes ``dropout_p`` (attention dropout on its weights).
     """
 
     name: str
@@ -188,6 +209,8 @@ class Mechanism:
     example_tensors: Callable[..., dict[str, Tensor]] | None = None
     decoder: type | None = None
     uses_qk: bool = True
+    gqa: bool = False
+    dropout: bool = False
     positions: typing.Mapping[str, str] = field(default_factory=dict, hash=False)
     examples: tuple[typing.Mapping[str, Any], ...] = field(default=({},), hash=False)
 
@@ -217,17 +240,58 @@ class Mechanism:
         scale: float | None = None,
         config: Config | None = None,
         state: torch.nn.Module | None = None,
+        enable_gqa: bool = False,
+        dropout_p: float = 0.0,
         **tensors: Tensor,
     ) -> Tensor:
         """Check this mechanism's capabilities, then run it with padded and future content
-        contained (``subquad._contain``)."""
+        contained (``subquad._contain``). With ``enable_gqa``, ``k`` and ``v`` may have fewer heads
+        (a divisor of q's): native mechanisms (``gqa``) read them as they are; for the others each
+        key/value head is repeated for its query heads first."""
+        if enable_gqa and check_gqa(q, k, v) > 1:
+            if not self.gqa:
+                groups = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            else:
+                tensors["enable_gqa"] = True
+        query_padding_mask = self._check_call(q, k, v, key_padding_mask, is_causal, config, tensors, dropout_p)
+        if dropout_p:
+            tensors["dropout_p"] = dropout_p
+
+        def run(q: Tensor, k: Tensor, v: Tensor, tensors: dict[str, Any]) -> Tensor:
+            return self.fn(
+                q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, config=config,
+                state=state, **tensors,
+            )  # fmt: skip
+
+        return contained(
+            run, q, k, v, tensors, positions=self.positions, key_padding_mask=key_padding_mask,
+            query_padding_mask=query_padding_mask, is_causal=is_causal, uses_qk=self.uses_qk,
+            groups_queries=self.groups_queries,
+        )  # fmt: skip
+
+    def _check_call(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool,
+        config: Config | None, tensors: dict[str, Any], dropout_p: float,
+    ) -> Tensor | None:  # fmt: skip
+        """Validate a call against the contract and this record; returns its query padding mask."""
         if config is not None and type(config) is not self.config:
             raise ValueError(f"{self.name} needs a {self.config.__name__}, got {type(config).__name__}")
-        unknown = sorted(set(tensors) - set(self.tensor_args))
+        unknown = sorted(set(tensors) - set(self.tensor_args) - {"enable_gqa"})
         if unknown:
             raise ValueError(f"{self.name} takes no tensor argument {unknown}; it takes {list(self.tensor_args)}")
         if is_causal is True and not self.causal:
             raise ValueError(no_causal_form(self.name))
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+            raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+        if dropout_p and not self.dropout:
+            with_dropout = ", ".join(n for n in mechanism_names() if get_mechanism(n).dropout)
+            raise ValueError(
+                f"{self.name} has no attention dropout (dropout_p={dropout_p}); pass dropout_p=0.0, or use one "
+                f"of: {with_dropout}"
+            )
+        if tensors.get("enable_gqa"):  # native grouped-query: check the shapes against q's heads
+            k, v = (x[:, :1].expand(-1, q.shape[1], -1, -1) for x in (k, v))
         shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, None)
         if not self.cross and shape.queries != shape.keys:
             raise ValueError(f"{self.name} needs as many queries as keys, got L={shape.queries} and S={shape.keys}")
@@ -240,33 +304,7 @@ class Mechanism:
                 "key_padding_mask, pass query_padding_mask too, bool (B, L), True = real query (in "
                 "self-attention the same mask; torch.ones(B, L, dtype=torch.bool) if no query is padded)"
             )
-
-        def run(q: Tensor, k: Tensor, v: Tensor, tensors: dict[str, Any]) -> Tensor:
-            return self.fn(
-                q,
-                k,
-                v,
-                key_padding_mask=key_padding_mask,
-                is_causal=is_causal,
-                scale=scale,
-                config=config,
-                state=state,
-                **tensors,
-            )
-
-        return contained(
-            run,
-            q,
-            k,
-            v,
-            tensors,
-            positions=self.positions,
-            key_padding_mask=key_padding_mask,
-            query_padding_mask=query_padding_mask,
-            is_causal=is_causal,
-            uses_qk=self.uses_qk,
-            groups_queries=self.groups_queries,
-        )
+        return query_padding_mask
 
 
 def no_causal_form(name: str) -> str:
@@ -280,13 +318,33 @@ _builtins_loaded = False
 
 
 def _load_builtins() -> None:
+    """Register the built-in mechanisms, then those of installed plugins (module docstring)."""
     global _builtins_loaded
     if not _builtins_loaded:
         _builtins_loaded = True
         for module in _BUILTIN_MODULES:
-            loaded = importlib.import_module(module)
-            for mechanism in getattr(loaded, "MECHANISMS", None) or (loaded.MECHANISM,):
-                _REGISTRY[mechanism.name] = mechanism
+            _register_module(importlib.import_module(module), module)
+        for entry in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+            try:
+                _register_module(entry.load(), entry.value)
+            except Exception as error:  # a broken plugin must not take the library down
+                warnings.warn(
+                    f"subquad plugin {entry.name!r} ({entry.value}) failed to load and is skipped: "
+                    f"{type(error).__name__}: {error}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+
+def _register_module(module: types.ModuleType, where: str) -> None:
+    """Register a module's ``MECHANISM``, or each of its ``MECHANISMS``."""
+    mechanisms = getattr(module, "MECHANISMS", None) or (getattr(module, "MECHANISM", None),)
+    for mechanism in mechanisms:
+        if not isinstance(mechanism, Mechanism):
+            raise ValueError(f"{where} must define MECHANISM (a Mechanism) or MECHANISMS (a tuple of them)")
+        if mechanism.name in _REGISTRY:
+            raise ValueError(f"{where} registers {mechanism.name!r}, a name already taken")
+        _REGISTRY[mechanism.name] = mechanism
 
 
 def register(mechanism: Mechanism, *, replace: bool = False) -> Mechanism:
@@ -320,6 +378,16 @@ def get_mechanism(name: str) -> Mechanism:
 def make_config(mechanism: str | Mechanism, **options: Any) -> Config:
     """Build a mechanism's config from keyword options; unknown options raise, listing valid ones."""
     mech = get_mechanism(mechanism) if isinstance(mechanism, str) else mechanism
+    for old, new in mech.config.renamed.items():
+        if old in options:
+            warnings.warn(
+                f"{mech.name} option {old} is now called {new}; {old}= is accepted until the next release",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            if new in options:
+                raise ValueError(f"{mech.name}: pass {new} only ({old} is its old name), got both")
+            options[new] = options.pop(old)
     valid = [f.name for f in fields(mech.config)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
@@ -329,29 +397,52 @@ def make_config(mechanism: str | Mechanism, **options: Any) -> Config:
     return mech.config(**options)
 
 
+def _tensor_arguments(mech: Mechanism, attn_mask: Tensor | None, options: dict[str, Any]) -> dict[str, Any]:
+    """The call's extra tensor arguments, taken out of ``options``, with ``attn_mask`` where the
+    mechanism takes one (else a ValueError naming what it takes)."""
+    tensors = {name: options.pop(name) for name in mech.tensor_args if name in options}
+    if attn_mask is not None:
+        if "attn_mask" not in mech.tensor_args:
+            raise ValueError(
+                f"{mech.name} takes no dense attn_mask; pass key_padding_mask, bool (B, S) with True = real "
+                "token, or use mechanism='full' (any dense mask) or 'pattern' (a mask_mod)"
+            )
+        tensors["attn_mask"] = attn_mask
+    return tensors
+
+
 def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mechanism: str = "full",
-    *,
-    key_padding_mask: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    mechanism: str = "full",
+    key_padding_mask: Tensor | None = None,
     config: Config | None = None,
     state: torch.nn.Module | None = None,
     **options: Any,
 ) -> Tensor:
-    """Attention by mechanism name, as a drop-in for ``scaled_dot_product_attention``.
+    """Attention by mechanism name, as a drop-in for ``torch.nn.functional.scaled_dot_product_attention``:
+    the same positional arguments, then the mechanism and its options by keyword.
 
     Args:
         q: queries ``(B, H, L, D)``.
-        k: keys ``(B, H, S, D)``.
-        v: values ``(B, H, S, Dv)``.
-        mechanism: a registered name (``subquad list`` shows them).
-        key_padding_mask: bool ``(B, S)``, True marks a real token.
+        k: keys ``(B, H, S, D)`` (``(B, H / G, S, D)`` with ``enable_gqa``).
+        v: values ``(B, H, S, Dv)`` (likewise).
+        attn_mask: a dense mask broadcastable to ``(B, H, L, S)``, bool (True = may attend) or
+            additive; ``full`` takes it. Other mechanisms take ``key_padding_mask``.
+        dropout_p: attention dropout (mechanisms with ``dropout``: ``full``); 0 elsewhere.
         is_causal: strict causality; for L != S queries are aligned to the last keys.
         scale: softmax scale, default ``D ** -0.5``.
+        enable_gqa: grouped-query attention: k and v have a divisor of q's heads, each serving
+            consecutive query heads.
+        mechanism: a registered name (``subquad list`` shows them).
+        key_padding_mask: bool ``(B, S)``, True marks a real token.
         config: a ready config; otherwise ``options`` build one.
         state: the mechanism's persistent state module, if it has one.
         **options: the mechanism's config options, and its extra tensor arguments by name.
@@ -359,20 +450,22 @@ def attention(
     Returns:
         ``(B, H, L, Dv)``, in the dtype of ``q``.
     """
+    if isinstance(attn_mask, str):  # the spelling of 0.1: attention(q, k, v, "linear", ...)
+        warnings.warn(
+            f"subquad.attention(q, k, v, {attn_mask!r}): the fourth positional argument is attn_mask, as in "
+            f"torch's scaled_dot_product_attention; pass mechanism={attn_mask!r} by keyword (the positional "
+            "spelling goes in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        mechanism, attn_mask = attn_mask, None
     mech = get_mechanism(mechanism)
-    tensors = {name: options.pop(name) for name in mech.tensor_args if name in options}
+    tensors = _tensor_arguments(mech, attn_mask, options)
     if config is not None and options:
         raise ValueError(f"pass either config or options, not both (got options {sorted(options)})")
     if config is None:
         config = make_config(mech, **options)
     return mech(
-        q,
-        k,
-        v,
-        key_padding_mask=key_padding_mask,
-        is_causal=is_causal,
-        scale=scale,
-        config=config,
-        state=state,
-        **tensors,
-    )
+        q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, config=config, state=state,
+        enable_gqa=enable_gqa, dropout_p=dropout_p, **tensors,
+    )  # fmt: skip

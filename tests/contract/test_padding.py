@@ -106,6 +106,6 @@ def test_a_mechanism_that_groups_its_queries_needs_a_query_padding_mask_with_a_k
     assert set(grouping) == {"clustered", "improved-clustered", "routing"}
     for name in grouping:
         with pytest.raises(ValueError, match=rf"{name} groups its queries.*pass query_padding_mask too"):
-            subquad.attention(q, k, v, name, key_padding_mask=kpm)
-        subquad.attention(q, k, v, name, key_padding_mask=kpm, query_padding_mask=kpm)
-        subquad.attention(q, k, v, name)  # no padding: nothing to pass
+            subquad.attention(q, k, v, mechanism=name, key_padding_mask=kpm)
+        subquad.attention(q, k, v, mechanism=name, key_padding_mask=kpm, query_padding_mask=kpm)
+        subquad.attention(q, k, v, mechanism=name)  # no padding: nothing to pass

@@ -6,6 +6,7 @@ from torch.autograd import gradcheck
 
 import subquad
 import subquad.nn
+from subquad.kernels.tuning import TUNING
 from subquad.mechanisms.agglomerative import (
     AgglomerativeConfig,
     AgglomerativeDecoder,
@@ -212,12 +213,12 @@ def test_bad_inputs_raise(kwargs, message):
     q, k, v, ql, kl = inputs()
     call = {"query_logits": ql, "key_logits": kl, **kwargs}
     with pytest.raises(ValueError, match=message):
-        subquad.attention(q, k, v, "agglomerative", **call)
+        subquad.attention(q, k, v, mechanism="agglomerative", **call)
 
 
 def test_bad_options_raise():
     with pytest.raises(ValueError, match="clip must be > 0, got 0.0"):
-        subquad.attention(*inputs()[:3], "agglomerative", clip=0.0)
+        subquad.attention(*inputs()[:3], mechanism="agglomerative", clip=0.0)
 
 
 def test_cross_attention_classifier_needs_matching_widths():
@@ -242,10 +243,9 @@ def test_bad_position_options_raise(kwargs, message):
 def test_block_wise_forward_and_backward_across_many_blocks(L, S, monkeypatch):
     """Blocks of 4 positions (chunks of 4): the carries of the forward pass and of the backward's
     suffix sums cross many block boundaries; values match the dense matrix and gradcheck passes."""
-    from subquad.mechanisms import agglomerative
 
-    monkeypatch.setattr(agglomerative, "_CHUNK", 4)
-    monkeypatch.setattr(agglomerative, "_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(TUNING, "agglomerative_chunk", 4)
+    monkeypatch.setattr(TUNING, "agglomerative_block", 1)
     q, k, v, ql, kl = inputs(1, 2, L, S, Dv=2)
     kpm = padding(1, S, seed=2)
     out = agglomerative_attention(q, k, v, key_padding_mask=kpm, is_causal=True, query_logits=ql, key_logits=kl)

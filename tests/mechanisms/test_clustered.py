@@ -8,7 +8,7 @@ from torch.autograd import gradcheck
 
 import subquad
 import subquad.nn
-from subquad.mechanisms import clustered as cm
+from subquad.kernels.tuning import TUNING
 from subquad.mechanisms.clustered import (
     ClusteredConfig,
     ClusteredState,
@@ -18,6 +18,7 @@ from subquad.mechanisms.clustered import (
     improved_clustered_attention,
 )
 from subquad.mechanisms.full import attention_weights, full_attention
+from subquad.ops import clustering
 
 from ..conftest import padding, qkv, randn
 
@@ -26,7 +27,7 @@ METRICS = ["euclidean", "hamming"]
 
 
 def run(name, q, k, v, state=None, **kw):
-    return subquad.attention(q, k, v, name, state=state, **kw)
+    return subquad.attention(q, k, v, mechanism=name, state=state, **kw)
 
 
 def real_rows(out, query_mask):
@@ -176,14 +177,14 @@ def test_tagged_hamming_nearest_is_the_lowest_index_nearest_code(C, bits):
     centroids[:, C // 2] = centroids[:, 0]  # duplicate centroids: ties resolve to the lower index
     distance = (codes.unsqueeze(2) != centroids.unsqueeze(1)).sum(-1)  # (3, 200, C)
     expected = torch.stack([torch.tensor([row.tolist().index(min(row.tolist())) for row in g]) for g in distance])
-    assert torch.equal(cm._Hamming(codes).nearest(centroids), expected)
+    assert torch.equal(clustering.Hamming(codes).nearest(centroids), expected)
 
 
 def test_hamming_majority_update_keeps_tied_bits():
     codes = torch.tensor([[[1.0, 1, -1], [1, -1, -1], [-1, -1, 1]]])
     assign = torch.tensor([[0, 0, 1]])
     centroids = torch.tensor([[[-1.0, 1, 1], [1, 1, 1]]])
-    updated = cm._Hamming(codes).update(centroids, assign, codes, torch.ones(1, 3))
+    updated = clustering.Hamming(codes).update(centroids, assign, codes, torch.ones(1, 3))
     # cluster 0 votes (1, 0, -2): bit 1 ties and keeps its value 1; cluster 1 takes its one member
     assert torch.equal(updated, torch.tensor([[[1.0, 1, -1], [-1, -1, 1]]]))
 
@@ -195,8 +196,8 @@ def test_hash_offsets_track_the_spread_of_the_queries():
     config = ClusteredConfig(bits=16)
     state = ClusteredState(config, 1, 8)
     planes, offsets = state.planes.double(), state.offsets.double()
-    without = cm._hash(q, torch.ones(1, 500), planes, None)
-    with_offsets = cm._hash(q, torch.ones(1, 500), planes, offsets)
+    without = clustering.sign_codes(q, torch.ones(1, 500), planes, None)
+    with_offsets = clustering.sign_codes(q, torch.ones(1, 500), planes, offsets)
     assert without.unique(dim=1).shape[1] <= 2
     assert with_offsets.unique(dim=1).shape[1] > 20
     assert (with_offsets.abs() == 1).all()
@@ -238,7 +239,9 @@ def test_fitting_on_a_sample_then_assigning_everything():
     state = ClusteredState(ClusteredConfig(), 2, 8)
 
     def inertia(assign):
-        means = cm._cluster_sums(q, assign, 10) / cm._cluster_sums(torch.ones_like(q[..., :1]), assign, 10).clamp_min(1)
+        means = clustering.cluster_sums(q, assign, 10) / clustering.cluster_sums(
+            torch.ones_like(q[..., :1]), assign, 10
+        ).clamp_min(1)
         return (q - torch.gather(means, 1, assign.unsqueeze(-1).expand_as(q))).square().sum()
 
     all_fit = cluster_queries(q, ClusteredConfig(clusters=10, fit_per_cluster=0), state, w, heads)
@@ -257,8 +260,10 @@ def test_lloyd_stops_at_a_fixed_point():
         for n in (200, 1000)
     ]
     assert torch.equal(*results)
-    metric = cm._Euclidean(q)
-    centroids = cm._cluster_sums(q, results[0], 7) / cm._cluster_sums(torch.ones_like(q[..., :1]), results[0], 7)
+    metric = clustering.Euclidean(q)
+    centroids = clustering.cluster_sums(q, results[0], 7) / clustering.cluster_sums(
+        torch.ones_like(q[..., :1]), results[0], 7
+    )
     assert torch.equal(metric.nearest(centroids), results[0])  # the assignment is stable
 
 
@@ -469,7 +474,7 @@ def test_groups_of_rows_give_the_same_values_and_gradients(name, monkeypatch):
         return out.detach(), [x.grad for x in xs]
 
     whole, whole_grads = forward_backward()
-    monkeypatch.setattr(cm, "_GROUP_ELEMENTS", 1)  # one (batch, head) row per group
+    monkeypatch.setattr(TUNING, "clustered_group", 1)  # one (batch, head) row per group
     split, split_grads = forward_backward()
     assert (split - whole).abs().max() <= 1e-12
     for a, b in zip(split_grads, whole_grads):
@@ -492,7 +497,7 @@ def test_a_config_of_the_other_mechanism_raises():
     with pytest.raises(ValueError, match="clustered needs a ClusteredConfig, got ImprovedClusteredConfig"):
         clustered_attention(q, k, v, config=ImprovedClusteredConfig())
     with pytest.raises(ValueError, match="clustered needs a ClusteredConfig, got ImprovedClusteredConfig"):
-        subquad.attention(q, k, v, "clustered", config=ImprovedClusteredConfig())
+        subquad.attention(q, k, v, mechanism="clustered", config=ImprovedClusteredConfig())
 
 
 @pytest.mark.parametrize("name", ["clustered", "improved-clustered"])

@@ -8,8 +8,11 @@ from torch.autograd import gradcheck
 
 import subquad
 import subquad.nn
-from subquad._blocks import new_buffers
-from subquad.mechanisms.linear import LinearConfig, LinearDecoder, causal_dot, feature_map, linear_attention
+from subquad.kernels.memory import new_buffers
+from subquad.kernels.tuning import TUNING
+from subquad.mechanisms.linear import LinearConfig, LinearDecoder, linear_attention
+from subquad.ops.features import feature_map
+from subquad.ops.scan import causal_dot
 from subquad.registry import get_mechanism
 
 from ..conftest import padding, qkv, randn
@@ -57,13 +60,12 @@ def test_causal_chunked_equals_unchunked(chunk):
 def test_block_boundaries_carry_the_state(monkeypatch, L, S):
     """Many chunks processed one at a time in all three sweeps (forward, ∂q forwards in time, ∂k and
     ∂v backwards in time) give the dense reference's values and gradients."""
-    from subquad.mechanisms import linear
 
     q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, L, S, 4, 3))
     kpm = padding(1, S, seed=2)
     expected = dense_linear(q, k, v, kpm, True)
     grads = torch.autograd.grad(expected, (q, k, v), torch.ones_like(expected))
-    monkeypatch.setattr(linear, "_BLOCK_STATE_ELEMENTS", 1)  # one chunk per block
+    monkeypatch.setattr(TUNING, "linear_state_block", 1)  # one chunk per block
     out = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=LinearConfig(chunk=4))
     assert (out - expected).abs().max() <= 1e-12
     for got, want in zip(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)), grads, strict=True):
@@ -172,7 +174,7 @@ def test_generate_gives_the_same_tokens_with_and_without_the_cache(position):
 
 def test_scale_is_refused():
     with pytest.raises(ValueError, match="linear attention has no softmax scale; leave scale=None .got 0.5."):
-        subquad.attention(*qkv(), "linear", scale=0.5)
+        subquad.attention(*qkv(), mechanism="linear", scale=0.5)
 
 
 @pytest.mark.parametrize(
@@ -185,7 +187,7 @@ def test_scale_is_refused():
 )
 def test_bad_options_raise(options, message):
     with pytest.raises(ValueError, match=message):
-        subquad.attention(*qkv(), "linear", **options)
+        subquad.attention(*qkv(), mechanism="linear", **options)
 
 
 def test_elu_feature_map_is_elu_plus_one_with_its_gradient():
@@ -217,12 +219,11 @@ def test_unknown_feature_map_raises():
 
 def test_non_causal_blocks_forward_and_backward(monkeypatch):
     """One position per block in both passes of the non-causal Function: values and gradients."""
-    from subquad.mechanisms import linear
 
     q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 9, 7, 3, 2))
     kpm = padding(1, 7, seed=1)
     expected = dense_linear(q, k, v, kpm, False)
-    monkeypatch.setattr(linear, "_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(TUNING, "linear_block", 1)
     out = linear_attention(q, k, v, key_padding_mask=kpm)
     assert (out - expected).abs().max() <= 1e-12
     for fm in ("elu", "relu"):
@@ -236,7 +237,7 @@ def test_blocks_of_several_chunks_in_float64_and_float32(monkeypatch, fm, L, S):
     """Blocks of three chunks (the last one partial) with padding, their buffers filled with NaN
     before use: float64 equals the dense reference, and float32 (for elu, φ(q) and φ(k) in one
     pass) stays within its rounding."""
-    from subquad.mechanisms import linear
+    from subquad.kernels import linear
 
     def poisoned(shapes, dtype, device, zero):
         buffers = new_buffers(shapes, dtype, device, zero=False)
@@ -247,7 +248,7 @@ def test_blocks_of_several_chunks_in_float64_and_float32(monkeypatch, fm, L, S):
     q, k, v = qkv(2, 2, L, S, 4, 3)
     kpm = padding(2, S, seed=3)
     expected = dense_linear(q, k, v, kpm, True, fm)
-    monkeypatch.setattr(linear, "_BLOCK_STATE_ELEMENTS", 3 * 2 * 2 * 4 * (3 + 1))  # 3 chunks × B·H·D·(Dv + 1)
+    monkeypatch.setattr(TUNING, "linear_state_block", 3 * 2 * 2 * 4 * (3 + 1))  # 3 chunks × B·H·D·(Dv + 1)
     monkeypatch.setattr(linear, "new_buffers", poisoned)
     config = LinearConfig(feature_map=fm, chunk=4)
     out = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=config)

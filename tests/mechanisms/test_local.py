@@ -9,6 +9,7 @@ from torch.autograd import gradcheck
 
 import subquad
 import subquad.nn
+from subquad.kernels.tuning import TUNING
 from subquad.mechanisms import local
 from subquad.mechanisms.full import full_attention
 from subquad.mechanisms.local import LocalConfig, WindowCache, local_attention
@@ -21,7 +22,7 @@ def band_mask(L, S, window, is_causal):
     """The dense (L, S) mask of the window, queries aligned to the last keys."""
     i = torch.arange(L)[:, None] + (S - L)
     j = torch.arange(S)[None, :]
-    return ((j <= i) & (j > i - window)) if is_causal else ((j - i).abs() <= window)
+    return ((j <= i) & (j > i - window)) if is_causal else ((j - i).abs() < window)
 
 
 def dense_local(q, k, v, kpm, is_causal, window):
@@ -51,10 +52,10 @@ def test_a_window_covering_the_sequence_is_full_attention(is_causal):
 
 
 def _one_block_per_chunk(monkeypatch):
-    from subquad.mechanisms import _blocksparse
+    from subquad.kernels.tuning import TUNING
 
-    for budget in ("_TILE_ELEMENTS", "_FUSED_TILE_ELEMENTS", "_BACKWARD_TILE_ELEMENTS", "_VIEW_TILE_ELEMENTS"):
-        monkeypatch.setattr(_blocksparse, budget, 1)
+    for budget in ("blocksparse_tile", "blocksparse_fused_tile", "blocksparse_backward_tile", "blocksparse_view_tile"):
+        monkeypatch.setattr(TUNING, budget, 1)
 
 
 def test_blocks_one_at_a_time_give_the_same_values_and_gradients(monkeypatch):
@@ -99,7 +100,7 @@ def test_low_precision(dtype, tol):
 
 def _record_blocks(monkeypatch) -> list:
     """Record (query block shape, keys per block) of every chunk the block-sparse engine builds."""
-    from subquad.mechanisms import _blocksparse
+    from subquad.kernels import blocksparse as _blocksparse
 
     seen = []
     chunk = _blocksparse._Chunk.__init__
@@ -113,14 +114,14 @@ def _record_blocks(monkeypatch) -> list:
 
 
 def test_each_block_reads_only_its_window(monkeypatch):
-    """A block of queries holds keys for its windows only (block + 2·window of them), never the
+    """A block of queries holds keys for its windows only (block + 2·window − 2 of them), never the
     sequence: memory does not grow with N × window."""
     q, k, v = qkv(1, 1, 2048, 2048, 4, dtype=torch.float32)
     _one_block_per_chunk(monkeypatch)
     seen = _record_blocks(monkeypatch)
     out = local_attention(q, k, v, config=LocalConfig(window=256))
-    block = local._INFERENCE_BLOCK
-    assert set(seen) == {((1, block), block + 2 * 256)}
+    block = TUNING.local_inference_block
+    assert set(seen) == {((1, block), block + 2 * 256 - 2)}
     assert len(seen) == 2048 // block
     assert (out.double() - dense_local(q.double(), k.double(), v.double(), None, False, 256)).abs().max() < 1e-5
 
@@ -128,11 +129,11 @@ def test_each_block_reads_only_its_window(monkeypatch):
 @pytest.mark.parametrize(
     "grad, context, Dv, block",
     [
-        (False, None, 8, local._INFERENCE_BLOCK),
-        (True, None, 8, local._BLOCK),
-        (True, torch.no_grad, 8, local._INFERENCE_BLOCK),
-        (True, torch.inference_mode, 8, local._INFERENCE_BLOCK),
-        (False, None, 5, local._BLOCK),  # Dv != D: the reference path, not the flash kernel
+        (False, None, 8, TUNING.local_inference_block),
+        (True, None, 8, TUNING.local_block),
+        (True, torch.no_grad, 8, TUNING.local_inference_block),
+        (True, torch.inference_mode, 8, TUNING.local_inference_block),
+        (False, None, 5, TUNING.local_block),  # Dv != D: the reference path, not the flash kernel
     ],
 )
 def test_the_block_is_small_only_for_a_call_that_takes_no_gradient_on_the_flash_kernel(
@@ -195,7 +196,7 @@ def test_native_kernel_without_padding_and_with_dv_unlike_d_takes_the_small_bloc
     exact = qkv(2, 2, 300, 300, 16, Dv, seed=4)
     seen = _record_blocks(monkeypatch)
     out = local_attention(*(x.float() for x in exact), is_causal=True, config=LocalConfig(window=40, kernel="native"))
-    assert {shape[1] for shape, _ in seen} == {local._INFERENCE_BLOCK}
+    assert {shape[1] for shape, _ in seen} == {TUNING.local_inference_block}
     assert (out.double() - dense_local(*exact, None, True, 40)).abs().max() <= 2e-6
     assert native_calls
 
@@ -224,7 +225,7 @@ def test_the_kernel_option_reaches_the_engine(monkeypatch):
 
 
 def _count_kernel(calls, *args):
-    from subquad.mechanisms._blocksparse import block_sparse_attention
+    from subquad.kernels.blocksparse import block_sparse_attention
 
     calls.append(args[-1])
     return block_sparse_attention(*args)
@@ -269,6 +270,6 @@ def test_generate_gives_the_same_tokens_with_and_without_the_cache():
 
 def test_bad_window_raises():
     with pytest.raises(ValueError, match="local option window must be >= 1, got 0"):
-        subquad.attention(*qkv(), "local", window=0)
+        subquad.attention(*qkv(), mechanism="local", window=0)
     with pytest.raises(ValueError, match="local option window must be an int, got 2.5"):
-        subquad.attention(*qkv(), "local", window=2.5)
+        subquad.attention(*qkv(), mechanism="local", window=2.5)

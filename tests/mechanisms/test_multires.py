@@ -9,15 +9,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import subquad
 import subquad.nn
-from subquad.mechanisms.linear import LinearConfig, feature_map, linear_attention
+from subquad.kernels.tuning import TUNING
+from subquad.mechanisms.linear import LinearConfig, linear_attention
 from subquad.mechanisms.multires import (
     MultiresConfig,
     MultiresInputs,
     MultiresState,
     multires_attention,
-    segment_length,
-    segment_means,
 )
+from subquad.ops.features import feature_map
+from subquad.ops.segments import segment_length, segment_means
 from subquad.registry import get_mechanism
 
 from ..conftest import padding, qkv, randn
@@ -239,9 +240,8 @@ def test_router_logits_get_the_gradient_of_the_chosen_probability():
 def test_outputs_with_and_without_autograd_agree_when_a_resolution_gets_no_query(is_causal, monkeypatch):
     """Without autograd the output is written in place (non-causal: in blocks of queries, here one
     query each); with it, pieces are concatenated. Both equal the dense reference."""
-    from subquad.mechanisms import multires
 
-    monkeypatch.setattr(multires, "_QUERY_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(TUNING, "multires_query_block", 1)
     q, k, v, logits = inputs(2, 8, 15, 15)
     logits[:, 2] = -50.0  # resolution 2 is nobody's choice
     kpm = padding(2, 15, seed=4)
@@ -416,7 +416,7 @@ def test_registry_record_and_bench_inputs():
     tensors = mech.example_tensors(q, k, v, MultiresConfig(), torch.Generator().manual_seed(0))
     assert tensors["router_logits"].shape == (1, 4, 12) and tensors["router_logits"].dtype == torch.float32
     assert mech.example_tensors(q, k, v, MultiresConfig(routing="random"), torch.Generator()) == {}
-    out = subquad.attention(q, k, v, "multires", rates=[0.5, 0.5, 0.25, 0.125], **tensors)
+    out = subquad.attention(q, k, v, mechanism="multires", rates=[0.5, 0.5, 0.25, 0.125], **tensors)
     assert out.shape == (1, 8, 12, 4)
 
 
@@ -442,7 +442,7 @@ def test_bad_inputs_raise(kwargs, message):
     q, k, v, logits = inputs()
     call = {"router_logits": logits, **kwargs}
     with pytest.raises(ValueError, match=message):
-        subquad.attention(q, k, v, "multires", **call)
+        subquad.attention(q, k, v, mechanism="multires", **call)
 
 
 def test_heads_must_split_between_the_rates():
@@ -451,7 +451,7 @@ def test_heads_must_split_between_the_rates():
         r"multires splits its heads evenly between its 4 resolutions \(rates=.*\), but got 6 heads; use a multiple"
     )
     with pytest.raises(ValueError, match=message):
-        subquad.attention(q, k, v, "multires", router_logits=logits)
+        subquad.attention(q, k, v, mechanism="multires", router_logits=logits)
     with pytest.raises(ValueError, match="but got 6 heads; use a multiple of 4 heads"):
         subquad.nn.MultiheadAttention(24, 6, "multires")
 

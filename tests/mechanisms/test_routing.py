@@ -8,18 +8,20 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
 import subquad
-import subquad._tiles
+import subquad.hooks
+import subquad.kernels.tiles
 import subquad.nn
+from subquad.kernels.tuning import TUNING
 from subquad.mechanisms.full import full_attention
 from subquad.mechanisms.routing import (
     RoutingCache,
     RoutingConfig,
     RoutingState,
-    route,
     routing_attention,
     routing_loss,
 )
 from subquad.nn import HeadGroup
+from subquad.ops.clustering import nearest_direction as route
 
 from ..conftest import padding, qkv, randn
 
@@ -86,7 +88,7 @@ def test_routing_equals_full_under_the_dense_mask_of_its_own_assignments(
     q, k, v = (x.requires_grad_(True) for x in qkv(2, 2, L, S, 6, Dv, seed=seed))
     kpm = padding(2, S, seed) if pad else None
     st_ = state(clusters, seed=seed)
-    config = RoutingConfig(clusters=clusters, window=window)
+    config = RoutingConfig(clusters=clusters, tile=window)
     out = routing_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=st_)
     expected = full_attention(q, k, v, attn_mask=visible(q.detach(), k.detach(), st_.centroids, window, is_causal, kpm))
     assert (out - expected).abs().max() <= 1e-10
@@ -99,7 +101,7 @@ def test_routing_equals_full_under_the_dense_mask_of_its_own_assignments(
 def test_one_cluster_with_enough_capacity_is_full_attention(is_causal):
     q, k, v = qkv(2, 2, 50, 50, 6)
     kpm = padding(2, 50, seed=5)
-    config = RoutingConfig(clusters=1, window=50)
+    config = RoutingConfig(clusters=1, tile=50)
     out = routing_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=state(1))
     assert (out - full_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal)).abs().max() <= 1e-10
 
@@ -111,7 +113,7 @@ def test_causal_with_one_tile_per_cluster_queries_see_their_cluster_and_themselv
     cq, ck = route(q, st_.centroids), route(k, st_.centroids)
     i, j = torch.arange(60)[:, None], torch.arange(60)[None, :]
     mask = (cq[..., :, None] == ck[..., None, :]) & (j <= i) | (i == j)
-    out = routing_attention(q, k, v, is_causal=True, config=RoutingConfig(clusters=4, window=60), state=st_)
+    out = routing_attention(q, k, v, is_causal=True, config=RoutingConfig(clusters=4, tile=60), state=st_)
     assert (out - full_attention(q, k, v, attn_mask=mask)).abs().max() <= 1e-10
 
 
@@ -136,7 +138,7 @@ def test_outputs_and_gradients_equal_full_attention_under_the_mask_in_chunks_of_
     monkeypatch, is_causal, Dv, window
 ):
     """Query blocks run in chunks of one width and similar need with reused buffers
-    (subquad._tiles): with one block per chunk, as with all in one, and with chunks cut by width
+    (subquad.kernels.tiles): with one block per chunk, as with all in one, and with chunks cut by width
     only (as off the CPU), outputs and gradients equal those of full attention under the dense
     mask. A window of 60 makes blocks of every width."""
     q, k, v = (x.requires_grad_(True) for x in qkv(2, 2, 150, 160, 6, Dv, seed=11))
@@ -145,11 +147,11 @@ def test_outputs_and_gradients_equal_full_attention_under_the_mask_in_chunks_of_
     mask = visible(q.detach(), k.detach(), st_.centroids, window, is_causal, kpm)
     expected = full_attention(q, k, v, attn_mask=mask)
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
-    config = RoutingConfig(clusters=3, window=window)
-    cut = subquad._tiles._chunks
+    config = RoutingConfig(clusters=3, tile=window)
+    cut = subquad.kernels.tiles._chunks
     for elements, tight in ((1, True), (1 << 20, True), (1 << 20, False)):
-        monkeypatch.setattr(subquad._tiles, "_GROUP_ELEMENTS", elements)
-        monkeypatch.setattr(subquad._tiles, "_chunks", lambda w, n, step, _, tight=tight: cut(w, n, step, tight))
+        monkeypatch.setattr(TUNING, "tiles_group", elements)
+        monkeypatch.setattr(subquad.kernels.tiles, "_chunks", lambda w, n, step, _, tight=tight: cut(w, n, step, tight))
         out = routing_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=st_)
         grads = torch.autograd.grad(out.square().sum(), (q, k, v))
         assert (out - expected).abs().max() <= 1e-10
@@ -164,7 +166,7 @@ def test_causality_editing_the_future_changes_no_earlier_output(L):
     S = 64
     q, k, v = qkv(2, 2, L, S, 6, seed=7)
     st_ = state(3)
-    config = RoutingConfig(clusters=3, window=4)
+    config = RoutingConfig(clusters=3, tile=4)
     out = routing_attention(q, k, v, is_causal=True, config=config, state=st_)
     for t in (0, 20, L - 2):
         q2, k2, v2 = q.clone(), k.clone(), v.clone()
@@ -198,7 +200,7 @@ def test_gradcheck(is_causal, Dv):
     kpm = padding(1, 15, seed=3)
     fn = functools.partial(
         routing_attention, key_padding_mask=kpm, is_causal=is_causal,
-        config=RoutingConfig(clusters=3, window=3), state=state(3, dim=4),
+        config=RoutingConfig(clusters=3, tile=3), state=state(3, dim=4),
     )  # fmt: skip
     assert gradcheck(fn, (q, k, v), fast_mode=True)
 
@@ -207,7 +209,7 @@ def test_gradcheck(is_causal, Dv):
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
 def test_low_precision(dtype, tol, is_causal):
     q, k, v = qkv(1, 2, 128, 128, 16, seed=4)
-    config = RoutingConfig(clusters=4, window=16)
+    config = RoutingConfig(clusters=4, tile=16)
     ref = routing_attention(q, k, v, is_causal=is_causal, config=config)
     out = routing_attention(*(x.to(dtype) for x in (q, k, v)), is_causal=is_causal, config=config)
     assert out.dtype == dtype
@@ -300,18 +302,55 @@ def test_eval_mode_and_the_functional_form_do_not_update():
     assert torch.equal(a, routing_attention(q, k, v, config=RoutingConfig(clusters=3)))
 
 
-def test_commitment_loss_is_beta_times_the_distance_to_the_centroids_and_reaches_the_inputs():
+def test_commitment_loss_is_beta_times_the_distance_to_the_centroids_and_goes_to_the_collector():
+    q, k, v = qkv(2, 2, 20, 20, 6, seed=4)
+    config = RoutingConfig(clusters=3, commitment=0.25)
+    st_ = state(3).train()
+    before = st_.centroids.clone()
+    with subquad.hooks.auxiliary_losses() as losses:
+        routing_attention(q, k, v, config=config, state=st_)
+    (loss,) = losses
+    assert losses.names == ["routing.commitment"] and losses.named() == [("routing.commitment", loss)]
+    heads = torch.arange(2)[None, :, None]
+    distance = [(F.normalize(x, dim=-1) - before[heads, route(x, before)]).pow(2).sum(-1).mean() for x in (q, k)]
+    assert torch.allclose(loss, 0.25 * (distance[0] + distance[1]), rtol=0, atol=1e-14)
+    assert loss is st_.loss  # kept for the deprecated routing_loss
+
+
+def test_the_collected_loss_reaches_the_inputs_and_collectors_nest():
+    torch.manual_seed(0)
+    model = subquad.nn.CausalLM(31, 16, 2, 2, attention=HeadGroup("routing", clusters=3), max_len=40).double()
+    tokens = torch.randint(0, 31, (2, 20))
+    with subquad.hooks.auxiliary_losses() as outer:
+        model(tokens)
+        with subquad.hooks.auxiliary_losses() as inner:
+            model(tokens)
+    assert len(outer) == 2 and len(inner) == 2, "one per layer, to the innermost collector only"
+    loss = sum(outer)
+    assert loss.item() > 0 and loss.requires_grad
+    loss.backward()
+    assert model.backbone.blocks[0].attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_without_a_collector_the_loss_goes_nowhere_and_nothing_fails():
     torch.manual_seed(0)
     model = subquad.nn.CausalLM(31, 16, 1, 2, attention=HeadGroup("routing", clusters=3), max_len=40).double()
-    tokens = torch.randint(0, 31, (2, 20))
-    model(tokens).sum().backward()
-    loss = routing_loss(model)
-    assert loss.item() > 0 and loss.requires_grad
-    model.zero_grad()
-    model(tokens)
-    routing_loss(model).backward()
-    assert model.backbone.blocks[0].attn.q_proj.weight.grad.abs().sum() > 0
-    assert routing_loss(torch.nn.Linear(2, 2)).item() == 0
+    model(torch.randint(0, 31, (2, 20))).sum().backward()
+    with subquad.hooks.auxiliary_losses() as losses:
+        model.eval()(torch.randint(0, 31, (2, 20)))
+    assert losses == [], "eval mode reports no loss"
+
+
+def test_the_deprecated_routing_loss_sums_each_layers_last_loss_and_warns():
+    torch.manual_seed(0)
+    model = subquad.nn.CausalLM(31, 16, 2, 2, attention=HeadGroup("routing", clusters=3), max_len=40).double()
+    with subquad.hooks.auxiliary_losses() as losses:
+        model(torch.randint(0, 31, (2, 20)))
+    with pytest.warns(DeprecationWarning, match="subquad.hooks.auxiliary_losses"):
+        loss = routing_loss(model)
+    assert torch.equal(loss, torch.stack(list(losses)).sum()) and loss.requires_grad
+    with pytest.warns(DeprecationWarning):
+        assert routing_loss(torch.nn.Linear(2, 2)).item() == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,7 +361,7 @@ def test_commitment_loss_is_beta_times_the_distance_to_the_centroids_and_reaches
 def test_a_layer_mixes_local_and_routing_heads():
     """Heads split between local and routing: each group equals its mechanism alone."""
     torch.manual_seed(0)
-    groups = [HeadGroup("local", 2, window=4), HeadGroup("routing", 2, clusters=3, window=5)]
+    groups = [HeadGroup("local", 2, window=4), HeadGroup("routing", 2, clusters=3, tile=5)]
     layer = subquad.nn.MultiheadAttention(16, 4, groups).double().eval()
     x = randn(2, 30, 16)
     out = layer(x, is_causal=True)
@@ -331,9 +370,9 @@ def test_a_layer_mixes_local_and_routing_heads():
     v = layer._split_heads(layer.v_proj(x))
     heads = torch.cat(
         [
-            subquad.attention(q[:, :2], k[:, :2], v[:, :2], "local", is_causal=True, window=4),
+            subquad.attention(q[:, :2], k[:, :2], v[:, :2], mechanism="local", is_causal=True, window=4),
             routing_attention(q[:, 2:], k[:, 2:], v[:, 2:], is_causal=True, state=layer.states["1"],
-                              config=RoutingConfig(clusters=3, window=5)),
+                              config=RoutingConfig(clusters=3, tile=5)),
         ],
         dim=1,
     )  # fmt: skip
@@ -349,10 +388,11 @@ def test_a_tiny_causal_lm_with_local_and_routing_heads_overfits_and_generates_li
     optimiser = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(60):
-        logits = model(tokens[:, :-1])
+        with subquad.hooks.auxiliary_losses() as auxiliary:
+            logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, 23), tokens[:, 1:].reshape(-1))
         optimiser.zero_grad()
-        (loss + routing_loss(model)).backward()
+        (loss + sum(auxiliary)).backward()
         optimiser.step()
         losses.append(loss.item())
     assert losses[0] > 2.9 and losses[-1] < 0.5
@@ -367,7 +407,7 @@ def test_routing_cache_equals_parallel_token_by_token_over_200_steps():
     from subquad.registry import get_mechanism
 
     q, k, v = qkv(2, 3, 200, 200, 6, seed=9)
-    config = RoutingConfig(clusters=5, window=7)
+    config = RoutingConfig(clusters=5, tile=7)
     st_ = state(5, heads=3, dim=6)
     parallel = routing_attention(q, k, v, is_causal=True, config=config, state=st_)
     cache = RoutingCache(get_mechanism("routing"), config, st_)
@@ -380,7 +420,7 @@ def test_routing_cache_equals_parallel_token_by_token_over_200_steps():
 
 def test_generate_with_a_fixed_window_uses_the_bounded_cache_and_matches_no_cache():
     torch.manual_seed(0)
-    groups = [HeadGroup("local", 2, window=5), HeadGroup("routing", 2, clusters=3, window=4)]
+    groups = [HeadGroup("local", 2, window=5), HeadGroup("routing", 2, clusters=3, tile=4)]
     model = subquad.nn.CausalLM(29, 16, 2, 4, attention=tuple(groups), max_len=64).double().eval()
     prompt = torch.randint(0, 29, (2, 7))
     assert torch.equal(model.generate(prompt, 40), model.generate(prompt, 40, use_cache=False))
@@ -389,7 +429,7 @@ def test_generate_with_a_fixed_window_uses_the_bounded_cache_and_matches_no_cach
 def test_routing_cache_rejects_bad_steps():
     from subquad.registry import get_mechanism
 
-    cache = RoutingCache(get_mechanism("routing"), RoutingConfig(clusters=2, window=3), None)
+    cache = RoutingCache(get_mechanism("routing"), RoutingConfig(clusters=2, tile=3), None)
     cache.step(*qkv(2, 2, 1, 1, 4))
     with pytest.raises(ValueError, match=r"holds keys of \(B, H, D\) = \(2, 2, 4\), got \(3, 2, 1, 4\)"):
         cache.step(*qkv(3, 2, 1, 1, 4))
@@ -406,14 +446,14 @@ def test_routing_cache_rejects_bad_steps():
     ("options", "message"),
     [
         ({"clusters": 0}, "routing option clusters must be >= 1, got 0"),
-        ({"window": 0}, "routing option window must be >= 1, got 0"),
+        ({"tile": 0}, "routing option tile must be >= 1, got 0"),
         ({"decay": 1.5}, "routing option decay must be <= 1, got 1.5"),
         ({"commitment": -1.0}, "routing option commitment must be >= 0, got -1.0"),
     ],
 )
 def test_bad_options_raise(options, message):
     with pytest.raises(ValueError, match=message):
-        subquad.attention(*qkv(), "routing", **options)
+        subquad.attention(*qkv(), mechanism="routing", **options)
 
 
 def test_bad_state_and_masks_raise():
@@ -429,3 +469,11 @@ def test_bad_state_and_masks_raise():
     layer = subquad.nn.MultiheadAttention(12, 2, "routing", clusters=4)
     with pytest.raises(ValueError, match=r"routing centroids of shape \(2, 5, 6\) do not fit"):
         layer.load_state_dict({**layer.state_dict(), "states.0.centroids": torch.zeros(2, 5, 6)})
+
+
+def test_the_old_option_name_window_still_works_and_warns():
+    with pytest.warns(DeprecationWarning, match="routing option window is now called tile"):
+        config = subquad.make_config("routing", clusters=3, window=5)
+    assert config == RoutingConfig(clusters=3, tile=5)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="pass tile only"):
+        subquad.make_config("routing", window=5, tile=6)

@@ -6,16 +6,15 @@ import torch
 from torch.autograd import gradcheck
 
 import subquad
-from subquad import _native
+from subquad.kernels import native as _native
+from subquad.kernels.tuning import TUNING
 from subquad.masks import dense_mask
-from subquad.mechanisms import _blocksparse, sparse
+from subquad.mechanisms import sparse
 from subquad.mechanisms.full import FullConfig, full_attention
+from subquad.mechanisms.pattern import PatternConfig, pattern_attention, register_pattern
 from subquad.mechanisms.sparse import (
-    PatternConfig,
     SparseConfig,
     fixed_mask,
-    pattern_attention,
-    register_pattern,
     sparse_attention,
     sparse_mask_mod,
     strided_column_mask,
@@ -180,7 +179,7 @@ def test_causal_layouts_compute_no_key_after_the_query_block_and_little_waste(pa
             assert bool(((keys <= last[None, :, None]) | outside).all())
             # per head; a square block under the kernel's causal flag computes its lower triangle
             width = keys.shape[-1]
-            computed += group.queries.numel() * ((width + 1) / 2 if group.causal else width)
+            computed += group.queries.numel() * ((width + 1) / 2 if group.facts.causal else width)
     allowed = dense_mask(sparse_mask_mod(config, L, S, True), 1, 2, L, S).sum().item() / 2
     assert computed <= 1.5 * allowed
 
@@ -209,8 +208,8 @@ def test_gradcheck(pattern, step, groups, causal, kernel):
 def test_gradients_equal_full_attentions_under_the_dense_mask(kernel, causal, pattern, tile, monkeypatch):
     """With the default tiles, and with one block per chunk in both passes (a tiny tile budget)."""
     if tile is not None:
-        for name in ("_TILE_ELEMENTS", "_FUSED_TILE_ELEMENTS", "_BACKWARD_TILE_ELEMENTS", "_VIEW_TILE_ELEMENTS"):
-            monkeypatch.setattr(_blocksparse, name, tile)
+        for name in ("tile", "fused_tile", "backward_tile", "view_tile"):
+            monkeypatch.setattr(TUNING, f"blocksparse_{name}", tile)
     config = SparseConfig(pattern=pattern, stride=8, summary=2, groups=2, block=4, kernel=kernel)
     inputs = [x.requires_grad_(True) for x in qkv(2, 2, 30, 30, 4)]
     kpm = padding(2, 30, seed=4)
@@ -237,7 +236,7 @@ def accelerator_summary_runs(monkeypatch):
 def test_fixed_summary_runs_off_the_cpu_hold_one_tile_of_scores(monkeypatch):
     config = SparseConfig(pattern="fixed", stride=8, summary=2)
     shape = subquad._validate.AttentionShape(2, 2, 30, 30, 4, 4, 0.5)  # 4 blocks of 8; B·H·l = 32
-    monkeypatch.setattr(sparse, "_SUMMARY_SCORES", 16)  # 16 · 32 (the accelerator scale) / 32 = 16 blocks·keys
+    monkeypatch.setattr(TUNING, "sparse_summary_scores", 16)  # 16 · 32 (the accelerator scale) / 32 = 16 blocks·keys
     runs = sparse._summary_spans  # blocks · keys of the last block (2 per earlier block) <= 16
     assert runs([0, 1, 2, 3], config, shape, True, "meta") == [(0, 2), (3, 3)]
     assert runs([0, 1, 2, 3], config, shape, False, "meta") == [(0, 1), (2, 3)]  # 8 keys each
@@ -248,7 +247,7 @@ def test_fixed_summary_runs_off_the_cpu_hold_one_tile_of_scores(monkeypatch):
 @pytest.mark.parametrize("budget", [1, 16, 1 << 10])
 def test_fixed_with_summary_runs_sized_as_off_the_cpu_equals_full_attention(causal, budget, accelerator_summary_runs):
     """One query block per run, a few, and all of them: outputs and gradients equal the oracle's."""
-    accelerator_summary_runs.setattr(sparse, "_SUMMARY_SCORES", budget)
+    accelerator_summary_runs.setattr(TUNING, "sparse_summary_scores", budget)
     config = SparseConfig(pattern="fixed", stride=8, summary=2, groups=2, block=4)
     inputs = [x.requires_grad_(True) for x in qkv(2, 2, 30, 30, 4)]
     kpm = padding(2, 30, seed=4)
@@ -330,7 +329,7 @@ def test_pattern_with_a_user_mask_mod_equals_full_attention_with_gradients(mask_
     kpm = padding(2, S, seed=1)
     config = PatternConfig(block=8, kernel=kernel)
     out = subquad.attention(
-        *inputs, "pattern", key_padding_mask=kpm, is_causal=causal, config=config, mask_mod=mask_mod
+        *inputs, mechanism="pattern", key_padding_mask=kpm, is_causal=causal, config=config, mask_mod=mask_mod
     )
     mask = dense_mask(mask_mod, 2, 3, L, S)
     ref = full_attention(*inputs, key_padding_mask=kpm, is_causal=causal, attn_mask=mask, config=EAGER)
@@ -380,11 +379,11 @@ def test_a_named_layout_is_built_once_and_follows_a_replaced_registration():
     i, j = torch.arange(40)[:, None], torch.arange(40)[None, :]
     register_pattern("test-once", band(2), replace=True)
     for _ in range(3):
-        out = subquad.attention(q, k, v, "pattern", name="test-once", block=8)
+        out = subquad.attention(q, k, v, mechanism="pattern", name="test-once", block=8)
         assert (out - full_attention(q, k, v, attn_mask=(i - j).abs() <= 2)).abs().max() <= 1e-12
     assert built == [2]  # one layout for three calls
     register_pattern("test-once", band(5), replace=True)
-    out = subquad.attention(q, k, v, "pattern", name="test-once", block=8)
+    out = subquad.attention(q, k, v, mechanism="pattern", name="test-once", block=8)
     assert (out - full_attention(q, k, v, attn_mask=(i - j).abs() <= 5)).abs().max() <= 1e-12
     assert built == [2, 5]
 
@@ -458,13 +457,13 @@ def test_generate_gives_the_same_tokens_with_and_without_the_kv_cache():
 )
 def test_bad_sparse_options_raise(options, message):
     with pytest.raises(ValueError) as err:
-        subquad.attention(*qkv(), "sparse", **options)
+        subquad.attention(*qkv(), mechanism="sparse", **options)
     assert message in str(err.value)
 
 
 def test_more_queries_than_keys_raises():
     with pytest.raises(ValueError) as err:
-        subquad.attention(*qkv(L=9, S=5), "sparse")
+        subquad.attention(*qkv(L=9, S=5), mechanism="sparse")
     assert "sparse places query i at key position i + S - L, so it needs L <= S, got L=9 and S=5" in str(err.value)
     assert "use the pattern mechanism with a mask_mod" in str(err.value)
 
@@ -516,7 +515,7 @@ def test_strided_masks_are_the_two_steps_of_merged():
 
 
 # --------------------------------------------------------------------------------------------
-# The opt-in native kernel (fp32): the same patterns, through subquad._native
+# The opt-in native kernel (fp32): the same patterns, through subquad.kernels.native
 # --------------------------------------------------------------------------------------------
 
 
@@ -548,7 +547,7 @@ def test_native_kernel_runs_user_mask_mods_exactly(mask_mod, causal, native_call
     exact = qkv(2, 3, 70, 70, 8)
     kpm = padding(2, 70, seed=3)
     out = subquad.attention(
-        *(x.float() for x in exact), "pattern", key_padding_mask=kpm, is_causal=causal,
+        *(x.float() for x in exact), mechanism="pattern", key_padding_mask=kpm, is_causal=causal,
         config=PatternConfig(block=16, kernel="native"), mask_mod=mask_mod,
     )  # fmt: skip
     mask = dense_mask(mask_mod, 2, 3, 70, 70)
@@ -611,7 +610,7 @@ def test_causal_columns_are_whole_segments_only_where_the_native_kernel_runs_the
     columns = sparse._sparse_parts(config, shape, True, torch.device("cpu"), native)[1]
     rows = -(-S // config.stride)
     assert {g.queries.shape[1] for g in columns} == ({rows} if whole else {5})
-    assert all(g.triangular for g in columns) == whole
+    assert all(g.facts.triangular for g in columns) == whole
 
 
 @needs_native

@@ -217,7 +217,7 @@ def test_kv_cache_checks_new_entries_before_writing():
     q = torch.randn(3, 2, 1, 4)
     cache.step(q, q, q)
     with pytest.raises(
-        ValueError, match=r"the cache holds k of \(B, H, D\) = \(3, 2, 4\) torch.float32, got shape \(1, 2, 1, 4\)"
+        ValueError, match=r"the cache holds keys of \(B, H, D\) = \(3, 2, 4\), got \(1, 2, 1, 4\); start a new cache"
     ):
         cache.step(q[:1], q[:1], q[:1])
     assert cache.length == 1 and cache.keys.shape[0] == 3

@@ -11,8 +11,8 @@ import json
 import math
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from subquad._validate import DTYPE_NAMES
@@ -45,29 +45,51 @@ def _show(value: Any) -> str:
 BASELINE = Variant("full")
 
 
+def setting(
+    default: Any,
+    help: str,
+    *,
+    metavar: str | None = None,
+    choices: Sequence[str] | Mapping[str, Any] | None = None,
+    shown_default: str | None = None,
+) -> Any:
+    """Declare a `BenchSettings` field with its command-line flag: a help line (followed by the default,
+    or by ``shown_default`` in its place), a metavar, and choices; a mapping of choices gives the value
+    each one stands for."""
+    metadata = {"help": help, "metavar": metavar, "choices": choices, "shown_default": shown_default}
+    return field(default=default, metadata=metadata)
+
+
+_BOTH = {"both": (False, True), "yes": (True,), "no": (False,)}
+
+
 @dataclass
 class BenchSettings:
-    """Everything one benchmark run measures; the command line's defaults come from here."""
+    """Everything one benchmark run measures; the command line's flags and defaults come from here."""
 
-    variants: Sequence[Variant] = ()
-    lengths: Sequence[int] = (1024, 2048, 4096, 8192, 16384)
-    batch: int = 1
-    heads: int = 8
-    head_dim: int = 64
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int | None = None
-    causal: Sequence[bool] = (False, True)
-    backward: Sequence[bool] = (False, True)
-    repeats: int = 20
-    max_seconds: float = 2.0
-    warmup_seconds: float = 2.0
-    error_rows: int = 512
-    centres: int = 16
-    spread: float = 0.5
-    baseline_max_length: int | None = None
-    timeout: float = 1800.0
-    seed: int = 0
+    variants: Sequence[Variant] = setting(
+        (), "what runs besides the baseline: --mechanisms and the --NAME.OPTION flags"
+    )
+    lengths: Sequence[int] = setting((1024, 2048, 4096, 8192, 16384), "sequence lengths", metavar="N")
+    batch: int = setting(1, "batch size B")
+    heads: int = setting(8, "heads H")
+    head_dim: int = setting(64, "head dim D")
+    dtype: str = setting("float32", "", choices=DTYPE_NAMES)
+    device: str = setting("cpu", "cpu or cuda")
+    threads: int | None = setting(None, "CPU threads", shown_default="torch's default")
+    causal: Sequence[bool] = setting((False, True), "causal cells, non-causal cells, or both", choices=_BOTH)
+    backward: Sequence[bool] = setting((False, True), "forward+backward cells, forward cells, or both", choices=_BOTH)
+    repeats: int = setting(20, "most timed calls per cell, after the warm-up")
+    warmup_seconds: float = setting(2.0, "untimed calls per cell until this long has passed, the first call included")
+    max_seconds: float = setting(2.0, "stop repeating once the timed calls of a cell took this long")
+    error_rows: int = setting(512, "query rows compared with float64 full attention")
+    centres: int = setting(16, "centres per head of the clustered inputs of the error column")
+    spread: float = setting(0.5, "spread of the clustered inputs around their centres")
+    baseline_max_length: int | None = setting(
+        None, "run the full-attention baseline only up to this N; longer cells get no ratio", shown_default="all"
+    )
+    timeout: float = setting(1800.0, "seconds per cell")
+    seed: int = setting(0, "input and state seed")
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "head_dim", "repeats", "error_rows", "centres"):

@@ -40,15 +40,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from subquad._blocks import Scratch, block_elements, new_output
 from subquad._validate import AttentionShape, check_attention_inputs, check_logits
+from subquad.decoding import Decoder
+from subquad.kernels.memory import Scratch, new_output
+from subquad.kernels.tuning import TUNING, block_elements
 from subquad.ops import softmax
+from subquad.ops.scan import prefix_sums
 from subquad.registry import KEY, QUERY, Config, Mechanism, option
 
 __all__ = ["AgglomerativeConfig", "AgglomerativeDecoder", "AgglomerativeInputs", "agglomerative_attention"]
-
-_CHUNK = 32  # positions per lower-triangular matmul of the prefix sums
-_BLOCK_ELEMENTS = 1 << 19  # reference positions × heads × width handled at once in the causal form
 
 
 @dataclass(frozen=True)
@@ -123,24 +123,6 @@ def agglomerative_attention(
     return _CausalAgglomerative.apply(c_q, c_r, values, shape.keys - shape.queries, config.clip).to(v.dtype)
 
 
-def _prefix(x: Tensor, carry: Tensor | None, scratch: Scratch | None = None, name: str = "") -> Tensor:
-    """Inclusive prefix sums of ``x`` ``(B, H, n, F)`` along n, plus ``carry`` ``(B, H, 1, F)``: a
-    lower-triangular matmul within chunks of ``_CHUNK`` and a cumulative sum of the chunk totals (much
-    faster on CPU than ``cumsum`` along a middle dim); written into ``scratch(name)`` if given."""
-    B, H, n, F = x.shape
-    chunk = min(_CHUNK, n)
-    pad = -n % chunk
-    xc = (torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x).reshape(B, H, -1, chunk, F)
-    tril = torch.ones(chunk, chunk, dtype=x.dtype, device=x.device).tril()
-    out = None if scratch is None else scratch(name, xc.shape)
-    within = torch.matmul(tril, xc, out=out)  # (B, H, chunks, chunk, F); matmul saves its inputs, not this
-    if within.shape[2] > 1:
-        within[:, :, 1:] += torch.cumsum(within[:, :, :-1, -1:], dim=2)  # totals of the earlier chunks
-    if carry is not None:
-        within += carry.unsqueeze(2)
-    return within.view(B, H, -1, F)[:, :, :n]
-
-
 def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) -> Tensor:
     """Masked agglomerative attention, block by block over the reference positions: running class
     sums and masses carry across blocks, and each block's queries are written into one output.
@@ -158,8 +140,8 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
     scratch = Scratch(values.dtype, values.device)
     for start, (lo, hi), c_r_block, v_block in zip(starts, spans, c_r.split(block, dim=2), values.split(block, dim=2)):
         weighted = torch.mul(c_r_block, v_block, out=scratch("weighted", v_block.shape))
-        sums = _prefix(weighted, sums, scratch, "sums")
-        mass = _prefix(c_r_block, mass)
+        sums = prefix_sums(weighted, sums, scratch, "sums")
+        mass = prefix_sums(c_r_block, mass)
         if lo < hi:
             scale = c_q[:, :, lo - offset : hi - offset] / mass[:, :, lo - start : hi - start].clamp_min(clip)
             torch.mul(sums[:, :, lo - start : hi - start], scale, out=out[:, :, lo - offset : hi - offset])
@@ -168,7 +150,8 @@ def _causal(c_q: Tensor, c_r: Tensor, values: Tensor, offset: int, clip: float) 
 
 
 def _block_size(B: int, H: int, Dv: int, device: torch.device) -> int:
-    return max(_CHUNK, (block_elements(_BLOCK_ELEMENTS, device) // (B * H * (Dv + 1))) // _CHUNK * _CHUNK)
+    chunk = TUNING.agglomerative_chunk
+    return max(chunk, (block_elements(TUNING.agglomerative_block, device) // (B * H * (Dv + 1))) // chunk * chunk)
 
 
 class _CausalAgglomerative(torch.autograd.Function):
@@ -202,8 +185,8 @@ class _CausalAgglomerative(torch.autograd.Function):
         sums = mass = None
         for start in range(0, S, block):  # forwards: the running S, M and their gradients
             stop = min(start + block, S)
-            sums = _prefix(c_r[:, :, start:stop] * values[:, :, start:stop], sums)
-            mass = _prefix(c_r[:, :, start:stop], mass)
+            sums = prefix_sums(c_r[:, :, start:stop] * values[:, :, start:stop], sums)
+            mass = prefix_sums(c_r[:, :, start:stop], mass)
             lo, hi = max(start, offset), min(stop, offset + L)
             if lo < hi:
                 rows, queries = slice(lo - start, hi - start), slice(lo - offset, hi - offset)
@@ -219,8 +202,8 @@ class _CausalAgglomerative(torch.autograd.Function):
         later_sums = later_mass = None
         for start in reversed(range(0, S, block)):  # backwards: suffix sums of ∂S and ∂M
             stop = min(start + block, S)
-            suffix = _prefix(grad_sums[:, :, start:stop].flip(2), later_sums).flip(2)
-            suffix_mass = _prefix(grad_mass[:, :, start:stop].flip(2), later_mass).flip(2)
+            suffix = prefix_sums(grad_sums[:, :, start:stop].flip(2), later_sums).flip(2)
+            suffix_mass = prefix_sums(grad_mass[:, :, start:stop].flip(2), later_mass).flip(2)
             grad_r[:, :, start:stop] = (values[:, :, start:stop] * suffix).sum(-1, keepdim=True) + suffix_mass
             grad_sums[:, :, start:stop] = c_r[:, :, start:stop] * suffix
             later_sums, later_mass = suffix[:, :, :1], suffix_mass[:, :, :1]
@@ -263,38 +246,37 @@ def _example_logits(q: Tensor, k: Tensor, v: Tensor, config: Config, generator: 
     }
 
 
-class AgglomerativeDecoder:
+class AgglomerativeDecoder(Decoder):
     """Recurrent decoding of masked agglomerative attention: per class, the running ``Σ c^r v`` and
     ``Σ c^r`` (fp32 for half inputs). Each step costs the same whatever the prefix length."""
 
     recurrent = True
     description = "recurrent state (Σ c^r v and Σ c^r per class: O(1) in the prefix length)"
+    fixed = ("B", "H", "Dv")  # q and k lend only their shapes: D plays no part
 
     def __init__(self, mechanism: Mechanism, config: AgglomerativeConfig, state: nn.Module | None) -> None:
-        self.mechanism, self.config = mechanism, config
+        super().__init__(mechanism, config, state)
         self.sums: Tensor | None = None  # (B, H, 1, Dv)
         self.mass: Tensor | None = None  # (B, H, 1, 1)
-        self.length = 0
 
-    @torch.no_grad()
     def step(
         self, q: Tensor, k: Tensor, v: Tensor, query_logits: Tensor | None = None, key_logits: Tensor | None = None
     ) -> Tensor:
+        """``Decoder.step``, whose class logits ``(B, H, T)`` may also come by position."""
+        return super().step(q, k, v, query_logits=query_logits, key_logits=key_logits)
+
+    @torch.no_grad()
+    def _step(
+        self, q: Tensor, k: Tensor, v: Tensor, query_logits: Tensor | None = None, key_logits: Tensor | None = None
+    ) -> Tensor:
         """The ``T`` new positions' outputs ``(B, H, T, Dv)``, each over the prefix and itself."""
-        shape = check_attention_inputs(q, k, v, None, True, None)
-        if shape.queries != shape.keys:
-            raise ValueError(f"a decoding step takes as many queries as keys, got {shape.queries} and {shape.keys}")
-        if self.sums is not None and (self.sums.shape[:2], self.sums.shape[-1]) != (v.shape[:2], v.shape[-1]):
-            raise ValueError(
-                f"the decoder holds state for (B, H, Dv) = {(*self.sums.shape[:2], self.sums.shape[-1])}, "
-                f"got {(*v.shape[:2], v.shape[-1])}; start a new cache for a new batch"
-            )
+        B, H, T, D = q.shape
+        shape = AttentionShape(B, H, T, T, D, v.shape[-1], D**-0.5)
         c_q, c_r, values = _weights(shape, v, query_logits, key_logits, None)
         sums, mass = torch.cumsum(c_r * values, dim=2), torch.cumsum(c_r, dim=2)
         if self.sums is not None:
             sums, mass = sums + self.sums, mass + self.mass
         self.sums, self.mass = sums[:, :, -1:], mass[:, :, -1:]
-        self.length += shape.queries
         return (c_q * sums / mass.clamp_min(self.config.clip)).to(v.dtype)
 
 

@@ -52,7 +52,7 @@ attention; ``topk >= S`` makes improved-clustered exact (``m̂ = 1``). Both are 
 distances are one matmul of ±1 codes; the nearest centroid is found with a max, not an argmax, by
 folding ``−j/2^p`` into the dot products (exact integers plus a tag, so ``amax`` identifies the
 lowest-indexed nearest centroid). The exact re-scoring of improved-clustered sorts the queries by
-cluster and cuts each cluster into tiles of ``_TILE`` queries that share the cluster's k keys: one
+cluster and cuts each cluster into tiles of ``TUNING.clustered_tile`` queries that share the cluster's k keys: one
 batched matmul per step, with no (L × k × D) gather. Half-precision inputs are computed in fp32.
 
 There is no causal form: the paper defines none (a centroid averages queries from the whole
@@ -61,14 +61,16 @@ sequence), so ``is_causal=True`` raises and names the mechanisms that have one.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from subquad._blocks import BlockOutput, block_elements, tracks_grad
 from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask
+from subquad.kernels.memory import BlockOutput, tracks_grad
+from subquad.kernels.tuning import TUNING, block_elements
+from subquad.ops.clustering import Euclidean, Hamming, cluster_sums, lloyd, seed_centroids, sign_codes
+from subquad.ops.hashing import position_uniform
 from subquad.registry import Config, Mechanism, no_causal_form, option
 
 __all__ = [
@@ -79,10 +81,6 @@ __all__ = [
     "clustered_attention",
     "improved_clustered_attention",
 ]
-
-_TILE = 32  # queries per tile in the exact top-k re-scoring
-_GROUP_ELEMENTS = 1 << 22  # (C × S) score elements per group of (batch × head) rows
-_SEED_ROUNDS = 8  # rounds of D² sampling that choose the initial centroids
 
 
 @dataclass(frozen=True)
@@ -156,171 +154,6 @@ def _resolve_state(state: nn.Module | None, config: ClusteredConfig, shape: Atte
     return state
 
 
-# ---------------------------------------------------------------------------------------------
-# Grouping the queries
-# ---------------------------------------------------------------------------------------------
-
-
-class _Hamming:
-    """Lloyd's k-means in Hamming space over ±1 codes ``(G, N, B)``: the nearest centroid has the
-    fewest differing bits, and a centroid bit is its members' majority vote (a tie keeps it)."""
-
-    def __init__(self, codes: Tensor) -> None:
-        self.points = codes
-        G, N, _ = codes.shape
-        # Codes, transposed, with a row of ones that multiplies each centroid's tag (see nearest).
-        self.points_t = torch.cat([codes, codes.new_ones(G, N, 1)], dim=-1).transpose(1, 2).contiguous()
-
-    def subset(self, index: Tensor) -> _Hamming:
-        return _Hamming(_take(self.points, index))
-
-    def distances(self, centroids: Tensor) -> Tensor:
-        """``(G, N, r)`` differing bits to ``r`` centroids."""
-        B = self.points.shape[-1]
-        return (B - torch.bmm(self.points, centroids.transpose(1, 2))) * 0.5
-
-    def nearest(self, centroids: Tensor) -> Tensor:
-        # Hamming distance = (B − dot) / 2, so the nearest code has the largest dot. Tagging centroid
-        # j with −j/2^p (p bits hold any j < C) makes the max of dot − j/2^p the largest dot at its
-        # lowest j, read back from the fraction: exact in fp32 while (B + 1)·2^p < 2^24, and only
-        # when matmuls run in full fp32 (TF32 or bf16 matmuls would round the tags).
-        G, C, B = centroids.shape
-        p = max(1, math.ceil(math.log2(C)))
-        if (B + 1) * 2**p >= 2**24 or torch.get_float32_matmul_precision() != "highest":
-            return torch.bmm(self.points, centroids.transpose(1, 2)).max(-1).indices
-        tag = -torch.arange(C, dtype=centroids.dtype, device=centroids.device) * 2.0**-p
-        tagged = torch.cat([centroids, tag.view(1, C, 1).expand(G, C, 1)], dim=-1)  # (G, C, B + 1)
-        best = torch.bmm(tagged, self.points_t).amax(1)  # (G, N): max_j dot_j − j/2^p
-        return ((torch.ceil(best) - best) * 2.0**p).round_().long()
-
-    def update(self, centroids: Tensor, assign: Tensor, members: Tensor, weight: Tensor) -> Tensor:
-        """``members``: the points times their weight (0 for padded points, which do not vote)."""
-        votes = _cluster_sums(members, assign, centroids.shape[1])
-        return torch.where(votes > 0, 1.0, torch.where(votes < 0, -1.0, centroids))
-
-
-class _Euclidean:
-    """Lloyd's k-means under squared L2 on the vectors ``(G, N, D)``: the mean update. An empty
-    cluster keeps its centroid."""
-
-    def __init__(self, x: Tensor) -> None:
-        G, N, _ = x.shape
-        # Points with a column of ones that multiplies each centroid's −‖c‖²/2: one matmul gives
-        # x·c − ‖c‖²/2, whose max over c is the nearest centroid, with no broadcast add.
-        self.augmented = torch.cat([x, x.new_ones(G, N, 1)], dim=-1)
-        self.points = self.augmented[..., :-1]
-
-    def subset(self, index: Tensor) -> _Euclidean:
-        return _Euclidean(_take(self.points, index))
-
-    def _scores(self, centroids: Tensor) -> Tensor:
-        """``(G, N, r)`` x·c − ‖c‖²/2."""
-        half_norms = -0.5 * centroids.square().sum(-1, keepdim=True)
-        return torch.bmm(self.augmented, torch.cat([centroids, half_norms], dim=-1).transpose(1, 2))
-
-    def distances(self, centroids: Tensor) -> Tensor:
-        norms = self.points.square().sum(-1, keepdim=True)
-        return (norms - 2 * self._scores(centroids)).clamp_min(0)
-
-    def nearest(self, centroids: Tensor) -> Tensor:
-        return self._scores(centroids).max(-1).indices  # argmin ‖x − c‖²; the first maximum on ties
-
-    def update(self, centroids: Tensor, assign: Tensor, members: Tensor, weight: Tensor) -> Tensor:
-        """``members``: the points times their weight (0 for padded points, which do not count)."""
-        C = centroids.shape[1]
-        sums = _cluster_sums(members, assign, C)
-        counts = _cluster_sums(weight.unsqueeze(-1), assign, C)
-        return torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
-
-
-def _take(x: Tensor, index: Tensor) -> Tensor:
-    """Rows ``x[g, index[g]]``: ``(G, N, F)`` by ``(G, n)`` -> ``(G, n, F)``."""
-    return torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-
-
-def _cluster_sums(x: Tensor, assign: Tensor, C: int) -> Tensor:
-    """Per-cluster sums ``(G, C, F)`` of ``x`` ``(G, N, F)`` under ``assign`` ``(G, N)``."""
-    G, N, F = x.shape
-    if x.device.type != "cpu":  # index_add uses atomics there: a one-hot matmul is deterministic
-        return torch.bmm(torch.nn.functional.one_hot(assign, C).to(x.dtype).transpose(1, 2), x)
-    index = (assign + (torch.arange(G, device=x.device) * C).unsqueeze(-1)).view(-1)
-    return x.new_zeros(G * C, F).index_add(0, index, x.reshape(G * N, F)).view(G, C, F)
-
-
-def _uniform(seed: int, heads: Tensor, positions: Tensor, stream: int) -> Tensor:
-    """Uniforms in (0, 1) shaped like ``positions`` ``(G, n)``: a fixed function of (seed, head, stream,
-    position in the row).
-
-    A counter-based hash rather than a generator: a query's draws depend on its own position only,
-    not on the batch, the padded length, the grouping of rows or the device, so a row's clusters
-    depend only on its own real queries.
-    """
-    mask = 0xFFFFFFFF
-    x = positions + (heads.unsqueeze(1) * 0x9E3779B1 + (stream * 0x85EBCA77 + seed * 0xC2B2AE3D) % 2**32)
-    x = x & mask
-    for multiplier in (0x7FEB352D, 0x4C6A68B3):  # odd constants below 2^31: products stay below 2^63
-        x = ((x ^ (x >> 16)) * multiplier) & mask
-    x = x ^ (x >> 15)
-    return ((x >> 8).to(torch.float32) + 0.5) * 2.0**-24
-
-
-def _seed_centroids(
-    metric: _Hamming | _Euclidean, weight: Tensor, positions: Tensor, C: int, seed: int, heads: Tensor
-) -> Tensor:
-    """``(G, C)`` indices of C distinct initial centroids, by D² sampling in ``_SEED_ROUNDS`` rounds.
-
-    The first round draws uniformly among real points; each later round draws a batch without
-    replacement with probability ∝ (distance to the nearest centroid so far)², by Gumbel-top-k. It is
-    k-means++ (Arthur & Vassilvitskii 2007) with several draws per round, as in k-means||: points of
-    clusters that hold no centroid yet are the likely draws, so well-separated groups are not merged
-    by an unlucky uniform draw, and the rounds stay few and batched.
-    """
-    per_round = -(-C // min(C, _SEED_ROUNDS))
-    chosen = (_uniform(seed, heads, positions, 1) - weight).topk(per_round, dim=1, largest=False).indices  # real 1st
-    picks = [chosen]
-    nearest = metric.distances(_take(metric.points, chosen)).amin(-1)  # (G, N)
-    padded = weight == 0
-    while sum(p.shape[1] for p in picks) < C:
-        r = min(per_round, C - sum(p.shape[1] for p in picks))
-        gumbel = -torch.log(-torch.log(_uniform(seed, heads, positions, 1 + len(picks))))
-        keys = (2 * torch.log(nearest) + gumbel).masked_fill_(padded, float("-inf"))
-        chosen = keys.topk(r, dim=1).indices
-        picks.append(chosen)
-        nearest = torch.minimum(nearest, metric.distances(_take(metric.points, chosen)).amin(-1))
-    return torch.cat(picks, dim=1)
-
-
-def _lloyd(metric: _Hamming | _Euclidean, weight: Tensor, init: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
-    """Lloyd's iterations from the points at ``init``; stops at a fixed point. Returns the centroids
-    and the assignment of ``metric``'s points to them."""
-    centroids = _take(metric.points, init)
-    assign = metric.nearest(centroids)
-    members = metric.points * weight.unsqueeze(-1)
-    for _ in range(iterations):
-        centroids = metric.update(centroids, assign, members, weight)
-        new = metric.nearest(centroids)
-        if torch.equal(new, assign):
-            break
-        assign = new
-    return centroids, assign
-
-
-def _hash(q: Tensor, weight: Tensor, planes: Tensor, offsets: Tensor | None) -> Tensor:
-    """±1 codes ``(G, L, B)``: the sign of each query's projection on each plane, minus its threshold.
-
-    With ``offsets`` ``(G, B)`` the threshold of plane b is ``μ_b + σ_b·u_b``: the mean and spread
-    of the real queries' projections, shifted by the plane's fixed random offset ``u_b``.
-    """
-    proj = torch.bmm(q, planes)  # (G, L, B)
-    if offsets is not None:
-        count = weight.sum(1).clamp_min(1).view(-1, 1, 1)
-        w = weight.unsqueeze(-1)
-        mean = (proj * w).sum(1, keepdim=True) / count
-        std = (((proj - mean) * w).square().sum(1, keepdim=True) / count).sqrt()
-        proj = proj - (mean + std * offsets.unsqueeze(1))
-    return torch.where(proj > 0, 1.0, -1.0).to(torch.float32)
-
-
 def cluster_queries(
     q: Tensor,
     config: ClusteredConfig,
@@ -345,25 +178,25 @@ def cluster_queries(
     if C == L:  # one cluster per query: exact
         return torch.arange(L, device=q.device).expand(G, L)
     if config.kmeans == "euclidean":
-        metric: _Hamming | _Euclidean = _Euclidean(q)
+        metric: Hamming | Euclidean = Euclidean(q)
     else:
         planes = state.planes.to(device=q.device, dtype=q.dtype)[heads]  # (G, D, B)
         offsets = state.offsets.to(device=q.device, dtype=q.dtype)[heads] if config.hash_offsets else None
-        metric = _Hamming(_hash(q, weight, planes, offsets))
+        metric = Hamming(sign_codes(q, weight, planes, offsets))
         weight = weight.to(torch.float32)
     seed = int(state.seed)
     positions = torch.arange(L, device=q.device).expand(G, L)
     fit, fit_weight, fit_positions = metric, weight, positions
     if config.fit_per_cluster and config.fit_per_cluster * C < L:
         # Fit on a seeded random sample of the real queries (all of them when fewer), then assign all.
-        sample = (_uniform(seed, heads, positions, 0) - weight).topk(config.fit_per_cluster * C, largest=False)
+        sample = (position_uniform(seed, heads, positions, 0) - weight).topk(config.fit_per_cluster * C, largest=False)
         fit, fit_weight, fit_positions = (
             metric.subset(sample.indices),
             torch.gather(weight, 1, sample.indices),
             sample.indices,
         )
-    init = _seed_centroids(fit, fit_weight, fit_positions, C, seed, heads)
-    centroids, assign = _lloyd(fit, fit_weight, init, config.iterations)
+    init = seed_centroids(fit, fit_weight, fit_positions, C, seed, heads)
+    centroids, assign = lloyd(fit, fit_weight, init, config.iterations)
     return assign if fit is metric else metric.nearest(centroids)
 
 
@@ -410,7 +243,7 @@ def _rescore_topk(
     cluster = (assign + (torch.arange(G, device=device) * C).unsqueeze(-1)).view(-1)  # (G·L,) in [0, G·C)
     order = torch.sort(cluster, stable=True).indices
     counts = torch.bincount(cluster, minlength=G * C)
-    tile = _TILE
+    tile = TUNING.clustered_tile
     starts = torch.cumsum(counts, 0) - counts
     tiles = (counts + tile - 1) // tile
     tile_cluster = torch.repeat_interleave(torch.arange(G * C, device=device), tiles)  # (T,)
@@ -469,13 +302,7 @@ def _clustered(
     key_real = None if key_padding_mask is None else key_padding_mask.repeat_interleave(H, dim=0)  # (BH, S)
     query_real = None if query_padding_mask is None else query_padding_mask.repeat_interleave(H, dim=0)
     heads = torch.arange(H, device=q.device).repeat(B)
-    # The largest temporaries per (batch × head) row: scores (C × S), assignment scores (L × C) and,
-    # when re-scoring, the tiles of queries and of each cluster's top keys and values.
-    per_row = max(C * S, L * C)
-    if improved:
-        kk = min(config.topk, S)
-        per_row = max(per_row, L * D + (L // _TILE + C) * kk * (D + Dv))
-    group = max(1, min(rows, block_elements(_GROUP_ELEMENTS, q.device) // per_row))
+    group = _rows_per_group(shape, C, config.topk if improved else None, q.device)
     result = BlockOutput((rows, L, Dv), 0, q, tracks_grad(q, k, v))
     # split, not slices: one backward node for all groups (each slice's backward fills a full-size zero)
     for r, qg, kg, vg in zip(range(0, rows, group), qf.split(group), kf.split(group), vf.split(group)):
@@ -487,8 +314,8 @@ def _clustered(
             qg = torch.where(query_real[sl].unsqueeze(-1), qg, 0.0)
         with torch.no_grad():
             assign = cluster_queries(qg.detach(), config, state, weight, heads[sl])
-        sums = _cluster_sums(qg, assign, C)  # padded queries are zero here
-        counts = _cluster_sums(weight.unsqueeze(-1), assign, C)
+        sums = cluster_sums(qg, assign, C)  # padded queries are zero here
+        counts = cluster_sums(weight.unsqueeze(-1), assign, C)
         centroids = sums / counts.clamp_min(1)  # eq. 3, (G, C, D)
         kr = None if key_real is None else key_real[sl].unsqueeze(1)  # (G, 1, S)
         probs = _masked_softmax(torch.bmm(centroids * shape.scale, kg.transpose(1, 2)), kr)  # A^c, eq. 4
@@ -502,6 +329,18 @@ def _clustered(
             out = out * weight.unsqueeze(-1)
         result.put(out.to(q.dtype))
     return result.result().view(B, H, L, Dv)
+
+
+def _rows_per_group(shape: AttentionShape, C: int, topk: int | None, device: torch.device) -> int:
+    """(batch × head) rows computed together: their largest temporaries, scores (C × S),
+    assignment scores (L × C) and, when re-scoring the top-k, the tiles of queries and of each
+    cluster's top keys and values, fit the ``TUNING.clustered_group`` budget."""
+    L, S, D, Dv = shape.queries, shape.keys, shape.head_dim, shape.value_dim
+    per_row = max(C * S, L * C)
+    if topk is not None:
+        kk = min(topk, S)
+        per_row = max(per_row, L * D + (L // TUNING.clustered_tile + C) * kk * (D + Dv))
+    return max(1, min(shape.batch * shape.heads, block_elements(TUNING.clustered_group, device) // per_row))
 
 
 def clustered_attention(

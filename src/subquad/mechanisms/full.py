@@ -29,6 +29,9 @@ from subquad.registry import Config, Mechanism, option
 
 __all__ = ["FullConfig", "attention_weights", "full_attention"]
 
+# torch's SDPA reads grouped-query keys and values in place from torch 2.5 on (``enable_gqa``).
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
 
 @dataclass(frozen=True)
 class FullConfig(Config):
@@ -51,6 +54,8 @@ def full_attention(
     attn_mask: Tensor | None = None,
     config: FullConfig | None = None,
     state: None = None,
+    enable_gqa: bool = False,
+    dropout_p: float = 0.0,
 ) -> Tensor:
     """Exact softmax attention under the contract's masks and an optional dense ``attn_mask``.
 
@@ -61,12 +66,20 @@ def full_attention(
         scale: default ``D ** -0.5``.
         attn_mask: broadcastable to ``(B, H, L, S)``; bool (True = may attend) or additive float.
         config: ``FullConfig``.
+        enable_gqa: k and v may have ``H / G`` heads (grouped-query attention); each serves G
+            consecutive query heads, read in place.
+        dropout_p: attention dropout on the weights (as torch's SDPA; use it in training only).
 
     Returns:
         ``(B, H, L, Dv)``; zero rows for queries that see no key.
     """
     config = config or FullConfig()
-    shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
+    groups = q.shape[1] // k.shape[1] if enable_gqa and q.dim() == k.dim() == 4 else 1
+    if groups > 1:  # checked as the H heads they serve (views: nothing is copied)
+        shape = check_attention_inputs(q, *(x[:, :1].expand(-1, q.shape[1], -1, -1) for x in (k, v)),
+                                       key_padding_mask, is_causal, scale)  # fmt: skip
+    else:
+        shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
     if attn_mask is not None:
         attn_mask = _check_attn_mask(attn_mask, shape, q)
     if attn_mask is None and key_padding_mask is None and (not is_causal or shape.queries == shape.keys):
@@ -77,11 +90,16 @@ def full_attention(
     if config.backend == "eager":
         if is_causal:
             mask, _ = _merged_mask(shape, None, True, None, q)
-        out = _eager(q, k, v, mask, shape.scale)
+        out = _eager(q, k, v, mask, shape.scale, groups, dropout_p)
     else:
         if mask is not None and mask.is_floating_point():
             mask = mask.to(q.dtype)  # the fused kernel takes an additive mask in q's dtype
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=shape.scale)
+        if groups > 1 and not _SDPA_GQA:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        gqa = {"enable_gqa": True} if groups > 1 and _SDPA_GQA else {}
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=shape.scale, **gqa
+        )
     return out if visible is None else out.masked_fill(~visible, 0.0)
 
 
@@ -114,9 +132,21 @@ def _softmax_weights(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) ->
     return torch.softmax(scores, dim=-1)
 
 
-def _eager(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    weights = _softmax_weights(q, k, mask, scale)  # (B, H, L, S)
-    return torch.matmul(weights, v.to(weights.dtype)).to(q.dtype)  # (B, H, L, Dv)
+def _eager(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, groups: int = 1, dropout_p: float = 0.0
+) -> Tensor:
+    """Matmul, softmax, matmul. With ``groups`` G > 1 the query heads are viewed as ``(Hkv, G)``
+    against keys and values of ``Hkv`` heads broadcast over G: nothing is copied."""
+    if groups > 1:
+        H = q.shape[1]
+        q, k, v = q.unflatten(1, (H // groups, groups)), k.unsqueeze(2), v.unsqueeze(2)
+        if mask is not None:
+            mask = mask.unflatten(1, (H // groups, groups)) if mask.shape[1] == H else mask.unsqueeze(2)
+    weights = _softmax_weights(q, k, mask, scale)  # (B, H, L, S), or (B, Hkv, G, L, S)
+    if dropout_p:
+        weights = F.dropout(weights, dropout_p)
+    out = torch.matmul(weights, v.to(weights.dtype)).to(q.dtype)  # (B, H, L, Dv), or (B, Hkv, G, L, Dv)
+    return out.flatten(1, 2) if groups > 1 else out
 
 
 def _merged_mask(
@@ -196,5 +226,7 @@ MECHANISM = Mechanism(
     paper="Vaswani et al. 2017, eq. 1",
     tensor_args=("attn_mask",),
     decoder=KVCache,
+    gqa=True,
+    dropout=True,
     examples=({}, {"backend": "eager"}),
 )

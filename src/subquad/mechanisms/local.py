@@ -1,25 +1,28 @@
 """Local (sliding-window) attention, the Routing Transformer's companion heads (Roy et al. 2021).
 
-Query i attends to the keys within ``window`` positions of it: causal, the previous ``window - 1``
-keys and its own (``i - window < j <= i``); non-causal, ``window`` on each side
-(``|i - j| <= window``). With L ≠ S the queries are the last L positions of the keys (bottom-right
-alignment, as in causal attention). Softmax is exact over the window.
+Query i attends to the keys less than ``window`` positions from it, ``|i - j| < window``:
+causal, the previous ``window - 1`` keys and its own (``i - window < j <= i``); non-causal,
+``window - 1`` on each side as well. (``window`` means the same in ``pattern``; before 0.2 the
+non-causal form took ``|i - j| <= window``, one key more on each side.) With L ≠ S the queries are
+the last L positions of the keys (bottom-right alignment, as in causal attention). Softmax is
+exact over the window.
 
 **Computation.** Queries go in blocks of ``block`` consecutive positions; a block's keys are the
 contiguous range its queries' windows cover (``block + window - 1`` keys causal,
-``block + 2·window`` non-causal), read as overlapping views of k and v (no copy), with the exact
+``block + 2·window - 2`` non-causal), read as overlapping views of k and v (no copy), with the exact
 band as the element mask, which is the same for every inner block. This is the local step of the
-block-sparse engine (``_blocksparse.band_groups``) shared with the Sparse Transformer's strided
+block-sparse engine (``kernels.layouts.band_groups``) shared with the Sparse Transformer's strided
 pattern: torch's CPU flash-attention kernel per batch of blocks (or, with ``kernel="native"``, the
-opt-in C kernel of ``subquad._native`` for the forward), one autograd Function that saves the
+opt-in C kernel of ``subquad.kernels.native`` for the forward), one autograd Function that saves the
 output and log-sum-exp and recomputes blocks in the backward, so memory is O(N·D) plus one batch of
 blocks, never O(N·window).
 
-The block is ``_INFERENCE_BLOCK`` (32) where the CPU flash kernel (or the native one) runs a call
-that can take no gradient (gradients disabled, or no input requiring one), and ``_BLOCK`` (64) otherwise. Smaller
-blocks compute fewer keys outside the window (``block − 1`` of ``block + 2·window`` per query),
-which makes a forward at w = 256 about 4% faster, but their overlapping key windows double the
-key gradients the backward scatters, which makes forward+backward about 20% slower. The two
+The block is ``TUNING.local_inference_block`` (32) where the CPU flash kernel (or the native one)
+runs a call that can take no gradient (gradients disabled, or no input requiring one), and
+``TUNING.local_block`` (64) otherwise. Smaller
+blocks compute fewer keys outside the window (``block − 1`` of ``block + 2·window − 2`` per query),
+which makes a forward faster, but their overlapping key windows double the key gradients the
+backward scatters, which makes forward+backward slower (docs/performance.md). The two
 differ only in rounding, so a reentrant checkpoint (whose first forward runs without gradients)
 recomputes slightly different values than it first returned.
 
@@ -35,10 +38,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from subquad import _native
 from subquad._validate import check_attention_inputs
+from subquad.decoding import Decoder
+from subquad.kernels import native as _native
+from subquad.kernels.blocksparse import block_sparse_attention
+from subquad.kernels.layouts import band_groups
+from subquad.kernels.softmax import fused_available
+from subquad.kernels.tuning import TUNING
 from subquad.masks import MaskMod
-from subquad.mechanisms._blocksparse import band_groups, block_sparse_attention, fused_kernel_available, kernel_option
+from subquad.mechanisms._options import kernel_option
 from subquad.registry import Config, Mechanism, option
 
 if TYPE_CHECKING:
@@ -46,24 +54,21 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalConfig", "WindowCache", "local_attention", "window_mask"]
 
-_BLOCK = 64  # queries per block when a gradient can be taken, or off the CPU flash kernel
-_INFERENCE_BLOCK = 32  # queries per block of a call that can take no gradient, on the CPU flash kernel
-
 
 @dataclass(frozen=True)
 class LocalConfig(Config):
     mechanism = "local"
-    window: int = option(256, "w: causal sees the last w keys (itself included); non-causal w on each side", ge=1)
+    window: int = option(256, "w: keys with |p − j| < w (causal: the last w, itself included)", ge=1)
     kernel: str = kernel_option()
 
 
 def window_mask(window: int, is_causal: bool, offset: int) -> MaskMod:
-    """The window as a mask_mod: ``p - window < j <= p`` (causal) or ``|p - j| <= window``, with
+    """The window as a mask_mod: ``|p - j| < window`` (causal: ``p - window < j <= p``), with
     ``p = q_idx + offset``."""
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         distance = q_idx + offset - kv_idx
-        return ((distance >= 0) & (distance < window)) if is_causal else distance.abs() <= window
+        return ((distance >= 0) & (distance < window)) if is_causal else distance.abs() < window
 
     return mask_mod
 
@@ -85,7 +90,7 @@ def local_attention(
         q, k, v: ``(B, H, L, D)``, ``(B, H, S, D)``, ``(B, H, S, Dv)``.
         key_padding_mask: bool ``(B, S)``, True marks a real key.
         is_causal: query i (at key position i + S - L) sees keys ``i + S - L - window < j <= i + S - L``;
-            otherwise ``|j - (i + S - L)| <= window``.
+            otherwise ``|j - (i + S - L)| < window``.
         scale: softmax scale, default ``D ** -0.5``.
         config: ``LocalConfig``.
 
@@ -97,44 +102,35 @@ def local_attention(
     L, S = shape.queries, shape.keys
     w = min(config.window, L + S)  # a wider window sees no more keys: the same result, bounded work
     offset = S - L
-    left, right = (w - 1, 0) if is_causal else (w, w)
+    left, right = (w - 1, 0) if is_causal else (w - 1, w - 1)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    fused = config.kernel != "eager" and fused_kernel_available(q.device) and q.shape[-1] == v.shape[-1]
+    fused = config.kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
     native = config.kernel == "native" and _native.supports(q, k, v) is None  # runs Dv != D too
-    block = _INFERENCE_BLOCK if (fused or native) and not needs_grad else _BLOCK
+    block = TUNING.local_inference_block if (fused or native) and not needs_grad else TUNING.local_block
     groups = band_groups(L, offset, left, right, min(block, L), window_mask(w, is_causal, offset), q.device)
     return block_sparse_attention(q, k, v, [groups], key_padding_mask, shape.scale, config.kernel)
 
 
-class WindowCache:
+class WindowCache(Decoder):
     """Decoding cache of the last ``window - 1`` keys and values: each step attends the new tokens
     to them and to each other, so its cost is independent of the prompt length."""
 
     recurrent = True
     description = "window cache (the last window - 1 keys and values: O(window) per head)"
+    holds = "keys"
 
     def __init__(self, mechanism: Mechanism, config: LocalConfig, state: nn.Module | None) -> None:
-        self.mechanism, self.config = mechanism, config
+        super().__init__(mechanism, config, state)
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
-        self.length = 0
 
-    def step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the window and the new keys."""
-        check_attention_inputs(q, k, v, None, True, None)
-        if q.shape[2] != k.shape[2]:
-            raise ValueError(f"a decoding step takes as many queries as keys, got {q.shape[2]} and {k.shape[2]}")
-        if self.keys is not None and (self.keys.shape[:2] != k.shape[:2] or self.keys.shape[3] != k.shape[3]):
-            raise ValueError(
-                f"the cache holds keys of (B, H, D) = ({self.keys.shape[0]}, {self.keys.shape[1]}, "
-                f"{self.keys.shape[3]}), got {tuple(k.shape)}; start a new cache for a new batch"
-            )
         keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
         values = v if self.values is None else torch.cat([self.values, v], dim=2)
         out = local_attention(q, keys, values, is_causal=True, config=self.config)
         drop = max(0, keys.shape[2] - (self.config.window - 1))
         self.keys, self.values = keys[:, :, drop:], values[:, :, drop:]
-        self.length += k.shape[2]
         return out
 
 
@@ -142,7 +138,7 @@ MECHANISM = Mechanism(
     name="local",
     fn=local_attention,
     config=LocalConfig,
-    summary="sliding-window softmax attention over w keys (causal) or w each side, block-sparse; window cache",
+    summary="sliding-window softmax attention over keys with |p − j| < w, block-sparse; window cache",
     paper="Roy, Saffar, Vaswani & Grangier 2021 (local heads of the Routing Transformer); Parmar et al. 2018",
     causal=True,
     cross=True,

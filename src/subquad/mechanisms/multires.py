@@ -59,24 +59,20 @@ state, and causal. The position is the causal one (i + S − L, as in cached dec
 **Cost.** Segment means O(S·D) per head, and kernel attention over m_h landmarks O(m_h·D·Dv) for
 the sums and O(D·Dv) per query. Non-causal, every head computes every query in one product with
 all heads' sums, and the router's choice zeroes the others: the fewest operations, which on a
-busy 2-core CPU is what counts (against gathering each head's queries: 3.4× faster at N = 4096,
-within 20% either way otherwise). The
+busy 2-core CPU is what counts (docs/performance.md). The
 causal form and the softmax ablation gather the queries routed to each head (padded to the most
-any batch row has) and scatter their outputs back: 1.4–1.6× faster there, as their per-query
-work is larger. No (N × N) and no (N × H × D × D) tensor exists in either pass. Half-precision
+any batch row has) and scatter their outputs back: faster there, as their per-query work is
+larger. No (N × N) and no (N × H × D × D) tensor exists in either pass. Half-precision
 inputs are computed in fp32.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from subquad._blocks import BlockOutput, block_elements, tracks_grad
 from subquad._validate import (
     AttentionShape,
     check_attention_inputs,
@@ -85,8 +81,17 @@ from subquad._validate import (
     resolve_scale,
 )
 from subquad.decoding import KVCache
-from subquad.mechanisms.linear import causal_dot, feature_map
+from subquad.kernels.memory import tracks_grad
 from subquad.ops import softmax
+from subquad.ops.hashing import seeded_uniform
+from subquad.ops.landmarks import (
+    causal_landmark_kernel,
+    gather_positions,
+    landmark_kernel,
+    landmark_softmax,
+    scatter_positions,
+)
+from subquad.ops.segments import segment_length
 from subquad.registry import QUERY, Config, Mechanism, option
 
 __all__ = [
@@ -95,13 +100,7 @@ __all__ = [
     "MultiresState",
     "multires_attention",
     "route",
-    "segment_length",
-    "segment_means",
 ]
-
-_SOFTMAX_BLOCK_ELEMENTS = 1 << 20  # softmax ablation: query rows × landmarks scored at once
-_QUERY_BLOCK_ELEMENTS = 1 << 21  # non-causal form without autograd: query rows × width per block
-_CAUSAL_CHUNK = 64  # causal form: slots (queries and landmarks) per chunk of the causal product
 
 
 @dataclass(frozen=True)
@@ -169,62 +168,6 @@ class MultiresInputs(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Compression (§3.2): segment means
-# ---------------------------------------------------------------------------------------------
-
-
-def segment_length(rate: float, keys: int | None = None) -> int:
-    """ℓ = ⌊1/c⌋ positions per segment: the longest segment that gives at least m = ⌈N·c⌉ landmarks
-    at every N (exactly m when 1/c is a whole number, as for all the paper's rates). At most the
-    ``keys`` S: one segment of all the keys is the same landmark as any longer one (segments start
-    at position 0, causal ones too), and the work stays O(S) for any rate."""
-    length = max(1, math.floor(1 / rate + 1e-9))
-    return length if keys is None else max(1, min(length, keys))
-
-
-def segment_means(x: Tensor, key_padding_mask: Tensor | None, length: int) -> tuple[Tensor, Tensor]:
-    """Means of consecutive segments of ``length`` positions over the real positions only.
-
-    Args:
-        x: ``(B, H, N, F)``.
-        key_padding_mask: bool ``(B, N)``, True marks a real position, or None.
-        length: ℓ, positions per segment; the last segment may be short.
-
-    Returns:
-        The means ``(B, H, n, F)`` with n = ⌈N/ℓ⌉ (zero for an empty segment), and ``valid`` bool
-        ``(B, n)``: whether a segment holds a real position.
-    """
-    B, H, N, Fx = x.shape
-    n = -(-N // length)
-    pad = n * length - N
-    if pad:
-        x = F.pad(x, (0, 0, 0, pad))  # zeros add nothing
-    if key_padding_mask is None:
-        sums = x.view(B, H, n, length, Fx).sum(3)
-        counts = (N - torch.arange(n, device=x.device) * length).clamp(max=length).expand(B, n)
-    else:
-        weight = F.pad(key_padding_mask, (0, pad)).view(B, 1, n, length, 1)
-        sums = (x.view(B, H, n, length, Fx) * weight.to(x.dtype)).sum(3)
-        counts = weight.view(B, n, length).sum(-1)
-    means = sums / counts.clamp(min=1).to(x.dtype)[:, None, :, None]
-    return means, counts > 0
-
-
-def _running_means(x: Tensor, key_padding_mask: Tensor | None, length: int) -> tuple[Tensor, Tensor]:
-    """Causal form: at each position p the mean of the real positions of its segment up to p,
-    ``(B, H, N, F)``, and whether there is one, ``(B, N)``."""
-    B, H, N, Fx = x.shape
-    n = -(-N // length)
-    pad = n * length - N
-    weight = F.pad(x.new_ones(B, N) if key_padding_mask is None else key_padding_mask.to(x.dtype), (0, pad))
-    weight = weight.view(B, 1, n, length, 1)
-    sums = torch.cumsum(F.pad(x, (0, 0, 0, pad)).view(B, H, n, length, Fx) * weight, dim=3)
-    counts = torch.cumsum(weight, dim=3)
-    means = (sums / counts.clamp(min=1)).view(B, H, n * length, Fx)[:, :, :N]
-    return means, (counts.view(B, n * length)[:, :N] > 0)
-
-
-# ---------------------------------------------------------------------------------------------
 # Routing (eq. 6)
 # ---------------------------------------------------------------------------------------------
 
@@ -249,151 +192,8 @@ def route(
         choice = probs.argmax(dim=1)  # (B, L)
         return choice, probs.gather(1, choice.unsqueeze(1)).squeeze(1)
     positions = torch.arange(first, first + queries)
-    choice = (_hash_uniform(seed, positions) * len(config.rates)).long().clamp(max=len(config.rates) - 1)
+    choice = (seeded_uniform(seed, positions) * len(config.rates)).long().clamp(max=len(config.rates) - 1)
     return choice.expand(batch, queries), torch.ones(batch, queries, dtype=work, device=positions.device)
-
-
-def _hash_uniform(seed: int, positions: Tensor) -> Tensor:
-    """Uniforms in [0, 1), a fixed function of (seed, position): a 32-bit integer mix, no generator."""
-    mask = 0xFFFFFFFF
-    x = (positions * 0x9E3779B1 + (seed * 0x85EBCA77 + 0x632BE5AB) % 2**32) & mask
-    for multiplier in (0x7FEB352D, 0x4C6A68B3):  # odd constants below 2^31: products stay below 2^63
-        x = ((x ^ (x >> 16)) * multiplier) & mask
-    x = x ^ (x >> 15)
-    return (x >> 8).to(torch.float64) * 2.0**-24
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernel attention over the landmarks (eq. 7), non-causal and causal; the softmax ablation
-# ---------------------------------------------------------------------------------------------
-
-
-def _kernel(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, config: MultiresConfig, subheads: int, gate: Tensor
-) -> Tensor:
-    """Eq. 7 for every head at once: each head group's Σ φ(k̃) [ṽ, 1]ᵀ over its own landmarks, then
-    one product of all queries with them, weighted by ``gate`` ``(B, H, L)`` (zero where a query chose
-    another resolution)."""
-    Dv = v.shape[3]
-    sums = []
-    for h, rate in enumerate(config.rates):
-        heads = slice(h * subheads, (h + 1) * subheads)
-        length = segment_length(rate, k.shape[2])
-        k_means, valid = segment_means(k[:, heads], mask, length)  # (B, S', n, D), (B, n)
-        v_means, _ = segment_means(v[:, heads], mask, length)
-        fk = feature_map(k_means, config.feature_map) * valid[:, None, :, None].to(q.dtype)
-        v1 = torch.cat([v_means, v_means.new_ones(*v_means.shape[:3], 1)], dim=-1)  # the normaliser column
-        sums.append(torch.matmul(fk.transpose(-1, -2), v1))  # (B, S', D, Dv + 1)
-    sums = torch.cat(sums, dim=1)  # (B, H, D, Dv + 1)
-    if tracks_grad(q, k, v, gate):
-        y = torch.matmul(feature_map(q, config.feature_map), sums)  # (B, H, L, Dv + 1)
-        return y[..., :Dv] * (gate.unsqueeze(-1) / (y[..., Dv:] + config.eps))
-    # Without autograd, blocks of queries are written into the output: no full-size temporaries.
-    B, H, L, D = q.shape
-    out = q.new_empty(B, H, L, Dv)
-    block = max(1, block_elements(_QUERY_BLOCK_ELEMENTS, q.device) // (B * H * (D + Dv + 1)))
-    for start in range(0, L, block):
-        y = torch.matmul(feature_map(q[:, :, start : start + block], config.feature_map), sums)
-        weight = gate[:, :, start : start + block, None] / (y[..., Dv:] + config.eps)
-        torch.mul(y[..., :Dv], weight, out=out[:, :, start : start + block])
-    return out
-
-
-def _causal_kernel(
-    q: Tensor,
-    position: Tensor,
-    real: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    length: int,
-    config: MultiresConfig,
-) -> Tensor:
-    """Causal eq. 7 for the queries ``(B, H, w, D)`` at key positions ``position`` ``(B, w)``, in
-    increasing order where ``real``: the completed segments before each, and its own segment's
-    running mean. Rows that are not ``real`` return zeros.
-
-    The completed landmarks come from ``causal_dot`` over a merged sequence holding the queries and
-    the landmarks in order of position, each landmark after the queries of its segment (queries have
-    b = c = 0, landmarks a = 0), so each query sums exactly the landmarks of earlier segments. Its
-    own segment enters as φ(q)·φ(k̄_p) [v̄_p, 1].
-    """
-    B, H, w, D = q.shape
-    Dv = v.shape[3]
-    k_means, valid = segment_means(k, mask, length)  # (B, H, n, D), (B, n)
-    v_means, _ = segment_means(v, mask, length)
-    n = k_means.shape[2]
-    position = position.clamp(min=0)  # rows before every key are not real
-    segment = torch.where(real, torch.div(position, length, rounding_mode="floor"), n)  # others go last
-    # Query j goes after the landmarks of the segments before its own; landmark s after the queries
-    # of segments <= s.
-    query_slot = torch.arange(w, device=q.device) + segment  # (B, w)
-    per_segment = torch.zeros(B, n + 1, dtype=torch.long, device=q.device).scatter_add_(1, segment, real.long())
-    landmark_slot = torch.arange(n, device=q.device) + torch.cumsum(per_segment[:, :n], dim=1)  # (B, n)
-    # Whole chunks: w counts the queries routed here, later ones included, and a shorter last chunk
-    # would sum the earlier slots in another order, so the past would move with the future.
-    slots = -(-(w + n) // _CAUSAL_CHUNK) * _CAUSAL_CHUNK
-
-    fq = feature_map(q, config.feature_map) * real[:, None, :, None].to(q.dtype)
-    fk = feature_map(k_means, config.feature_map) * valid[:, None, :, None].to(q.dtype)
-    v1 = torch.cat([v_means, v_means.new_ones(B, H, n, 1)], dim=-1)  # the normaliser as a value column
-    a, b, c = _scatter(fq, query_slot, slots), _scatter(fk, landmark_slot, slots), _scatter(v1, landmark_slot, slots)
-    rows = B * H
-    y = causal_dot(a.view(rows, slots, D), b.view(rows, slots, D), c.view(rows, slots, Dv + 1), None, _CAUSAL_CHUNK)
-    y = _gather(y.view(B, H, slots, Dv + 1), query_slot)  # (B, H, w, Dv + 1)
-
-    k_run, seen = _running_means(k, mask, length)  # the own segment up to p: (B, H, S, D), (B, S)
-    v_run, _ = _running_means(v, mask, length)
-    own = (fq * feature_map(_gather(k_run, position), config.feature_map)).sum(-1, keepdim=True)
-    own = own * seen.gather(1, position)[:, None, :, None].to(q.dtype)
-    v_own = _gather(v_run, position)
-    y = y + own * torch.cat([v_own, v_own.new_ones(B, H, w, 1)], dim=-1)
-    return y[..., :Dv] / (y[..., Dv:] + config.eps)  # zero where not real: φ(q) = 0 there
-
-
-def _softmax(
-    q: Tensor,
-    position: Tensor,
-    real: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    length: int,
-    is_causal: bool,
-    scale: float,
-) -> Tensor:
-    """The Softmax ablation: softmax(q·k̃ᵀ·scale) ṽ over the same landmarks as the kernel form, in
-    blocks of queries; causal: the completed segments before p and the running mean at p. Rows that
-    are not ``real``, or see no landmark, return zeros."""
-    B, H, w, _ = q.shape
-    Dv = v.shape[3]
-    k_means, valid = segment_means(k, mask, length)  # (B, H, n, D), (B, n)
-    v_means, _ = segment_means(v, mask, length)
-    n = k_means.shape[2]
-    if is_causal:
-        k_run, seen = _running_means(k, mask, length)
-        v_run, _ = _running_means(v, mask, length)
-    out = BlockOutput((B, H, w, Dv), 2, q, track=tracks_grad(q, k, v))
-    block = max(1, block_elements(_SOFTMAX_BLOCK_ELEMENTS, q.device) // (B * H * (n + 1)))
-    for start in range(0, w, block):
-        qb, pb, rb = q[:, :, start : start + block], position[:, start : start + block], real[:, start : start + block]
-        scores = torch.matmul(qb, k_means.transpose(-1, -2)) * scale  # (B, H, b, n)
-        visible = (valid[:, None, :] & rb[:, :, None]).unsqueeze(1)  # (B, 1, b, n)
-        if is_causal:
-            pb = pb.clamp(min=0)  # rows before every key are not real
-            completed = torch.arange(n, device=q.device) < torch.div(pb, length, rounding_mode="floor").unsqueeze(-1)
-            own_k, own_v = _gather(k_run, pb), _gather(v_run, pb)
-            scores = torch.cat([scores, (qb * own_k).sum(-1, keepdim=True) * scale], dim=-1)
-            own_seen = (seen.gather(1, pb) & rb).unsqueeze(-1)  # (B, b, 1)
-            visible = torch.cat([visible & completed.unsqueeze(1), own_seen.unsqueeze(1)], dim=-1)
-        scores = scores.masked_fill(~visible, -math.inf)
-        top = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).min)  # finite when none is seen
-        weights = torch.exp(scores - top)
-        result = torch.matmul(weights[..., :n], v_means)
-        if is_causal:
-            result = result + weights[..., n:] * own_v
-        out.put(result / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).tiny))
-    return out.result()
 
 
 def _routed_queries(routed: Tensor) -> tuple[Tensor, Tensor]:
@@ -403,18 +203,6 @@ def _routed_queries(routed: Tensor) -> tuple[Tensor, Tensor]:
     width = int(count.max())
     order = torch.argsort((~routed).to(torch.uint8), dim=1, stable=True)[:, :width]  # routed first, in order
     return order, torch.arange(width, device=routed.device) < count.unsqueeze(1)
-
-
-def _gather(x: Tensor, index: Tensor) -> Tensor:
-    """``x[b, h, index[b, j]]``: rows of ``x`` ``(B, H, N, F)`` for ``index`` ``(B, n)``."""
-    B, H, _, Fx = x.shape
-    return x.gather(2, index[:, None, :, None].expand(B, H, index.shape[1], Fx))
-
-
-def _scatter(x: Tensor, index: Tensor, size: int) -> Tensor:
-    """Rows of ``x`` ``(B, H, n, F)`` placed at ``index`` ``(B, n)`` of a zero ``(B, H, size, F)``."""
-    B, H, n, Fx = x.shape
-    return x.new_zeros(B, H, size, Fx).scatter(2, index[:, None, :, None].expand(B, H, n, Fx), x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -500,56 +288,74 @@ def multires_attention(
         )
     subheads = _subheads(shape.heads, config.rates)
     _check_router_logits(router_logits, config, shape, q.device)
-    seed = _resolve_seed(state)
+    check_query_padding_mask(query_padding_mask, shape, q.device)
     dtype = q.dtype
     work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     q, k, v = q.to(work), k.to(work), v.to(work)
     first = shape.keys - shape.queries if is_causal else 0  # the position of query 0 (random routing)
-    choice, weight = route(router_logits, config, shape.batch, shape.queries, first, seed, work)
+    choice, weight = route(router_logits, config, shape.batch, shape.queries, first, _resolve_seed(state), work)
     choice, weight = choice.to(q.device), weight.to(q.device)
-    check_query_padding_mask(query_padding_mask, shape, q.device)
-    visible = torch.ones(1, shape.queries, dtype=torch.bool, device=q.device)
-    if is_causal:  # queries before every key (L > S) see nothing
-        visible = visible & (torch.arange(shape.queries, device=q.device) >= shape.queries - shape.keys)
-    if query_padding_mask is not None:
-        visible = visible & query_padding_mask  # (B, L)
-    B, L, Dv = shape.batch, shape.queries, shape.value_dim
+    visible = _visible(shape, is_causal, query_padding_mask, q.device)
     if config.similarity == "kernel" and not is_causal:  # every head for every query, in one product
         resolution = torch.arange(shape.heads, device=q.device) // subheads
         chosen = (choice[:, None, :] == resolution[None, :, None]) & visible[:, None, :]
         gate = torch.where(chosen, weight[:, None, :], 0.0)  # (B, H, L)
-        return _kernel(q, k, v, key_padding_mask, config, subheads, gate).to(dtype)
-    # Without autograd every head group writes into one output; with it, the groups are concatenated.
+        return landmark_kernel(
+            q, k, v, key_padding_mask, config.rates, subheads, gate, config.feature_map, config.eps
+        ).to(dtype)
     track = tracks_grad(q, k, v, *(() if router_logits is None else (router_logits,)))
-    out = None if track else q.new_zeros(B, shape.heads, L, Dv)
+    routed = [(choice == h) & visible for h in range(len(config.rates))]
+    return _per_resolution(q, k, v, key_padding_mask, is_causal, scale, config, routed, weight, track).to(dtype)
+
+
+def _visible(shape: AttentionShape, is_causal: bool, query_padding_mask: Tensor | None, device) -> Tensor:
+    """The queries that see a key, bool ``(B | 1, L)``: causal, not those before every key (L > S);
+    not padded ones."""
+    visible = torch.ones(1, shape.queries, dtype=torch.bool, device=device)
+    if is_causal:
+        visible = visible & (torch.arange(shape.queries, device=device) >= shape.queries - shape.keys)
+    return visible if query_padding_mask is None else visible & query_padding_mask
+
+
+def _per_resolution(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool, scale: float | None,
+    config: MultiresConfig, routed: list[Tensor], weight: Tensor, track: bool,
+) -> Tensor:  # fmt: skip
+    """Each resolution's head group computes the queries routed to it (``routed[h]`` ``(B, L)``),
+    weighted by the router; the causal kernel form and the softmax ablation. Without autograd every
+    group writes into one output; with it, the groups are concatenated."""
+    B, H, L, D = q.shape
+    S, Dv = k.shape[2], v.shape[3]
+    subheads = H // len(config.rates)
+    out = None if track else q.new_zeros(B, H, L, Dv)
     outputs = []
     for h, rate in enumerate(config.rates):
         heads = slice(h * subheads, (h + 1) * subheads)
-        kh, vh = k[:, heads], v[:, heads]
-        routed = (choice == h) & visible
         if config.similarity == "softmax":
             # The ablation runs every query, so a row's matmul shapes, and with them its rounding,
             # do not depend on how many other queries (later ones, other rows) pick this head.
-            order, real = torch.arange(L, device=q.device).expand(B, L), routed.expand(B, L)
+            order, real = torch.arange(L, device=q.device).expand(B, L), routed[h].expand(B, L)
         else:
-            order, real = _routed_queries(routed)  # each head computes its own queries only
+            order, real = _routed_queries(routed[h])  # each head computes its own queries only
         if order.shape[1] == 0:  # no query chose this resolution
             outputs.append(q.new_zeros(B, subheads, L, Dv))
             continue
-        qh = _gather(q[:, heads], order)  # (B, S', w, D)
-        position = order + (shape.keys - L if is_causal else 0)  # key positions (causal)
-        length = segment_length(rate, shape.keys)
+        qh, kh, vh = gather_positions(q[:, heads], order), k[:, heads], v[:, heads]  # qh: (B, S', w, D)
+        position = order + (S - L if is_causal else 0)  # key positions (causal)
+        length = segment_length(rate, S)
         if config.similarity == "softmax":
-            scale_h = resolve_scale(scale, shape.head_dim)
-            rows = _softmax(qh, position, real, kh, vh, key_padding_mask, length, is_causal, scale_h)
+            scale_h = resolve_scale(scale, D)
+            rows = landmark_softmax(qh, position, real, kh, vh, key_padding_mask, length, is_causal, scale_h)
         else:
-            rows = _causal_kernel(qh, position, real, kh, vh, key_padding_mask, length, config)
+            rows = causal_landmark_kernel(
+                qh, position, real, kh, vh, key_padding_mask, length, config.feature_map, config.eps
+            )
         rows = rows * (weight.gather(1, order) * real)[:, None, :, None]  # the router's weight; 0 on fill rows
         if out is None:
-            outputs.append(_scatter(rows, order, L))  # (B, S', L, Dv)
+            outputs.append(scatter_positions(rows, order, L))  # (B, S', L, Dv)
         else:
             out[:, heads].scatter_(2, order[:, None, :, None].expand_as(rows), rows)
-    return (torch.cat(outputs, dim=1) if out is None else out).to(dtype)  # (B, H, L, Dv)
+    return torch.cat(outputs, dim=1) if out is None else out  # (B, H, L, Dv)
 
 
 def _example_logits(q: Tensor, k: Tensor, v: Tensor, config: Config, generator: torch.Generator) -> dict[str, Tensor]:

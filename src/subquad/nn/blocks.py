@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as recompute
 
+from subquad.hooks import checkpoint_contexts
 from subquad.nn.attention import AttentionSpec, MultiheadAttention
 
 __all__ = ["MLP", "TransformerBlock"]
@@ -40,9 +39,11 @@ class TransformerBlock(nn.Module):
         seed: seeds the attention's state modules.
         checkpoint: recompute the block's activations in the backward pass instead of keeping them
             (Child et al. 2019, "saving memory by recomputing attention weights"): only the block's
-            input is saved during training. State that a training forward moves (routing's
-            centroids) is put back as it was for the recomputation, which therefore repeats the
-            original forward exactly and leaves the state moved once.
+            input is saved during training. The recomputation runs under
+            ``subquad.hooks.checkpoint_contexts``: mechanisms see the state their forward saw
+            (``replayed``: routing's centroids, which its forward moves) and neither move it nor
+            report auxiliary losses a second time (``is_recomputing``), so the recomputation
+            repeats the original forward exactly and the state moves once.
         **options: the mechanism's options when ``attention`` is a name.
     """
 
@@ -78,15 +79,8 @@ class TransformerBlock(nn.Module):
         cache: list[Any] | None = None,
     ) -> Tensor:
         if self.checkpoint and cache is None and torch.is_grad_enabled():
-            buffers = [(m, name, b.clone()) for m in self.modules() for name, b in m._buffers.items() if b is not None]
             return recompute(
-                self._forward,
-                x,
-                key_padding_mask,
-                is_causal,
-                None,
-                use_reentrant=False,
-                context_fn=lambda: (contextlib.nullcontext(), _restored(buffers)),
+                self._forward, x, key_padding_mask, is_causal, None, use_reentrant=False, context_fn=checkpoint_contexts
             )
         return self._forward(x, key_padding_mask, is_causal, cache)
 
@@ -95,17 +89,3 @@ class TransformerBlock(nn.Module):
         h = self.attn(h, key_padding_mask=key_padding_mask, is_causal=is_causal, cache=cache)
         x = x + self.dropout(h)
         return x + self.mlp(self.norm2(x))
-
-
-@contextlib.contextmanager
-def _restored(buffers: list[tuple[nn.Module, str, Tensor]]) -> Iterator[None]:
-    """Run with each module buffer set to its saved value, then put the current ones back: what
-    the recomputation changes in them is discarded."""
-    current = [(m, name, m._buffers[name]) for m, name, _ in buffers]
-    for m, name, saved in buffers:
-        m._buffers[name] = saved.clone()
-    try:
-        yield
-    finally:
-        for m, name, b in current:
-            m._buffers[name] = b

@@ -1,5 +1,5 @@
 /* Batched softmax attention on short sequences, fp32, x86-64 AVX2 + FMA: subquad's optional
- * native kernel (subquad._native compiles it on first use; nothing is compiled at install).
+ * native kernel (subquad.kernels.native compiles it on first use; nothing is compiled at install).
  *
  * Each of the n0·n1 items holds Lq queries, Lk keys and Lk values; an item's queries attend to
  * its keys under an optional additive mask and an optional causal flag (key j <= query i, top

@@ -11,9 +11,6 @@ each is allocated once per call rather than once per block.
 ``new_output``: ``torch.empty`` for a large output, in huge pages on Linux CPUs; ``new_buffers``:
 several working buffers carved from one of them.
 
-``block_elements``: how much one block holds. The sizes in the mechanisms are tuned for the CPU
-(caches, page faults); on an accelerator every op of a block is a kernel launch with a fixed cost,
-so blocks there are ``ACCELERATOR_SCALE`` times larger.
 """
 
 from __future__ import annotations
@@ -26,18 +23,13 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "ACCELERATOR_SCALE",
     "BlockOutput",
     "Scratch",
-    "block_elements",
     "new_buffers",
     "new_output",
     "new_output_like",
     "tracks_grad",
 ]
-
-ACCELERATOR_SCALE = 32  # blocks this many times larger off the CPU: fewer launches, still bounded memory
-
 
 _HUGE_PAGE = 1 << 21  # x86-64 and arm64 with 4 KiB base pages
 _MADV_HUGEPAGE = 14  # <asm-generic/mman-common.h>
@@ -63,9 +55,8 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     """``torch.empty(shape)``; on Linux, a CPU tensor's whole 2 MiB pages are advised into huge pages.
 
     A fresh output of tens of megabytes comes from the kernel page by page, and at 4 KiB a page its
-    first write costs more in page faults than the pass that writes it: on a 2-core x86 machine, a
-    quotient into a fresh 32 MiB output took 9.7 ms, 1.8 ms into one already written, and 3.6 ms
-    into a fresh one in huge pages. Huge pages come where the kernel's transparent_hugepage setting
+    first write costs more in page faults than the pass that writes it; in huge pages it costs
+    about a third as much (docs/performance.md). Huge pages come where the kernel's transparent_hugepage setting
     is ``madvise`` (as on many distributions; ``always`` gives them anyway, ``never`` ignores the
     advice). The advice is given for pages of this tensor only, though it stays with those
     addresses after the tensor is freed; where ``defrag`` makes the kernel compact memory for such
@@ -100,8 +91,8 @@ def new_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch
 
     A loop's working buffers of a few hundred kilobytes each, allocated one by one, land on
     whatever 4 KiB pages the allocator has; on a physically indexed cache, how their lines
-    collide then changes from one process to the next (linear's causal forward ran at 55 ms in
-    some processes and 67 ms in others). Carved from huge pages from a 2 MiB boundary on, their
+    collide then changes from one process to the next, and so does the speed of the loop that
+    uses them (docs/performance.md). Carved from huge pages from a 2 MiB boundary on, their
     layout in those caches is the same every time.
     """
     line = max(1, 64 // dtype.itemsize)
@@ -119,12 +110,6 @@ def new_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch
     if zero:
         slab.zero_()
     return [slab[start : start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
-
-
-def block_elements(cpu: int, device: torch.device) -> int:
-    """Elements one block of a loop holds on ``device``: ``cpu`` on the CPU, ``ACCELERATOR_SCALE``
-    times more elsewhere."""
-    return cpu if device.type == "cpu" else cpu * ACCELERATOR_SCALE
 
 
 def tracks_grad(*tensors: Tensor) -> bool:

@@ -1,7 +1,7 @@
 """Exact softmax attention of query blocks to windows of a key table.
 
 Routing attention reduces to this (a regular band such as a sliding window is cheaper through
-``mechanisms._blocksparse``). Per (batch, head) row, a *table* lists key positions in slots
+``kernels.blocksparse``). Per (batch, head) row, a *table* lists key positions in slots
 (``-1``: empty), cut into tiles of ``tile`` slots. Queries come in *blocks* of up to ``Tq``;
 block b owns the window of table slots starting at tile ``start[b]``, and its query i sees the
 window's first ``seen[b, i]`` slots, which must hold real keys:
@@ -15,11 +15,11 @@ A query that sees no key returns zeros.
 
 ``window_attention`` is one autograd Function. It runs the blocks in chunks of similar shape: a
 block at most half full runs narrower (the next power of two holding its queries, at least
-``_MIN_BLOCK``), and the keys of a chunk's windows are cut to the longest need in it, so blocks
+``TUNING.tiles_min_block``), and the keys of a chunk's windows are cut to the longest need in it, so blocks
 whose queries see few keys cost few. On the CPU a chunk holds blocks of similar need; elsewhere it
 holds every block of one width (up to the chunk size), as each chunk costs dozens of kernel
 launches there. Each chunk goes through torch's CPU flash-attention kernel where it exists (the
-unseen slots as an additive mask), else an eager softmax. Chunk buffers are
+unseen slots as an additive mask), else an eager softmax (both in ``kernels.softmax``). Chunk buffers are
 allocated once per call and reused: on CPU a fresh large tensor costs more in page faults than the
 copy into it. The Function saves its inputs, the output and the log-sum-exp; the backward
 recomputes each chunk's probabilities. Scores and softmax are fp32 for fp16/bf16 inputs.
@@ -32,12 +32,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from subquad._blocks import block_elements
+from subquad.kernels.softmax import eager_backward, eager_forward, fused_available, fused_forward, work_dtype
+from subquad.kernels.tuning import TUNING, block_elements
 
 __all__ = ["Windows", "window_attention"]
 
-_GROUP_ELEMENTS = 1 << 20  # score entries computed at once (about 4 MB in fp32)
-_MIN_BLOCK = 16  # the narrowest query block run
 # Windows are computed in whole multiples of this many key slots. A row's softmax and its P·V sum
 # run over the chunk's slot count, and vectorised reductions group their terms by that length; in
 # whole multiples the unseen slots only add exact zeros to the same groups, so a query's output is
@@ -89,15 +88,6 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, windows: Windows, scale: f
     return _WindowAttention.apply(q, k, v, w.table, w.tile, w.queries, w.start, w.seen, w.own, scale)
 
 
-def _fused_available(q: Tensor, v: Tensor) -> bool:
-    """Whether torch's CPU flash-attention kernel can run the forward (it needs Dv = D)."""
-    return (
-        q.device.type == "cpu"
-        and q.shape[-1] == v.shape[-1]
-        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-    )
-
-
 def _take(buffer: Tensor, x: Tensor, index: Tensor) -> Tensor:
     """Rows ``x[index]`` of ``x`` ``(N, D)``, written into the front of ``buffer``: ``(*index.shape, D)``."""
     out = buffer[: index.numel() * x.shape[1]].view(index.numel(), x.shape[1])
@@ -120,7 +110,7 @@ class _Plan:
         self.filled = (table >= 0).flatten()  # (R·M): slots holding a key
         need = seen.amax(-1).flatten()  # (R·nb)
         used = (queries >= 0).sum(-1).flatten()
-        width = torch.full_like(used, _MIN_BLOCK)  # the next power of two holding a block's queries
+        width = torch.full_like(used, TUNING.tiles_min_block)  # the next power of two holding a block's queries
         while bool((width < used).any()):
             width = torch.where(width < used, width * 2, width)
         width = torch.where(used > Tq // 2, Tq, width.clamp(max=Tq))  # at most half full: narrower
@@ -129,7 +119,7 @@ class _Plan:
         self.start = (start * tile + rows * M).flatten()[order]  # each window's first slot
         self.seen = seen.reshape(R * nb, -1)[order]  # (R·nb, Tq or 1)
         self.longest = _key_slots(int(need.max()))  # buffers hold `step` blocks of Tq queries and this many keys
-        self.Tq, self.step = Tq, max(1, block_elements(_GROUP_ELEMENTS, table.device) // (Tq * self.longest))
+        self.Tq, self.step = Tq, max(1, block_elements(TUNING.tiles_group, table.device) // (Tq * self.longest))
         # Off the CPU each chunk costs dozens of kernel launches, more than computing unseen slots.
         tight = table.device.type == "cpu"
         self.chunks = _chunks(width[order].tolist(), need[order].tolist(), self.step, tight)
@@ -183,12 +173,11 @@ class _Chunk:
         lookup = torch.full((Tk + 1, Tk), -torch.inf, dtype=buffer.dtype, device=buffer.device).triu_()
         return _take(buffer, lookup, self.seen)
 
-    def scores(self, scale: float) -> Tensor:
-        """``scale · q kᵀ`` with the unseen slots at −inf, ``(n, Tq, Tk)``."""
-        s = torch.matmul(self.q, self.k.transpose(-1, -2)).mul_(scale)
+    def allowed(self) -> Tensor | None:
+        """The slots each query sees, bool ``(n, Tq or 1, Tk)``; None where it sees them all."""
         if self.full:
-            return s
-        return s.masked_fill_(torch.arange(s.shape[-1], device=s.device) >= self.seen[..., None], -torch.inf)
+            return None
+        return torch.arange(self.k.shape[1], device=self.seen.device) < self.seen[..., None]
 
     def output(self, scale: float, fused: bool, buffers: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """Softmax over the window: output ``(n, Tq, Dv)`` and log-sum-exp ``(n, Tq)`` (−inf where
@@ -197,15 +186,13 @@ class _Chunk:
         Tk = self.k.shape[1]
         if fused:
             mask = self.additive_mask(buffers["mask"])
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            out, lse = fused_forward(
                 self.q.view(n, 1, Tq, D), self.k.view(n, 1, Tk, D), self.v.view(n, 1, Tk, -1),
-                attn_mask=None if mask is None else mask.view(n, 1, *mask.shape[1:]), scale=scale,
+                None if mask is None else mask.view(n, 1, *mask.shape[1:]), False, scale,
             )  # fmt: skip
             out, lse = out.view(n, Tq, -1), lse.view(n, Tq)
         else:
-            s = self.scores(scale)
-            lse = torch.logsumexp(s, dim=-1)
-            out = torch.matmul(torch.exp(s - lse.clamp(min=torch.finfo(s.dtype).min)[..., None]), self.v)
+            out, lse = eager_forward(self.q, self.k, self.v, self.allowed(), scale)
         return out, lse.masked_fill((self.seen == 0).expand(n, Tq), -torch.inf)
 
 
@@ -239,12 +226,12 @@ class _WindowAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, table, tile, queries, start, seen, own, scale):  # type: ignore[override]
         R, L, D = q.shape
         S, Dv = k.shape[1], v.shape[2]
-        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        work = work_dtype(q.dtype)
         plan = _Plan(R, L, S, table, tile, queries, start, seen)
         q_, k_, v_ = q.reshape(R * L, D), k.reshape(R * S, D), v.reshape(R * S, Dv)
         out = torch.empty(R * L + 1, Dv, dtype=work, device=q.device)
         lse = torch.empty(R * L + 1, dtype=work, device=q.device)
-        fused = _fused_available(q, v)
+        fused = fused_available(q.device, D, Dv)
         buffers = _buffers(plan, q, v, work)
         for first, end, Tq, Tk in plan.chunks:
             chunk = plan.chunk(first, end, Tq, Tk, q_, k_, v_, buffers)
@@ -283,12 +270,11 @@ class _WindowAttention(torch.autograd.Function):
             g = plan.chunk(first, end, Tq, Tk, q_, k_, v_, buffers)
             go = flat(grad)[g.q_rows]  # (n, Tq, Dv)
             total = flat(lse)[g.q_rows].masked_fill_(~g.q_ok, torch.inf)  # empty slots: probabilities 0
-            p = g.scores(scale).sub_(total[..., None]).exp_()  # (n, Tq, Tk)
+            dq, dk, dv = eager_backward(g.q, g.k, g.v, go, total, flat(delta)[g.q_rows], g.allowed(), scale)
             keys = g.key_rows.flatten()
-            grad_v.index_add_(0, keys, torch.matmul(p.transpose(-1, -2), go).flatten(0, 1))
-            ds = p.mul_(torch.matmul(go, g.v.transpose(-1, -2)).sub_(flat(delta)[g.q_rows][..., None])).mul_(scale)
-            grad_k.index_add_(0, keys, torch.matmul(ds.transpose(-1, -2), g.q).flatten(0, 1))
-            grad_q.index_copy_(0, g.query_rows, torch.matmul(ds, g.k).flatten(0, 1))
+            grad_v.index_add_(0, keys, dv.flatten(0, 1))
+            grad_k.index_add_(0, keys, dk.flatten(0, 1))
+            grad_q.index_copy_(0, g.query_rows, dq.flatten(0, 1))
         grad_q = grad_q[: R * L].view(R, L, D)
         grad_k, grad_v = grad_k.view(R, S, D), grad_v.view(R, S, Dv)
         if own is not None:

@@ -19,7 +19,7 @@ the inputs and outputs: no (L, S) tensor exists, and blocks a part does not list
 **Kernel.** Each chunk's blocks form the batch of one call of torch's CPU flash-attention kernel
 (``fused``), which returns the log-sum-exp beside the output and accumulates in fp32 for half
 inputs; or of the reference matmul-softmax-matmul (``eager``), with the softmax in fp32 or wider;
-or, opted into, of subquad's native kernel (``native``, ``subquad._native``: C compiled on first use,
+or, opted into, of subquad's native kernel (``native``, ``subquad.kernels.native``: C compiled on first use,
 fp32 on AVX2 CPUs), whose cost per short block is lower. Where it cannot run, ``native`` falls back
 to what ``fused`` runs and warns once; groups of long blocks (``native_runs``) keep that too. The
 backward of ``native`` is the ``fused`` one.
@@ -38,66 +38,34 @@ Key and value gradients are scattered back with ``index_add_``. Memory stays lin
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from subquad import _native
-from subquad._blocks import block_elements, new_output
-from subquad.masks import MaskMod
-from subquad.registry import option
+from subquad.kernels import native as _native
+from subquad.kernels.layouts import Group
+from subquad.kernels.memory import new_output
+from subquad.kernels.softmax import (
+    additive_mask,
+    eager_backward,
+    eager_forward,
+    fused_available,
+    fused_backward,
+    fused_forward,
+    merge_into,
+    work_dtype,
+)
+from subquad.kernels.tuning import TUNING, block_elements
 
 __all__ = [
-    "Group",
-    "band_groups",
     "block_sparse_attention",
-    "fused_kernel_available",
-    "kernel_option",
     "native_runs",
-    "work_dtype",
 ]
-
-_TILE_ELEMENTS = 1 << 19  # scores (B·H·blocks·bq·W) computed at once: about 2 MB in fp32
-_FUSED_TILE_ELEMENTS = 1 << 22  # the same for the fused kernel, which never holds them all at once
-_BACKWARD_TILE_ELEMENTS = 1 << 20  # the fused backward returns key gradients per block: keep chunks small
-_VIEW_TILE_ELEMENTS = 1 << 28  # fused forward of view groups with one block's mask: fewer calls and fresh outputs
-_NATIVE_QUERIES, _NATIVE_KEYS = 128, 1024  # the native kernel runs groups of blocks at most this long
-
-
-@dataclass(frozen=True)
-class Group:
-    """Query blocks of one size that see one number of keys (see the module docstring).
-
-    Regular layouts also give views that read the same rows without a gather: ``query_view(q_ext,
-    start, stop)`` of the queries padded at the end by ``query_pad`` rows, and ``key_view(x_ext,
-    pad, start, stop)`` of keys or values padded by ``pad >= key_pad`` rows at both ends.
-    """
-
-    queries: Tensor  # (n, bq) long; L = empty slot
-    keys: Tensor  # (Hk, n, W) long
-    allowed: Callable[[int, int], Tensor]  # (start, stop) -> bool broadcastable to (B, H, stop-start, bq, W)
-    query_view: Callable[[Tensor, int, int], Tensor] | None = None  # -> (B, H, n, bq, D)
-    key_view: Callable[[Tensor, int, int, int], Tensor] | None = None  # -> (B, H, n, W, F)
-    query_pad: int = 0
-    key_pad: int = 0
-    uniform: bool = False  # the element mask is the same for every block (and every key is in range)
-    in_range: bool = False  # every key index lies in [0, S): no range mask needed
-    dense: bool = False  # every listed key is allowed (with in_range): no element mask at all
-    key_source: Callable[[Tensor, int], Tensor] | None = None  # (x_ext, pad) -> the sequence key_view reads
-    causal: bool = False  # the element mask is exactly j <= i in square blocks (bq = W)
-    view_writes: bool = False  # query_view reads no real query outside the block: outputs go through it
-    triangular: bool = False  # square blocks whose allowed keys all satisfy j <= i: a causal flag may skip the rest
 
 
 Part = Sequence[Group]
-
-
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of scores and softmax statistics: fp32 for half inputs, else the input's."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def block_sparse_attention(
@@ -124,7 +92,7 @@ def block_sparse_attention(
     Returns:
         ``(B, H, L, Dv)`` in q's dtype; zero rows for queries that see no key.
     """
-    fused = kernel != "eager" and fused_kernel_available(q.device) and q.shape[-1] == v.shape[-1]
+    fused = kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
     forward = "fused" if fused else "eager"
     if kernel == "native":
         why = _native.supports(q, k, v)
@@ -142,6 +110,8 @@ class _Chunk:
         self, group: Group, start: int, stop: int, H: int, L: int, S: int, pad: int, key_padding_mask: Tensor | None
     ) -> None:
         self.group, self.start, self.stop, self.pad = group, start, stop, pad
+        self.query_view = None if group.views is None else group.views.query_view
+        self.writes = group.views is not None and group.views.writes  # outputs go through query_view
         self.queries = group.queries[start:stop]  # (n, bq)
         # Rows read for the empty slot L: any real row will do, as its probabilities are zero in the
         # backward pass and its forward output is written to the discarded row L.
@@ -149,15 +119,15 @@ class _Chunk:
         keys = group.keys[:, start:stop]  # (Hk, n, W)
         self.keys, self.H, self.S = keys, H, S
         self.shape = (H, *keys.shape[1:])  # (H, n, W)
-        if group.uniform:
+        if group.facts.uniform:
             allowed = group.allowed(start, start + 1)  # (.., 1, bq, W): broadcast over the blocks
-        elif group.in_range:
+        elif group.facts.in_range:
             allowed = group.allowed(start, stop)
         else:
             allowed = group.allowed(start, stop) & (keys >= 0).unsqueeze(-2) & (keys < S).unsqueeze(-2)
-        self.causal = group.causal and key_padding_mask is None
+        self.causal = group.facts.causal and key_padding_mask is None
         # Nothing masked: the fused kernel runs without a mask.
-        self.open = group.dense and group.in_range and key_padding_mask is None
+        self.open = group.facts.dense and group.facts.in_range and key_padding_mask is None
         if key_padding_mask is not None:
             real = key_padding_mask[:, keys.clamp(0, S - 1)]  # (B, Hk, n, W)
             allowed = allowed & real.unsqueeze(-2)  # (B, Hk, n, 1, W)
@@ -173,15 +143,16 @@ class _Chunk:
     def gather(self, x: Tensor, sources: dict) -> Tensor:
         """This chunk's keys (or values) from ``x`` ``(B, H, S + 2 pad, F)``: ``(B, H, n, W, F)``.
         ``sources`` keeps each ``key_source`` sequence for the whole pass (built once)."""
-        if self.group.key_view is not None:
-            if self.group.key_source is not None:
-                key = (id(self.group.key_source), id(x))
+        views = self.group.views
+        if views is not None:
+            if views.key_source is not None:
+                key = (id(views.key_source), id(x))
                 if key not in sources:
-                    sources[key] = self.group.key_source(x, self.pad)
+                    sources[key] = views.key_source(x, self.pad)
                 x = sources[key]
-            return self.group.key_view(x, self.pad, self.start, self.stop)
+            return views.key_view(x, self.pad, self.start, self.stop)
         B, F_ = x.shape[0], x.shape[-1]
-        rows = x.reshape(-1, F_)  # index_select along dim 0 of a matrix: several times faster on CPU
+        rows = x.reshape(-1, F_)  # index_select along dim 0 of a matrix: the fast gather on CPU
         flat = self.flat
         if B > 1:
             flat = (torch.arange(B, device=x.device)[:, None] * (rows.shape[0] // B) + flat).flatten()
@@ -190,28 +161,25 @@ class _Chunk:
     def take(self, x: Tensor, view: bool = True) -> Tensor:
         """This chunk's rows of queries (``view``) or of per-query tensors ``x`` ``(B, H, L(+pad), F)``:
         ``(B, H, n, bq, F)``."""
-        if view and self.group.query_view is not None:
-            return self.group.query_view(x, self.start, self.stop)
+        if view and self.query_view is not None:
+            return self.query_view(x, self.start, self.stop)
         return x[:, :, self.reads]
 
     def merge(self, out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
         """Merge this chunk's softmax over its keys into the one over earlier parts' (disjoint) keys:
         ``out = (e^lse out + e^block_lse block_out) / e^total``, ``total = log(e^lse + e^block_lse)``."""
-        if self.group.view_writes:
+        if self.writes:
             out_rows, lse_rows = self.take(out), self.take(lse)  # views: updated in place
         else:
             out_rows, lse_rows = out[:, :, self.queries], lse[:, :, self.queries]
-        total = torch.logaddexp(lse_rows, block_lse)
-        safe = total.masked_fill(total == float("-inf"), 0.0)  # rows that see no key in either
-        out_rows.mul_((lse_rows - safe).exp_()).add_(block_out.mul_((block_lse - safe).exp_()))
-        lse_rows.copy_(total)
-        if not self.group.view_writes:
+        merge_into(out_rows, lse_rows, block_out, block_lse)
+        if not self.writes:
             out[:, :, self.queries], lse[:, :, self.queries] = out_rows, lse_rows
 
     def write(self, out: Tensor, block_out: Tensor) -> None:
         """Put ``block_out`` ``(B, H, n, bq, F)`` into the rows of ``out`` ``(B, H, L + pad, F)``."""
-        if self.group.view_writes:
-            self.group.query_view(out, self.start, self.stop).copy_(block_out)
+        if self.writes:
+            self.take(out).copy_(block_out)
         else:
             out[:, :, self.queries] = block_out.to(out.dtype)
 
@@ -231,41 +199,20 @@ def _chunks(
     group: Group, B: int, H: int, L: int, S: int, pad: int, key_padding_mask: Tensor | None, tile: int, views: bool
 ):
     """The group's chunks of at most ``tile`` scores; with ``views``, a group read through views
-    with one block's mask, whose chunks hold nothing but their output, of ``_VIEW_TILE_ELEMENTS``."""
+    with one block's mask, whose chunks hold nothing but their output, of ``TUNING.blocksparse_view_tile``."""
     n, bq = group.queries.shape
     W = group.keys.shape[-1]
-    if views and group.uniform and group.key_view is not None and key_padding_mask is None:
-        tile = _VIEW_TILE_ELEMENTS
+    if views and group.facts.uniform and group.views is not None and key_padding_mask is None:
+        tile = TUNING.blocksparse_view_tile
     per_chunk = max(1, tile // max(1, B * H * bq * W))
     for start in range(0, n, per_chunk):
         yield _Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask)
 
 
-def _scores(qc: Tensor, kc: Tensor, allowed: Tensor) -> Tensor:
-    """Scaled scores ``(B, H, n, bq, W)`` with disallowed entries at −inf."""
-    return torch.matmul(qc, kc.transpose(-1, -2)).masked_fill_(~allowed, float("-inf"))
-
-
-def kernel_option():
-    """The ``kernel`` option of the mechanisms computed here (a fresh field for each config)."""
-    return option(
-        "fused",
-        "fused: torch's CPU flash kernel per chunk of blocks (else eager); eager: matmul-softmax-matmul "
-        "(reference); native: opt-in C kernel for the forward, compiled on first use (fp32, AVX2 CPUs; "
-        "else the PyTorch kernels)",
-        choices=("fused", "eager", "native"),
-    )
-
-
 def native_runs(queries: int, keys: int) -> bool:
     """Whether ``kernel="native"`` runs blocks of this many queries and keys (else what ``fused``
     runs: torch's kernel, or eager when Dv ≠ D or off the CPU)."""
-    return queries <= _NATIVE_QUERIES and keys <= _NATIVE_KEYS
-
-
-def fused_kernel_available(device: torch.device) -> bool:
-    """Whether torch's CPU flash-attention kernel (which also returns the log-sum-exp) can run here."""
-    return device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    return queries <= TUNING.native_queries and keys <= TUNING.native_keys
 
 
 def _as_batch(x: Tensor) -> Tensor:
@@ -288,7 +235,7 @@ def _additive(allowed: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
         allowed = allowed[0, 0].unsqueeze(1)  # (n | 1, 1, bq, W)
     else:
         allowed = allowed.expand(B, H, *allowed.shape[2:]).movedim(2, 0).flatten(1, 2)  # (n | 1, B·H, bq, W)
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return additive_mask(allowed, dtype)
 
 
 def _chunk_forward(q_ext, kf, vf, sources, c: _Chunk, scale: float, kernel: str) -> tuple[Tensor, Tensor]:
@@ -300,21 +247,12 @@ def _chunk_forward(q_ext, kf, vf, sources, c: _Chunk, scale: float, kernel: str)
         return _from_batch(o, B, H), _from_batch(lse.squeeze(-1), B, H)
     if kernel == "fused":
         mask = None if c.causal or c.open else _additive(c.allowed, B, H, qc.dtype)
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _as_batch(qc), _as_batch(kc), _as_batch(vc), is_causal=c.causal, attn_mask=mask, scale=scale
-        )
+        o, lse = fused_forward(_as_batch(qc), _as_batch(kc), _as_batch(vc), mask, c.causal, scale)
         lse = _from_batch(lse, B, H)
         if mask is not None:  # the kernel reports lse = 0 for a row with no key
             lse = lse.masked_fill(~c.allowed.any(-1), float("-inf"))
         return _from_batch(o, B, H), lse
-    work = work_dtype(qc.dtype)
-    s = _scores(qc.to(work) * scale, kc.to(work), c.allowed)  # (B, H, n, bq, W)
-    top = s.amax(-1, keepdim=True)
-    top = top.masked_fill_(top == float("-inf"), 0.0)
-    p = s.sub_(top).exp_()
-    total = p.sum(-1, keepdim=True)  # (B, H, n, bq, 1)
-    o = torch.matmul(p, vc.to(work)).div_(total.clamp_min(torch.finfo(work).tiny))
-    return o, (top + total.log()).squeeze(-1)
+    return eager_forward(qc, kc, vc, c.allowed, scale)
 
 
 def _native_masks(c: _Chunk, B: int, H: int) -> tuple[Tensor | None, bool]:
@@ -322,7 +260,7 @@ def _native_masks(c: _Chunk, B: int, H: int) -> tuple[Tensor | None, bool]:
     keys, so it also serves triangular blocks that need their element mask (padding, the keys past
     the sequence's end): they skip the keys past each query block, as exact causal ones do."""
     mask = None if c.causal or c.open else _additive(c.allowed, B, H, torch.float32)
-    return mask, c.causal or c.group.triangular
+    return mask, c.causal or c.group.facts.triangular
 
 
 def _batch_view(x: Tensor) -> Tensor | None:
@@ -337,7 +275,7 @@ def _native_in_place(q_ext, kf, vf, sources, c: _Chunk, scale: float, out: Tenso
     """Run a chunk through the native kernel straight into (or merged into) its rows of ``out`` and
     ``lse``, where the group reads its queries through views that can be written: no block output
     is allocated and no second pass merges it. False where that cannot be done."""
-    if not c.group.view_writes:
+    if not c.writes:
         return False
     rows, rows_lse = _batch_view(c.take(out)), _batch_view(c.take(lse))
     if rows is None or rows_lse is None:
@@ -377,7 +315,7 @@ def _forward(q, k, v, key_padding_mask, parts, scale, kernel, fused):
             if kernel == "native" and not native_runs(group.queries.shape[1], group.keys.shape[-1]):
                 group_kernel = "fused" if fused else "eager"
             views = group_kernel != "eager"
-            tile = _FUSED_TILE_ELEMENTS if views else block_elements(_TILE_ELEMENTS, q.device)
+            tile = TUNING.blocksparse_fused_tile if views else block_elements(TUNING.blocksparse_tile, q.device)
             for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views=views):
                 if group_kernel == "native" and _native_in_place(q_ext, kf, vf, sources, c, scale, out, lse, merge):
                     continue
@@ -422,7 +360,9 @@ class _BlockSparse(torch.autograd.Function):
         sources: dict = {}
         for part in ctx.parts:
             for group in part:
-                tile = _BACKWARD_TILE_ELEMENTS if ctx.fused else block_elements(_TILE_ELEMENTS, q.device)
+                tile = TUNING.blocksparse_backward_tile
+                if not ctx.fused:
+                    tile = block_elements(TUNING.blocksparse_tile, q.device)
                 for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views=False):
                     rows = c.queries
                     qc, gc = c.take(q_ext), c.take(g_ext, view=False)
@@ -432,8 +372,8 @@ class _BlockSparse(torch.autograd.Function):
                             qc, kc, vc, gc, c.take(out_ext, view=False), lse[:, :, rows], c, ctx.scale
                         )
                     else:
-                        dq, dk, dv = _chunk_backward(
-                            qc, kc, vc, gc, lse[:, :, rows], delta[:, :, c.reads], c, ctx.scale
+                        dq, dk, dv = eager_backward(
+                            qc, kc, vc, gc, lse[:, :, rows], delta[:, :, c.reads], c.allowed, ctx.scale
                         )
                     grad_q.index_add_(2, rows.reshape(-1), dq.flatten(2, 3).to(work))
                     grad_k.index_add_(1, c.flat, dk.reshape(B, -1, D).to(work))
@@ -444,84 +384,12 @@ class _BlockSparse(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
-def _chunk_backward(qc, kc, vc, gc, lse, delta, c: _Chunk, scale: float):
-    """Gradients of one chunk from the merged softmax: ``P = exp(S − lse)``,
-    ``dS = P ∘ (dO Vᵀ − delta)``; returns ``(dq, dk, dv)`` as ``(B, H, n, ·, ·)``."""
-    p = _scores(qc * scale, kc, c.allowed).sub_(lse.unsqueeze(-1)).exp_()  # (B, H, n, bq, W)
-    dv = torch.matmul(p.transpose(-1, -2), gc)
-    ds = torch.matmul(gc, vc.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(p)
-    return torch.matmul(ds, kc) * scale, torch.matmul(ds.transpose(-1, -2), qc) * scale, dv
-
-
 def _chunk_backward_fused(qc, kc, vc, gc, oc, lse, c: _Chunk, scale: float):
     """The same through the fused kernel's backward, given the merged output and log-sum-exp."""
     B, H = qc.shape[:2]
     mask = None if c.causal or c.open else _additive(c.allowed, B, H, qc.dtype)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _as_batch(gc), _as_batch(qc), _as_batch(kc), _as_batch(vc), _as_batch(oc),
-        _as_batch(lse.unsqueeze(-1)).squeeze(-1), 0.0, c.causal, attn_mask=mask, scale=scale,
+    dq, dk, dv = fused_backward(
+        _as_batch(qc), _as_batch(kc), _as_batch(vc), _as_batch(gc), _as_batch(oc),
+        _as_batch(lse.unsqueeze(-1)).squeeze(-1), mask, c.causal, scale,
     )  # fmt: skip
     return _from_batch(dq, B, H), _from_batch(dk, B, H), _from_batch(dv, B, H)
-
-
-def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod: MaskMod, device) -> list[Group]:
-    """Blocks of consecutive queries, each against the keys from ``left`` before its first query's
-    position to ``right`` after its last one; the queries are the last L of the ``L + offset`` keys.
-    Blocks whose window lies inside the sequence read views of the inputs; the few at either end
-    read windows over a zero-padded copy of the keys they reach, with the keys outside masked."""
-    n, W, S = -(-L // block), block + left + right, L + offset
-    queries = torch.arange(n * block, device=device).view(n, block)
-    keys = (queries[:, :1] + offset - left) + torch.arange(W, device=device)  # (n, W)
-    queries = queries.masked_fill(queries >= L, L)
-    zero = torch.zeros((), dtype=torch.long, device=device)
-    # Inner blocks: their whole window lies inside the sequence.
-    inner_lo, inner_hi = max(0, -(-(left - offset) // block)), max(0, (L - right) // block)
-    groups = []
-    for lo, hi in ((0, inner_lo), (inner_lo, inner_hi), (max(inner_lo, inner_hi), n)):
-        if lo >= hi:
-            continue
-        inner = (lo, hi) == (inner_lo, inner_hi)
-        rows, cols = queries[lo:hi], keys[lo:hi]
-
-        def allowed(start: int, stop: int, rows=rows, cols=cols) -> Tensor:
-            return mask_mod(zero, zero, rows[start:stop, :, None], cols[start:stop, None, :])  # (n, bq, W)
-
-        def query_view(q: Tensor, start: int, stop: int, lo=lo) -> Tensor:
-            return q.narrow(2, (lo + start) * block, (stop - start) * block).unflatten(2, (stop - start, block))
-
-        def key_view(x: Tensor, pad: int, start: int, stop: int, lo=lo) -> Tensor:
-            return _windows(x, offset - left + pad + (lo + start) * block, stop - start, block, W)
-
-        if inner:  # views, and one element mask for all (the pattern depends on p − j only)
-            views = {"query_view": query_view, "key_view": key_view, "uniform": True, "view_writes": True}
-        else:  # windows over a copy of the few keys the end blocks read, zero-padded past the ends
-            begin, blocks = offset - left + lo * block, rows.shape[0]  # hi may pass n when w > L
-            views = {"key_view": _edge_view(block, W), "key_source": _edge_source(begin, (blocks - 1) * block + W, S)}
-        groups.append(Group(rows, cols.unsqueeze(0), allowed, **views))
-    return groups
-
-
-def _edge_source(begin: int, length: int, S: int) -> Callable[[Tensor, int], Tensor]:
-    """Key rows ``begin : begin + length`` of the sequence, zero where they fall outside ``[0, S)``."""
-
-    def source(x: Tensor, pad: int) -> Tensor:
-        lo = min(max(begin, 0), S)
-        hi = max(min(begin + length, S), lo)
-        return F.pad(x.narrow(2, pad + lo, hi - lo), (0, 0, lo - begin, begin + length - hi))
-
-    return source
-
-
-def _edge_view(block: int, W: int) -> Callable[[Tensor, int, int, int], Tensor]:
-    """Blocks ``start:stop`` of an ``_edge_source`` as ``(B, H, n, W, F)`` windows, ``block`` apart."""
-
-    def key_view(x: Tensor, pad: int, start: int, stop: int) -> Tensor:
-        return _windows(x, start * block, stop - start, block, W)
-
-    return key_view
-
-
-def _windows(x: Tensor, begin: int, count: int, step: int, W: int) -> Tensor:
-    """``count`` windows of ``W`` rows of ``x`` ``(B, H, ·, F)``, the first at row ``begin``, ``step``
-    apart: an overlapping view ``(B, H, count, W, F)``, no copy."""
-    return x.narrow(2, begin, (count - 1) * step + W).unfold(2, W, step).transpose(-1, -2)

@@ -1,0 +1,14 @@
+"""How blocks of attention run: the engines, their layouts, the kernels and the tuning table.
+
+- ``softmax``: softmax attention of a batch of blocks (eager, torch's fused CPU kernel) forward and
+  backward, and the log-sum-exp merge that joins blocks over disjoint keys.
+- ``layouts``: which blocks a pattern computes (``Group``: band, segments, gathered), each checked.
+- ``blocksparse``: the block-sparse engine of sparse, pattern and local, one autograd Function.
+- ``tiles``: exact attention of query blocks to windows of a key table (routing), one Function.
+- ``linear``: kernel (linear) attention run block by block, non-causal and causal.
+- ``native``: the opt-in C kernel for short blocks (compiled on first use).
+- ``memory``: output assembly and buffers that cost no page faults.
+- ``tuning``: every block size and element budget, documented and overridable.
+
+Modules here import nothing from ``mechanisms``; mechanisms import them.
+"""

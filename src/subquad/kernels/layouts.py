@@ -1,0 +1,280 @@
+"""Block layouts: which query blocks a chunked softmax computes, against which keys, read how.
+
+A ``Group`` is a batch of query blocks of one size that all see the same number ``W`` of keys:
+
+- ``queries`` ``(n, bq)``: the query indices of each block (``L`` marks an empty slot).
+- ``keys`` ``(Hk, n, W)``: the key indices each block attends to, per head (``Hk = H``) or shared
+  (``Hk = 1``); out-of-range indices are allowed and are masked.
+- ``allowed(start, stop)``: the exact element mask of blocks ``start:stop``, broadcastable to
+  ``(B, H, n, bq, W)``, evaluated from the pattern's ``mask_mod`` on the blocks' positions.
+
+Two optional records say what the engine may skip, each checked when built:
+
+- ``MaskFacts``: what is known of the element mask (the same for every block, all in range, all
+  visible, exactly causal, triangular), so a chunk needs less of it or none.
+- ``Views``: for regular layouts, how to read the blocks' rows through views of the inputs (a
+  band's overlapping windows, a segment's strided rows) instead of gathering them.
+
+The layouts built here are the band (``band_groups``: a sliding window, Sparse Transformer's local
+step) and the segments (``segment_groups``: dense attention inside runs of positions, the strided
+pattern's columns and the fixed pattern's own blocks). Patterns with other geometry list their
+blocks as gathered groups (no views). ``kernels.tiles`` is the third layout, windows of a key table,
+for content-based routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from subquad.masks import MaskMod
+
+__all__ = ["Group", "MaskFacts", "Views", "band_groups", "query_slots", "segment_groups", "strided_view"]
+
+
+@dataclass(frozen=True)
+class MaskFacts:
+    """What is known of a group's element mask; each fact lets the engine skip work.
+
+    Attributes:
+        in_range: every key index lies in ``[0, S)``: no range mask.
+        uniform: the element mask is the same for every block (needs ``in_range``): one block's
+            mask serves the chunk.
+        dense: every listed key is visible (needs ``in_range``): no element mask at all.
+        causal: the mask is exactly ``j <= i`` in square blocks (needs ``triangular``): the
+            kernels' own causal flag replaces it.
+        triangular: square blocks whose visible keys all satisfy ``j <= i``: a kernel's causal flag
+            may skip the keys past each query, though the mask is still applied.
+    """
+
+    in_range: bool = False
+    uniform: bool = False
+    dense: bool = False
+    causal: bool = False
+    triangular: bool = False
+
+    def __post_init__(self) -> None:
+        for fact, needs in (("uniform", "in_range"), ("dense", "in_range"), ("causal", "triangular")):
+            if getattr(self, fact) and not getattr(self, needs):
+                raise ValueError(f"MaskFacts({fact}=True) needs {needs}=True")
+
+
+@dataclass(frozen=True)
+class Views:
+    """How a regular layout reads its blocks' rows without a gather.
+
+    Attributes:
+        key_view: ``key_view(x_ext, pad, start, stop) -> (B, H, n, W, F)``: blocks ``start:stop``'s
+            keys (or values) from ``x_ext``, the sequence padded by ``pad >= key_pad`` rows at
+            both ends (or, with ``key_source``, from what it returns).
+        query_view: ``query_view(q_ext, start, stop) -> (B, H, n, bq, D)`` from the queries padded
+            at the end by ``query_pad`` rows; None: queries are gathered.
+        query_pad, key_pad: rows the views read past the ends.
+        key_source: ``key_source(x_ext, pad)``: the sequence ``key_view`` reads, built once per
+            pass (e.g. a zero-padded copy of the few keys a band's end blocks reach).
+        writes: ``query_view`` reads no real query outside the blocks, so outputs are written
+            through it (needs ``query_view``).
+    """
+
+    key_view: Callable[[Tensor, int, int, int], Tensor]
+    query_view: Callable[[Tensor, int, int], Tensor] | None = None
+    query_pad: int = 0
+    key_pad: int = 0
+    key_source: Callable[[Tensor, int], Tensor] | None = None
+    writes: bool = False
+
+    def __post_init__(self) -> None:
+        if self.query_pad < 0 or self.key_pad < 0:
+            raise ValueError(f"Views pads must be >= 0, got query_pad={self.query_pad}, key_pad={self.key_pad}")
+        if self.writes and self.query_view is None:
+            raise ValueError("Views(writes=True) needs a query_view to write through")
+
+
+@dataclass(frozen=True)
+class Group:
+    """Query blocks of one size that see one number of keys (module docstring)."""
+
+    queries: Tensor  # (n, bq) long; L = empty slot
+    keys: Tensor  # (Hk, n, W) long
+    allowed: Callable[[int, int], Tensor]  # (start, stop) -> bool broadcastable to (B, H, stop-start, bq, W)
+    facts: MaskFacts = MaskFacts()
+    views: Views | None = None
+
+    def __post_init__(self) -> None:
+        if self.queries.dim() != 2 or self.keys.dim() != 3 or self.keys.shape[1] != self.queries.shape[0]:
+            raise ValueError(
+                f"a Group needs queries (n, bq) and keys (Hk, n, W), got {tuple(self.queries.shape)} and "
+                f"{tuple(self.keys.shape)}"
+            )
+        if self.facts.triangular and self.queries.shape[1] != self.keys.shape[2]:
+            raise ValueError(
+                f"triangular blocks must be square, got bq={self.queries.shape[1]}, W={self.keys.shape[2]}"
+            )
+
+    @property
+    def query_pad(self) -> int:
+        return 0 if self.views is None else self.views.query_pad
+
+    @property
+    def key_pad(self) -> int:
+        return 0 if self.views is None else self.views.key_pad
+
+
+def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod: MaskMod, device) -> list[Group]:
+    """Blocks of consecutive queries, each against the keys from ``left`` before its first query's
+    position to ``right`` after its last one; the queries are the last L of the ``L + offset`` keys.
+    Blocks whose window lies inside the sequence read views of the inputs; the few at either end
+    read windows over a zero-padded copy of the keys they reach, with the keys outside masked."""
+    n, W, S = -(-L // block), block + left + right, L + offset
+    queries = torch.arange(n * block, device=device).view(n, block)
+    keys = (queries[:, :1] + offset - left) + torch.arange(W, device=device)  # (n, W)
+    queries = queries.masked_fill(queries >= L, L)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    # Inner blocks: their whole window lies inside the sequence.
+    inner_lo, inner_hi = max(0, -(-(left - offset) // block)), max(0, (L - right) // block)
+    groups = []
+    for lo, hi in ((0, inner_lo), (inner_lo, inner_hi), (max(inner_lo, inner_hi), n)):
+        if lo >= hi:
+            continue
+        inner = (lo, hi) == (inner_lo, inner_hi)
+        rows, cols = queries[lo:hi], keys[lo:hi]
+
+        def allowed(start: int, stop: int, rows=rows, cols=cols) -> Tensor:
+            return mask_mod(zero, zero, rows[start:stop, :, None], cols[start:stop, None, :])  # (n, bq, W)
+
+        def query_view(q: Tensor, start: int, stop: int, lo=lo) -> Tensor:
+            return q.narrow(2, (lo + start) * block, (stop - start) * block).unflatten(2, (stop - start, block))
+
+        def key_view(x: Tensor, pad: int, start: int, stop: int, lo=lo) -> Tensor:
+            return _windows(x, offset - left + pad + (lo + start) * block, stop - start, block, W)
+
+        if inner:  # views, and one element mask for all (the pattern depends on p − j only)
+            views = Views(key_view, query_view, writes=True)
+            facts = MaskFacts(in_range=True, uniform=True)
+        else:  # windows over a copy of the few keys the end blocks read, zero-padded past the ends
+            begin, blocks = offset - left + lo * block, rows.shape[0]  # hi may pass n when w > L
+            views = Views(_edge_view(block, W), key_source=_edge_source(begin, (blocks - 1) * block + W, S))
+            facts = MaskFacts()
+        groups.append(Group(rows, cols.unsqueeze(0), allowed, facts, views))
+    return groups
+
+
+def _edge_source(begin: int, length: int, S: int) -> Callable[[Tensor, int], Tensor]:
+    """Key rows ``begin : begin + length`` of the sequence, zero where they fall outside ``[0, S)``."""
+
+    def source(x: Tensor, pad: int) -> Tensor:
+        lo = min(max(begin, 0), S)
+        hi = max(min(begin + length, S), lo)
+        return F.pad(x.narrow(2, pad + lo, hi - lo), (0, 0, lo - begin, begin + length - hi))
+
+    return source
+
+
+def _edge_view(block: int, W: int) -> Callable[[Tensor, int, int, int], Tensor]:
+    """Blocks ``start:stop`` of an ``_edge_source`` as ``(B, H, n, W, F)`` windows, ``block`` apart."""
+
+    def key_view(x: Tensor, pad: int, start: int, stop: int) -> Tensor:
+        return _windows(x, start * block, stop - start, block, W)
+
+    return key_view
+
+
+def _windows(x: Tensor, begin: int, count: int, step: int, W: int) -> Tensor:
+    """``count`` windows of ``W`` rows of ``x`` ``(B, H, ·, F)``, the first at row ``begin``, ``step``
+    apart: an overlapping view ``(B, H, count, W, F)``, no copy."""
+    return x.narrow(2, begin, (count - 1) * step + W).unfold(2, W, step).transpose(-1, -2)
+
+
+def query_slots(positions: Tensor, offset: int, L: int) -> Tensor:
+    """Query index of each key position (``L`` where no query sits there)."""
+    index = positions - offset
+    return index.masked_fill((index < 0) | (index >= L), L)
+
+
+def strided_view(x: Tensor, first: int, blocks: int, block_step: int, rows: int, row_step: int) -> Tensor:
+    """``(B, H, blocks, rows, F)`` view of ``x`` ``(B, H, N, F)``: row r of block s is position
+    ``first + s·block_step + r·row_step``."""
+    B, H, _, F_ = x.shape
+    sb, sh, sn, sf = x.stride()
+    return x.as_strided(
+        (B, H, blocks, rows, F_), (sb, sh, block_step * sn, row_step * sn, sf), x.storage_offset() + first * sn
+    )
+
+
+def segment_groups(
+    positions: Tensor,
+    L: int,
+    offset: int,
+    block: int,
+    causal: bool,
+    mask_mod: MaskMod,
+    steps: tuple[int, int],
+    whole: bool = False,
+) -> list[Group]:
+    """Dense attention inside each segment (a row of ``positions`` ``(segments, R)``, in order).
+
+    Row blocks of ``block`` queries see the whole segment, or, when causal, its rows up to their
+    own last one. Blocks with no query are dropped. ``positions[s, r] = s·a + r·b`` with
+    ``steps = (a, b)``, so when every segment has queries (and L = S) the blocks are strided views
+    and share one element mask (it depends on the rows only). ``whole``: one block per segment;
+    causal, its mask is exactly ``j <= p`` there (the fused kernel's own causal flag).
+    """
+    segments, R = positions.shape
+    block = R if whole else block
+    slots = query_slots(positions, offset, L)
+    zero = torch.zeros((), dtype=torch.long, device=positions.device)
+    groups = []
+    for first in range(0, R, block):
+        last = min(R, first + block)
+        queries = F.pad(slots[:, first:last], (0, block - (last - first)), value=L)
+        keep = (queries < L).any(1)
+        if not bool(keep.any()):
+            continue
+        width = last if causal else R
+        keys = positions[keep, :width]  # (n, W)
+        views, facts = None, MaskFacts()
+        if offset == 0 and bool(keep.all()):  # every segment has queries: strided views
+            views, facts = _segment_views(segments, R, L, steps, first, block, width, causal, whole, keys)
+        queries = queries[keep]
+
+        def allowed(start: int, stop: int, queries=queries, keys=keys) -> Tensor:
+            return mask_mod(zero, zero, queries[start:stop, :, None], keys[start:stop, None, :])
+
+        groups.append(Group(queries, keys.unsqueeze(0), allowed, facts, views))
+    return groups
+
+
+def _segment_views(
+    segments: int, R: int, L: int, steps: tuple[int, int], first: int, block: int, width: int, causal: bool,
+    whole: bool, keys: Tensor,
+) -> tuple[Views, MaskFacts]:  # fmt: skip
+    """The strided views of ``segment_groups``' row blocks at row ``first`` (L = S, no empty
+    segment), and what is known of their mask."""
+    a, b = steps
+
+    def query_view(q_ext: Tensor, start: int, stop: int) -> Tensor:
+        return strided_view(q_ext, start * a + first * b, stop - start, a, block, b)
+
+    def key_view(x: Tensor, pad: int, start: int, stop: int) -> Tensor:
+        return strided_view(x, pad + start * a, stop - start, a, width, b)
+
+    in_range = bool((keys < L).all())
+    views = Views(
+        key_view,
+        query_view,
+        query_pad=max(0, (segments - 1) * a + (first + block - 1) * b + 1 - L),  # rows the views read
+        key_pad=max(0, (segments - 1) * a + (width - 1) * b + 1 - L),
+        writes=b * R >= a * segments,  # padded rows lie past the last position, not on a query
+    )
+    facts = MaskFacts(
+        in_range=in_range,
+        uniform=in_range,
+        dense=in_range and not causal,  # a whole segment: all of it is visible
+        causal=whole and causal and in_range,
+        triangular=whole and causal,  # row j is allowed only for queries of rows >= j
+    )
+    return views, facts

@@ -1,0 +1,116 @@
+"""The tuning table: every size that decides how work is cut into blocks, in one place.
+
+None of these values changes what a mechanism computes, only how much of it is computed at once
+(and so, at most, the order of floating-point sums). Each was chosen on CPUs, where a block should
+fit in the caches and a fresh buffer costs page faults; ``accelerator_scale`` makes the element
+budgets larger elsewhere, where each op of a block is a kernel launch with a fixed cost. The
+measurements behind them are in ``docs/performance.md``.
+
+Read a value where it is used (``TUNING.linear_block``), never copy it into a module constant, so
+that an override reaches every call::
+
+    from subquad.kernels.tuning import tuned
+    with tuned(blocksparse_tile=1 << 16):   # smaller chunks, e.g. to test chunk boundaries
+        out = subquad.attention(q, k, v, mechanism="sparse")
+
+Tests override values the same way (or with ``monkeypatch.setattr(TUNING, name, value)``) to
+drive every code path at small sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+
+import torch
+
+__all__ = ["TUNING", "Tuning", "block_elements", "tuned"]
+
+
+def _knob(default: int, why: str) -> int:
+    return field(default=default, metadata={"why": why})
+
+
+@dataclass
+class Tuning:
+    """Block sizes and element budgets; each field's ``metadata["why"]`` says why it has its value."""
+
+    accelerator_scale: int = _knob(
+        32, "element budgets are this many times larger off the CPU: fewer launches, memory still bounded"
+    )
+    # block-sparse engine (sparse, pattern, local)
+    blocksparse_tile: int = _knob(
+        1 << 19, "eager kernel: scores (B·H·blocks·bq·W) held at once, about 2 MB in fp32, within L2"
+    )
+    blocksparse_fused_tile: int = _knob(
+        1 << 22, "torch's flash kernel never holds a chunk's scores at once: larger chunks, fewer calls"
+    )
+    blocksparse_backward_tile: int = _knob(
+        1 << 20, "the fused backward returns key gradients per block before they are summed: keep them small"
+    )
+    blocksparse_view_tile: int = _knob(
+        1 << 28, "view groups with one block's mask hold only their output: one call per group where possible"
+    )
+    native_queries: int = _knob(128, "the native kernel's gain is on short blocks; longer ones go to torch's kernel")
+    native_keys: int = _knob(1024, "as native_queries, for the keys a block sees")
+    local_block: int = _knob(64, "local: queries per block when a gradient can be taken, or off the flash kernel")
+    local_inference_block: int = _knob(
+        32, "local: queries per block without gradients on the flash kernels: fewer keys computed per query"
+    )
+    sparse_layout: int = _knob(1 << 22, "pattern: mask values evaluated at once while finding a layout")
+    sparse_summary_queries: int = _knob(
+        1024, "fixed pattern, CPU: queries per call against the gathered summaries (large products, few calls)"
+    )
+    sparse_summary_scores: int = _knob(
+        1 << 19, "fixed pattern, off the CPU: scores per call against the summaries, scaled by accelerator_scale"
+    )
+    # gathered tiles (routing)
+    tiles_group: int = _knob(1 << 20, "score entries computed at once, about 4 MB in fp32")
+    tiles_min_block: int = _knob(16, "the narrowest query block run: narrower ones cost more per query than they save")
+    routing_query_block: int = _knob(64, "causal routing: queries sharing a window, computed together")
+    routing_assign: int = _knob(1 << 19, "position × centroid scores held at once while routing")
+    # clustered
+    clustered_tile: int = _knob(32, "improved-clustered: queries per tile sharing their cluster's top-k keys")
+    clustered_group: int = _knob(1 << 22, "(C × S) score elements per group of (batch × head) rows")
+    # kernel attention and its causal scan (linear, multires, agglomerative)
+    linear_state_block: int = _knob(1 << 18, "causal scan: chunk states (rows × chunks × D × Dc) held at once")
+    linear_block: int = _knob(1 << 19, "non-causal linear: positions × rows × width per block of keys or queries")
+    multires_softmax_block: int = _knob(1 << 20, "multires softmax ablation: query rows × landmarks scored at once")
+    multires_query_block: int = _knob(1 << 21, "non-causal multires without autograd: query rows × width per block")
+    multires_causal_chunk: int = _knob(64, "causal multires: slots (queries and landmarks) per chunk of the scan")
+    agglomerative_chunk: int = _knob(32, "positions per lower-triangular matmul of the prefix sums")
+    agglomerative_block: int = _knob(1 << 19, "causal agglomerative: positions × heads × width handled at once")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"tuning value {f.name} must be an int >= 1, got {value!r}")
+
+
+TUNING = Tuning()
+
+
+@contextlib.contextmanager
+def tuned(**values: int) -> Iterator[Tuning]:
+    """Override tuning values inside a ``with`` block (checked like the table's own values)."""
+    names = {f.name for f in fields(Tuning)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"unknown tuning value(s) {unknown}; known: {', '.join(sorted(names))}")
+    Tuning(**values)  # validates
+    saved = {name: getattr(TUNING, name) for name in values}
+    for name, value in values.items():
+        setattr(TUNING, name, value)
+    try:
+        yield TUNING
+    finally:
+        for name, value in saved.items():
+            setattr(TUNING, name, value)
+
+
+def block_elements(cpu: int, device: torch.device) -> int:
+    """Elements one block of a loop holds on ``device``: ``cpu`` on the CPU, ``accelerator_scale``
+    times more elsewhere."""
+    return cpu if device.type == "cpu" else cpu * TUNING.accelerator_scale

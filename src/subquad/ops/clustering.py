@@ -1,0 +1,239 @@
+"""k-means for attention: Lloyd's iterations in Hamming or Euclidean space, D² seeding, and the
+online spherical k-means of routing (nearest centroid direction, EMA update, commitment loss).
+
+Clustered attention (Vyas et al. 2020) groups queries with these; routing attention (Roy et al.
+2021) routes queries and keys to their nearest centroid direction. Every function is batched over
+G independent rows (batch × head): points are ``(G, N, F)``, assignments ``(G, N)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from subquad.kernels.tuning import TUNING, block_elements
+from subquad.ops.hashing import position_uniform
+
+__all__ = [
+    "SEED_ROUNDS",
+    "Euclidean",
+    "Hamming",
+    "cluster_sums",
+    "commitment_loss",
+    "ema_centroids",
+    "gather_rows",
+    "lloyd",
+    "nearest_direction",
+    "seed_centroids",
+    "sign_codes",
+]
+
+SEED_ROUNDS = 8  # rounds of D² sampling that choose the initial centroids
+
+
+class Hamming:
+    """Lloyd's k-means in Hamming space over ±1 codes ``(G, N, B)``: the nearest centroid has the
+    fewest differing bits, and a centroid bit is its members' majority vote (a tie keeps it)."""
+
+    def __init__(self, codes: Tensor) -> None:
+        self.points = codes
+        G, N, _ = codes.shape
+        # Codes, transposed, with a row of ones that multiplies each centroid's tag (see nearest).
+        self.points_t = torch.cat([codes, codes.new_ones(G, N, 1)], dim=-1).transpose(1, 2).contiguous()
+
+    def subset(self, index: Tensor) -> Hamming:
+        return Hamming(gather_rows(self.points, index))
+
+    def distances(self, centroids: Tensor) -> Tensor:
+        """``(G, N, r)`` differing bits to ``r`` centroids."""
+        B = self.points.shape[-1]
+        return (B - torch.bmm(self.points, centroids.transpose(1, 2))) * 0.5
+
+    def nearest(self, centroids: Tensor) -> Tensor:
+        # Hamming distance = (B − dot) / 2, so the nearest code has the largest dot. Tagging centroid
+        # j with −j/2^p (p bits hold any j < C) makes the max of dot − j/2^p the largest dot at its
+        # lowest j, read back from the fraction: exact in fp32 while (B + 1)·2^p < 2^24, and only
+        # when matmuls run in full fp32 (TF32 or bf16 matmuls would round the tags).
+        G, C, B = centroids.shape
+        p = max(1, math.ceil(math.log2(C)))
+        if (B + 1) * 2**p >= 2**24 or torch.get_float32_matmul_precision() != "highest":
+            return torch.bmm(self.points, centroids.transpose(1, 2)).max(-1).indices
+        tag = -torch.arange(C, dtype=centroids.dtype, device=centroids.device) * 2.0**-p
+        tagged = torch.cat([centroids, tag.view(1, C, 1).expand(G, C, 1)], dim=-1)  # (G, C, B + 1)
+        best = torch.bmm(tagged, self.points_t).amax(1)  # (G, N): max_j dot_j − j/2^p
+        return ((torch.ceil(best) - best) * 2.0**p).round_().long()
+
+    def update(self, centroids: Tensor, assign: Tensor, members: Tensor, weight: Tensor) -> Tensor:
+        """``members``: the points times their weight (0 for padded points, which do not vote)."""
+        votes = cluster_sums(members, assign, centroids.shape[1])
+        return torch.where(votes > 0, 1.0, torch.where(votes < 0, -1.0, centroids))
+
+
+class Euclidean:
+    """Lloyd's k-means under squared L2 on the vectors ``(G, N, D)``: the mean update. An empty
+    cluster keeps its centroid."""
+
+    def __init__(self, x: Tensor) -> None:
+        G, N, _ = x.shape
+        # Points with a column of ones that multiplies each centroid's −‖c‖²/2: one matmul gives
+        # x·c − ‖c‖²/2, whose max over c is the nearest centroid, with no broadcast add.
+        self.augmented = torch.cat([x, x.new_ones(G, N, 1)], dim=-1)
+        self.points = self.augmented[..., :-1]
+
+    def subset(self, index: Tensor) -> Euclidean:
+        return Euclidean(gather_rows(self.points, index))
+
+    def _scores(self, centroids: Tensor) -> Tensor:
+        """``(G, N, r)`` x·c − ‖c‖²/2."""
+        half_norms = -0.5 * centroids.square().sum(-1, keepdim=True)
+        return torch.bmm(self.augmented, torch.cat([centroids, half_norms], dim=-1).transpose(1, 2))
+
+    def distances(self, centroids: Tensor) -> Tensor:
+        norms = self.points.square().sum(-1, keepdim=True)
+        return (norms - 2 * self._scores(centroids)).clamp_min(0)
+
+    def nearest(self, centroids: Tensor) -> Tensor:
+        return self._scores(centroids).max(-1).indices  # argmin ‖x − c‖²; the first maximum on ties
+
+    def update(self, centroids: Tensor, assign: Tensor, members: Tensor, weight: Tensor) -> Tensor:
+        """``members``: the points times their weight (0 for padded points, which do not count)."""
+        C = centroids.shape[1]
+        sums = cluster_sums(members, assign, C)
+        counts = cluster_sums(weight.unsqueeze(-1), assign, C)
+        return torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
+
+
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """Rows ``x[g, index[g]]``: ``(G, N, F)`` by ``(G, n)`` -> ``(G, n, F)``."""
+    return torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def cluster_sums(x: Tensor, assign: Tensor, C: int) -> Tensor:
+    """Per-cluster sums ``(G, C, F)`` of ``x`` ``(G, N, F)`` under ``assign`` ``(G, N)``."""
+    G, N, F = x.shape
+    if x.device.type != "cpu":  # index_add uses atomics there: a one-hot matmul is deterministic
+        return torch.bmm(torch.nn.functional.one_hot(assign, C).to(x.dtype).transpose(1, 2), x)
+    index = (assign + (torch.arange(G, device=x.device) * C).unsqueeze(-1)).view(-1)
+    return x.new_zeros(G * C, F).index_add(0, index, x.reshape(G * N, F)).view(G, C, F)
+
+
+def seed_centroids(
+    metric: Hamming | Euclidean, weight: Tensor, positions: Tensor, C: int, seed: int, heads: Tensor
+) -> Tensor:
+    """``(G, C)`` indices of C distinct initial centroids, by D² sampling in ``SEED_ROUNDS`` rounds.
+
+    The first round draws uniformly among real points; each later round draws a batch without
+    replacement with probability ∝ (distance to the nearest centroid so far)², by Gumbel-top-k. It is
+    k-means++ (Arthur & Vassilvitskii 2007) with several draws per round, as in k-means||: points of
+    clusters that hold no centroid yet are the likely draws, so well-separated groups are not merged
+    by an unlucky uniform draw, and the rounds stay few and batched.
+    """
+    per_round = -(-C // min(C, SEED_ROUNDS))
+    first = position_uniform(seed, heads, positions, 1) - weight  # real points first
+    chosen = first.topk(per_round, dim=1, largest=False).indices
+    picks = [chosen]
+    nearest = metric.distances(gather_rows(metric.points, chosen)).amin(-1)  # (G, N)
+    padded = weight == 0
+    while sum(p.shape[1] for p in picks) < C:
+        r = min(per_round, C - sum(p.shape[1] for p in picks))
+        gumbel = -torch.log(-torch.log(position_uniform(seed, heads, positions, 1 + len(picks))))
+        keys = (2 * torch.log(nearest) + gumbel).masked_fill_(padded, float("-inf"))
+        chosen = keys.topk(r, dim=1).indices
+        picks.append(chosen)
+        nearest = torch.minimum(nearest, metric.distances(gather_rows(metric.points, chosen)).amin(-1))
+    return torch.cat(picks, dim=1)
+
+
+def lloyd(metric: Hamming | Euclidean, weight: Tensor, init: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
+    """Lloyd's iterations from the points at ``init``; stops at a fixed point. Returns the centroids
+    and the assignment of ``metric``'s points to them."""
+    centroids = gather_rows(metric.points, init)
+    assign = metric.nearest(centroids)
+    members = metric.points * weight.unsqueeze(-1)
+    for _ in range(iterations):
+        centroids = metric.update(centroids, assign, members, weight)
+        new = metric.nearest(centroids)
+        if torch.equal(new, assign):
+            break
+        assign = new
+    return centroids, assign
+
+
+def sign_codes(q: Tensor, weight: Tensor, planes: Tensor, offsets: Tensor | None) -> Tensor:
+    """±1 codes ``(G, L, B)``: the sign of each query's projection on each plane, minus its threshold.
+
+    With ``offsets`` ``(G, B)`` the threshold of plane b is ``μ_b + σ_b·u_b``: the mean and spread
+    of the real queries' projections, shifted by the plane's fixed random offset ``u_b``.
+    """
+    proj = torch.bmm(q, planes)  # (G, L, B)
+    if offsets is not None:
+        count = weight.sum(1).clamp_min(1).view(-1, 1, 1)
+        w = weight.unsqueeze(-1)
+        mean = (proj * w).sum(1, keepdim=True) / count
+        std = (((proj - mean) * w).square().sum(1, keepdim=True) / count).sqrt()
+        proj = proj - (mean + std * offsets.unsqueeze(1))
+    return torch.where(proj > 0, 1.0, -1.0).to(torch.float32)
+
+
+def nearest_direction(x: Tensor, centroids: Tensor) -> Tensor:
+    """The nearest centroid ``(B, H, N)`` of each vector's direction ``x̂ = x / ‖x‖`` (``x``:
+    ``(B, H, N, D)``): ``argmax_c x · μ_c``, the argmax of ``x̂ · μ_c`` (a positive factor ‖x‖
+    changes no argmax, so ``x`` need not be normalised); the first of tied maxima."""
+    B, H, N, _ = x.shape
+    C = centroids.shape[1]
+    mu = centroids.transpose(-1, -2)  # (H, D, k)
+    # argmax as k − max_c (k − c)·[score_c = max]: vectorised reductions, unlike CPU argmax.
+    weight = torch.arange(C, 0, -1, dtype=centroids.dtype, device=x.device)
+    step = max(1, min(N, block_elements(TUNING.routing_assign, x.device) // (B * H * C)))
+    scores = x.new_empty(B, H, step, C, dtype=centroids.dtype)  # reused: no page faults
+    cluster = torch.empty(B, H, N, dtype=torch.long, device=x.device)
+    for s in range(0, N, step):
+        part = torch.matmul(x[:, :, s : s + step].to(centroids.dtype), mu, out=scores if N - s >= step else None)
+        top = part.ge_(part.amax(-1, keepdim=True)).mul_(weight).amax(-1)  # NaN rows: 0, kept in range below
+        cluster[:, :, s : s + step] = (C - top).clamp_(max=C - 1)
+    return cluster
+
+
+def ema_centroids(centroids: Tensor, points: list[tuple[Tensor, Tensor, Tensor | None]], decay: float) -> Tensor:
+    """Online spherical k-means (Roy et al. 2021, eq. 8): each centroid ``(H, C, D)`` moves by an
+    exponential moving average towards the mean of the real points routed to it, then back onto the
+    unit sphere; a centroid that got no point keeps its place.
+
+    Args:
+        centroids: ``(H, C, D)`` unit vectors.
+        points: ``(x̂, cluster, real)`` triples: normalised vectors ``(B, H, N, D)``, their
+            clusters ``(B, H, N)`` and a bool ``(B, N)`` mask of real tokens (None: all real).
+        decay: the EMA's weight on the old centroid.
+
+    Returns:
+        The new centroids ``(H, C, D)``.
+    """
+    H, C, D = centroids.shape
+    sums = centroids.new_zeros(H, C, D)
+    counts = centroids.new_zeros(H, C)
+    for x, cluster, real in points:
+        B, _, N, _ = x.shape
+        weight = x.new_ones(B, 1, N) if real is None else real[:, None].to(x.dtype)
+        weight = weight.expand(B, H, N).transpose(0, 1).reshape(H, B * N)
+        index = cluster.transpose(0, 1).reshape(H, B * N)
+        rows = x.transpose(0, 1).reshape(H, B * N, D) * weight[..., None]
+        sums.scatter_add_(1, index[..., None].expand(H, B * N, D), rows)
+        counts.scatter_add_(1, index, weight)
+    means = sums / counts.clamp(min=1)[..., None]
+    moved = torch.where(counts[..., None] > 0, decay * centroids + (1 - decay) * means, centroids)
+    return F.normalize(moved, dim=-1)
+
+
+def commitment_loss(x: Tensor, cluster: Tensor, centroids: Tensor, real: Tensor | None) -> Tensor:
+    """Mean over real tokens of ‖x̂ − sg(μ_cluster)‖², the commitment loss of routing (``x``: normalised
+    ``(B, H, N, D)``, ``cluster`` ``(B, H, N)``, ``real`` bool ``(B, N)`` or None)."""
+    H = x.shape[1]
+    mu = centroids.detach()[torch.arange(H, device=x.device)[None, :, None], cluster]  # (B, H, N, D)
+    err = (x - mu).pow(2).sum(-1)  # (B, H, N)
+    if real is None:
+        return err.mean()
+    weight = real[:, None].to(err.dtype).expand_as(err)
+    return (err * weight).sum() / weight.sum().clamp(min=1)

@@ -1,0 +1,135 @@
+"""Causal scans: prefix sums and the causal product ``y_i = Σ_{j≤i} (a_i·b_j) c_j``, chunked.
+
+Kernel attention's causal form (linear, multires) is the causal product with a = φ(q), b = φ(k),
+c = [v, 1]; agglomerative attention's is a running sum of class-weighted values. Both are computed
+in chunks: inside a chunk by a masked (chunk × chunk) product, across chunks through a running
+state, so the work is linear in N and vectorises (a ``cumsum`` along a middle dim does not, on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from subquad.kernels.memory import Scratch
+from subquad.kernels.tuning import TUNING, block_elements
+
+__all__ = ["add_matmul_", "causal_dot", "causal_dot_forward", "chunk_states", "chunked", "prefix_sums"]
+
+
+def causal_dot_forward(a: Tensor, b: Tensor, c: Tensor, initial: Tensor | None, chunk: int) -> Tensor:
+    """``y_i = Σ_{j≤i} (a_i·b_j) c_j + a_iᵀ initial`` for rows ``(R, N, ·)``, without autograd."""
+    R, N, Da = a.shape
+    Dc = c.shape[-1]
+    chunk = max(1, min(chunk, N))
+    chunks = -(-N // chunk)
+    pad = chunks * chunk - N
+    if pad:  # zero rows add nothing to the state; their outputs are cut off below
+        a, b, c = (F.pad(x, (0, 0, 0, pad)) for x in (a, b, c))
+    a, b, c = (x.view(R, chunks, chunk, x.shape[-1]) for x in (a, b, c))
+    state = a.new_zeros(R, 1, Da, Dc) if initial is None else initial.unsqueeze(1)
+    per_block = max(1, block_elements(TUNING.linear_state_block, a.device) // (R * Da * Dc))
+    out = a.new_empty(R, chunks, chunk, Dc)
+    for start in range(0, chunks, per_block):
+        block = slice(start, start + per_block)
+        ab, bb, cb = a[:, block], b[:, block], c[:, block]
+        scores = torch.matmul(ab, bb.transpose(-1, -2)).tril_()  # (R, n, chunk, chunk)
+        updates = torch.matmul(bb.transpose(-1, -2), cb)  # (R, n, Da, Dc): each chunk's Σ b cᵀ
+        before = F.pad(torch.cumsum(updates[:, :-1], dim=1), (0, 0, 0, 0, 1, 0)) + state  # entering each chunk
+        out[:, block] = torch.matmul(scores, cb) + torch.matmul(ab, before)
+        state = before[:, -1:] + updates[:, -1:]
+    return out.view(R, chunks * chunk, Dc)[:, :N]
+
+
+class _CausalDot(torch.autograd.Function):
+    """The chunked causal product with a backward pass that is the same product, run forwards
+    (for a) and backwards in time (for b and c), so only the inputs are saved."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, c: Tensor, initial: Tensor | None, chunk: int) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(a, b, c, initial)
+        ctx.chunk = chunk
+        return causal_dot_forward(a, b, c, initial, chunk)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        a, b, c, initial = ctx.saved_tensors
+        chunk = ctx.chunk
+        grad_a = grad_b = grad_c = grad_initial = None
+        if ctx.needs_input_grad[0]:
+            # ∂/∂a_i = Σ_{j≤i} (g_i·c_j) b_j + initial g_i
+            grad_a = causal_dot_forward(grad, c, b, None if initial is None else initial.transpose(1, 2), chunk)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            flip = lambda x: x.flip(1)  # noqa: E731 - reversed time: Σ_{i≥j} becomes a causal sum
+            if ctx.needs_input_grad[1]:  # ∂/∂b_j = Σ_{i≥j} (g_i·c_j) a_i
+                grad_b = flip(causal_dot_forward(flip(c), flip(grad), flip(a), None, chunk))
+            if ctx.needs_input_grad[2]:  # ∂/∂c_j = Σ_{i≥j} (a_i·b_j) g_i
+                grad_c = flip(causal_dot_forward(flip(b), flip(a), flip(grad), None, chunk))
+        if initial is not None and ctx.needs_input_grad[3]:
+            grad_initial = torch.matmul(a.transpose(1, 2), grad)  # Σ_i a_i g_iᵀ
+        return grad_a, grad_b, grad_c, grad_initial, None
+
+
+def causal_dot(a: Tensor, b: Tensor, c: Tensor, initial: Tensor | None = None, chunk: int = 64) -> Tensor:
+    """``y_i = Σ_{j≤i} (a_i·b_j) c_j + a_iᵀ initial`` over rows ``(R, N, ·)``; differentiable.
+
+    Args:
+        a, b: ``(R, N, Da)``.
+        c: ``(R, N, Dc)``.
+        initial: ``(R, Da, Dc)`` state before the first position, or None.
+        chunk: positions per chunk.
+
+    Returns:
+        ``(R, N, Dc)``.
+    """
+    return _CausalDot.apply(a, b, c, initial, chunk)
+
+
+def chunk_states(updates: Tensor, state: Tensor, reverse: bool = False) -> tuple[Tensor, Tensor]:
+    """From per-chunk ``updates`` ``(B, H, m, ·, ·)`` (consumed), the state entering each chunk,
+    ``state`` plus the chunks before it in time order (after it when ``reverse``), and the state
+    after the last chunk."""
+    if reverse:
+        before, after = chunk_states(updates.flip(2), state)
+        return before.flip(2), after
+    before = torch.empty_like(updates)
+    before[:, :, 0] = state
+    if updates.shape[2] > 1:
+        updates[:, :, 0] += state
+        torch.cumsum(updates[:, :, :-1], dim=2, out=before[:, :, 1:])
+    return before, before[:, :, -1] + updates[:, :, -1]
+
+
+def add_matmul_(y: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``y += a @ b`` in place over any leading dims (one fused BLAS call per matrix)."""
+    y.view(-1, *y.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return y
+
+
+def chunked(x: Tensor, chunk: int) -> Tensor:
+    """``(B, H, n, ·)`` as ``(B, H, n / chunk, chunk, ·)``, zero-padded to whole chunks."""
+    pad = -x.shape[2] % chunk
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    return x.view(*x.shape[:2], -1, chunk, x.shape[-1])
+
+
+def prefix_sums(x: Tensor, carry: Tensor | None, scratch: Scratch | None = None, name: str = "") -> Tensor:
+    """Inclusive prefix sums of ``x`` ``(B, H, n, F)`` along n, plus ``carry`` ``(B, H, 1, F)``: a
+    lower-triangular matmul within chunks of ``TUNING.agglomerative_chunk`` and a cumulative sum
+    of the chunk totals (much faster on CPU than ``cumsum`` along a middle dim); written into
+    ``scratch(name)`` if given."""
+    B, H, n, F = x.shape
+    chunk = min(TUNING.agglomerative_chunk, n)
+    pad = -n % chunk
+    xc = (torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x).reshape(B, H, -1, chunk, F)
+    tril = torch.ones(chunk, chunk, dtype=x.dtype, device=x.device).tril()
+    out = None if scratch is None else scratch(name, xc.shape)
+    within = torch.matmul(tril, xc, out=out)  # (B, H, chunks, chunk, F); matmul saves its inputs, not this
+    if within.shape[2] > 1:
+        within[:, :, 1:] += torch.cumsum(within[:, :, :-1, -1:], dim=2)  # totals of the earlier chunks
+    if carry is not None:
+        within += carry.unsqueeze(2)
+    return within.view(B, H, -1, F)[:, :, :n]

@@ -1,0 +1,104 @@
+"""The ``Decoder`` base class: the checks every decoding step shares, and the length bookkeeping."""
+
+import pytest
+import torch
+
+import subquad
+from subquad.decoding import Decoder, KVCache
+
+from .conftest import qkv
+
+
+class PrefixSum(Decoder):
+    """Outputs the running sum of the values; records what its ``_step`` saw."""
+
+    description = "test only"
+
+    def __init__(self, mechanism, config, state):
+        super().__init__(mechanism, config, state)
+        self.total = None
+        self.calls = []
+
+    def _step(self, q, k, v, **tensors):
+        self.calls.append((self.length, sorted(tensors)))
+        sums = v.cumsum(2) + (0 if self.total is None else self.total)
+        self.total = sums[:, :, -1:]
+        return sums
+
+
+def prefix_sum():
+    return PrefixSum(subquad.get_mechanism("full"), subquad.make_config("full"), None)
+
+
+def test_every_built_in_decoder_is_a_decoder():
+    decoders = {subquad.get_mechanism(n).decoder for n in subquad.mechanism_names()} - {None}
+    assert {d.__name__ for d in decoders} >= {"KVCache", "LinearDecoder", "AgglomerativeDecoder", "WindowCache",
+                                             "RoutingCache"}  # fmt: skip
+    assert all(issubclass(d, Decoder) and d.description for d in decoders)
+    with pytest.raises(TypeError, match="abstract"):
+        Decoder(subquad.get_mechanism("full"), subquad.make_config("full"), None)
+
+
+def test_step_keeps_the_length_and_the_subclass_sees_the_first_position():
+    decoder = prefix_sum()
+    q, k, v = qkv(2, 3, 7, 7, 4, 5)
+    first, rest = (decoder.step(q[:, :, t], k[:, :, t], v[:, :, t]) for t in (slice(0, 3), slice(3, 7)))
+    out = torch.cat([first, rest], dim=2)
+    assert torch.allclose(out, v.cumsum(2), rtol=0, atol=1e-12)
+    assert decoder.length == 7 and [start for start, _ in decoder.calls] == [0, 3]
+    assert decoder.shape == (2, 3, 4, 5) and decoder.dtype == torch.float64 and decoder.device == q.device
+
+
+def test_a_refused_step_changes_nothing():
+    decoder = prefix_sum()
+    decoder.step(*qkv(2, 3, 1, 1, 4))
+    bad = [
+        (qkv(2, 3, 1, 2, 4), "a decoding step takes as many queries as keys, got 1 and 2"),
+        (qkv(3, 3, 1, 1, 4), r"the decoder holds state for \(B, H, D, Dv\) = \(2, 3, 4, 4\), got \(3, 3, 4, 4\); "
+                             "start a new cache for a new batch"),
+        (qkv(2, 3, 1, 1, 4, 6), r"holds state for \(B, H, D, Dv\) = \(2, 3, 4, 4\), got \(2, 3, 4, 6\)"),
+        (qkv(2, 3, 1, 1, 4, dtype=torch.float32), "holds state of torch.float64 inputs, got torch.float32"),
+        (tuple(x.to("meta") for x in qkv(2, 3, 1, 1, 4)), "the cache is on cpu but q, k and v are on meta"),
+        ((torch.zeros(2, 3, 4),) * 3, "q must be 4-D"),
+    ]  # fmt: skip
+    for (q, k, v), message in bad:
+        with pytest.raises(ValueError, match=message):
+            decoder.step(q, k, v)
+    assert decoder.length == 1 and len(decoder.calls) == 1
+
+
+def test_extra_tensors_are_checked_and_none_ones_left_out():
+    decoder = prefix_sum()
+    q, k, v = qkv(1, 2, 1, 1, 4)
+    with pytest.raises(ValueError, match=r"full takes no tensor argument \['gate'\]; it takes \['attn_mask'\]"):
+        decoder.step(q, k, v, gate=q)
+    with pytest.raises(ValueError, match="attn_mask must be a tensor for a decoding step, got list"):
+        decoder.step(q, k, v, attn_mask=[True])
+    with pytest.raises(ValueError, match="attn_mask is on meta but q, k and v are on cpu"):
+        decoder.step(q, k, v, attn_mask=torch.ones(1, 1, dtype=torch.bool, device="meta"))
+    decoder.step(q, k, v, attn_mask=None)
+    decoder.step(q, k, v, attn_mask=torch.ones(1, 2, dtype=torch.bool))
+    assert decoder.calls == [(0, []), (1, ["attn_mask"])]
+
+
+def test_caches_of_keys_name_the_keys_or_the_values_that_do_not_fit():
+    cache = KVCache(subquad.get_mechanism("full"), subquad.make_config("full"), None)
+    cache.step(*qkv(2, 2, 1, 1, 4))
+    with pytest.raises(ValueError, match=r"the cache holds keys of \(B, H, D\) = \(2, 2, 4\), got \(2, 2, 1, 8\)"):
+        cache.step(*qkv(2, 2, 1, 1, 8))
+    with pytest.raises(ValueError, match=r"the cache holds values of \(B, H, Dv\) = \(2, 2, 4\), got \(2, 2, 1, 3\)"):
+        cache.step(*qkv(2, 2, 1, 1, 4, 3))
+    with pytest.raises(ValueError, match="holds keys and values of torch.float64 inputs, got torch.float32"):
+        cache.step(*qkv(2, 2, 1, 1, 4, dtype=torch.float32))
+    assert cache.length == 1
+
+
+def test_agglomerative_fixes_no_head_dim_and_takes_its_logits_by_position():
+    mech = subquad.get_mechanism("agglomerative")
+    decoder = mech.decoder(mech, subquad.make_config("agglomerative"), None)
+    q, k, v = qkv(1, 2, 1, 1, 4, 3)
+    logits = torch.zeros(1, 2, 1, dtype=torch.float64)
+    decoder.step(q, k, v, logits, logits)
+    q8, k8, _ = qkv(1, 2, 1, 1, 8, 3)
+    decoder.step(q8, k8, v, query_logits=logits, key_logits=logits)  # q and k lend only their shapes
+    assert decoder.length == 2

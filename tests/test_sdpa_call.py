@@ -1,0 +1,143 @@
+"""``subquad.attention`` takes SDPA's arguments: attn_mask, dropout_p, is_causal, scale, enable_gqa."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import subquad
+from subquad.mechanisms.full import full_attention
+
+from .conftest import padding
+
+
+def _qkv(H=6, Hkv=2, L=20, S=20, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, H, L, D, dtype=torch.float64, generator=g)
+    k = torch.randn(2, Hkv, S, D, dtype=torch.float64, generator=g)
+    v = torch.randn(2, Hkv, S, 5 if D == 8 else D, dtype=torch.float64, generator=g)
+    return q, k, v
+
+
+def _repeated(q, k, v):
+    G = q.shape[1] // k.shape[1]
+    return q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_reads_grouped_keys_in_place_and_equals_repeated_heads(backend, causal):
+    q, k, v = (x.requires_grad_(True) for x in _qkv(L=12, S=20))
+    kpm = padding(2, 20, seed=1)
+    out = subquad.attention(q, k, v, is_causal=causal, enable_gqa=True, key_padding_mask=kpm, backend=backend)
+    ref = full_attention(*_repeated(q, k, v), is_causal=causal, key_padding_mask=kpm)
+    assert (out - ref).abs().max() <= 1e-12
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    assert all((a - b).abs().max() <= 1e-10 for a, b in zip(grads, expected))
+    assert grads[1].shape == k.shape  # the key gradient has the key/value heads
+
+
+def test_full_grouped_with_a_dense_mask_per_query_head():
+    q, k, v = _qkv()
+    mask = torch.rand(2, 6, 20, 20, generator=torch.Generator().manual_seed(3)) > 0.3
+    for backend in ("sdpa", "eager"):
+        out = subquad.attention(q, k, v, mask, enable_gqa=True, backend=backend)
+        ref = full_attention(*_repeated(q, k, v), attn_mask=mask)
+        assert (out - ref).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize(
+    "mechanism, options",
+    [("local", {"window": 4}), ("linear", {}), ("sparse", {"stride": 4, "block": 4}), ("routing", {"clusters": 3})],
+)
+def test_every_mechanism_takes_grouped_keys_as_repeated_heads(mechanism, options):
+    q, k, v = _qkv(D=8)
+    out = subquad.attention(q, k, v, mechanism=mechanism, is_causal=True, enable_gqa=True, **options)
+    ref = subquad.attention(*_repeated(q, k, v), mechanism=mechanism, is_causal=True, **options)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize(
+    "heads, match",
+    [((6, 4, 4), "k and v with one head count that divides q's, got q H=6, k H=4, v H=4"),
+     ((6, 2, 3), "got q H=6, k H=2, v H=3")],
+)  # fmt: skip
+def test_grouped_heads_that_do_not_divide_are_refused(heads, match):
+    H, Hk, Hv = heads
+    q, k, v = torch.randn(1, H, 5, 4), torch.randn(1, Hk, 5, 4), torch.randn(1, Hv, 5, 4)
+    for mechanism in ("full", "linear"):
+        with pytest.raises(ValueError, match=match):
+            subquad.attention(q, k, v, mechanism=mechanism, enable_gqa=True)
+
+
+def test_fewer_key_heads_without_enable_gqa_say_how():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="head counts differ.*pass enable_gqa=True"):
+        subquad.attention(q, k, v)
+
+
+def test_dropout_follows_torchs_sdpa_and_is_refused_where_there_is_none():
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    torch.manual_seed(5)
+    ours = subquad.attention(q, k, v, None, 0.5)
+    torch.manual_seed(5)
+    theirs = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(ours, theirs)
+    eager = subquad.attention(q, k, v, dropout_p=0.5, backend="eager")
+    kept = (eager - subquad.attention(q, k, v, backend="eager")).abs().max()
+    assert torch.isfinite(eager).all() and kept > 0  # weights dropped and the rest scaled by 2
+    with pytest.raises(ValueError, match=r"linear has no attention dropout \(dropout_p=0.1\).*use one of: full"):
+        subquad.attention(q, k, v, dropout_p=0.1, mechanism="linear")
+    with pytest.raises(ValueError, match="dropout_p must be a number in \\[0, 1\\), got 1.0"):
+        subquad.attention(q, k, v, dropout_p=1.0)
+
+
+def test_the_old_positional_mechanism_still_works_and_warns():
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    with pytest.warns(DeprecationWarning, match="pass mechanism='linear' by keyword"):
+        old = subquad.attention(q, k, v, "linear", is_causal=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = subquad.attention(q, k, v, mechanism="linear", is_causal=True)
+    assert torch.equal(old, new)
+
+
+def test_positional_arguments_are_sdpas():
+    q, k, v = (torch.randn(1, 2, 10, 8) for _ in range(3))
+    mask = torch.rand(10, 10) > 0.5
+    mask[:, 0] = True
+    ours = subquad.attention(q, k, v, mask, 0.0, False, 0.3)
+    assert torch.allclose(ours, F.scaled_dot_product_attention(q, k, v, mask, 0.0, False, scale=0.3), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "mechanism, options",
+    [
+        ("local", {"window": 5}),
+        ("local", {"window": 5, "kernel": "eager"}),
+        ("sparse", {"stride": 4, "block": 4}),
+        ("sparse", {"pattern": "fixed", "stride": 6, "summary": 2, "groups": 2, "block": 4}),
+        ("sparse", {"stride": 5, "step": "column", "block": 3, "kernel": "eager"}),
+        ("pattern", {"window": 4, "block": 4}),
+    ],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse_mechanisms_read_grouped_keys_in_place(mechanism, options, causal, monkeypatch):
+    """Outputs and gradients equal those of the repeated heads, and no K/V copy is made."""
+    q, k, v = (x.requires_grad_(True) for x in _qkv(H=6, Hkv=3, L=30, S=30))
+    kpm = padding(2, 30, seed=2)
+    ref = subquad.attention(*_repeated(q, k, v), mechanism=mechanism, is_causal=causal, key_padding_mask=kpm, **options)
+    expected = torch.autograd.grad(ref.square().sum(), (q, k, v))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("keys or values were repeated")
+
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", refuse)
+    out = subquad.attention(
+        q, k, v, mechanism=mechanism, is_causal=causal, key_padding_mask=kpm, enable_gqa=True, **options
+    )
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert (out - ref).abs().max() <= 1e-12
+    assert all(a.shape == b.shape and (a - b).abs().max() <= 1e-10 for a, b in zip(grads, expected))
