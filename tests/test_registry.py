@@ -6,7 +6,7 @@ import torch
 import subquad
 from subquad import registry
 from subquad.mechanisms.full import FullConfig, full_attention
-from subquad.registry import Config, Mechanism, make_config, option
+from subquad.registry import Config, Mechanism, get_mechanism, make_config, option
 
 from .conftest import qkv
 
@@ -180,3 +180,43 @@ def test_builtins_load_before_the_first_registration(monkeypatch):
     monkeypatch.setattr(registry, "_builtins_loaded", False)
     registry.register(TOY)
     assert subquad.mechanism_names() == [*builtins, "toy"]
+
+
+class _Entry:
+    def __init__(self, name, load):
+        self.name, self.value, self.load = name, f"{name}_module", load
+
+
+def _fresh_registry(monkeypatch, entries):
+    monkeypatch.setattr(registry, "_REGISTRY", {})
+    monkeypatch.setattr(registry, "_builtins_loaded", False)
+    monkeypatch.setattr(registry.importlib.metadata, "entry_points", lambda group: entries)
+
+
+def test_plugins_register_after_the_builtins(monkeypatch):
+    import types
+
+    builtins = subquad.mechanism_names()
+    _fresh_registry(monkeypatch, [_Entry("toy", lambda: types.SimpleNamespace(MECHANISM=TOY))])
+    assert subquad.mechanism_names() == [*builtins, "toy"]
+
+
+def test_a_plugin_that_fails_is_skipped_with_a_warning(monkeypatch):
+    import types
+
+    def broken():
+        raise ImportError("no module named nowhere")
+
+    entries = [
+        _Entry("broken", broken),
+        _Entry("empty", lambda: types.SimpleNamespace()),
+        _Entry("clash", lambda: types.SimpleNamespace(MECHANISM=get_mechanism("full"))),
+    ]
+    builtins = subquad.mechanism_names()
+    _fresh_registry(monkeypatch, entries)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert subquad.mechanism_names() == builtins
+    messages = [str(w.message) for w in caught]
+    assert "plugin 'broken' (broken_module) failed to load and is skipped: ImportError: no module" in messages[0]
+    assert "empty_module must define MECHANISM (a Mechanism) or MECHANISMS" in messages[1]
+    assert "clash_module registers 'full', a name already taken" in messages[2]

@@ -20,6 +20,7 @@ __all__ = [
     "check_attention_inputs",
     "check_dtype",
     "check_gqa",
+    "check_grouped_inputs",
     "check_logits",
     "check_query_padding_mask",
 ]
@@ -112,6 +113,18 @@ def check_attention_inputs(
     if key_padding_mask is not None:
         _check_padding_mask(key_padding_mask, B, S, q.device)
     return AttentionShape(B, H, L, S, D, Dv, resolve_scale(scale, D))
+
+
+def check_grouped_inputs(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool, scale: float | None,
+    enable_gqa: bool,
+) -> AttentionShape:  # fmt: skip
+    """``check_attention_inputs`` for a mechanism that reads grouped-query keys and values in place:
+    with ``enable_gqa``, k and v may have a divisor of q's heads; they are checked as the H heads
+    they serve (through views: nothing is copied)."""
+    if enable_gqa and check_gqa(q, k, v) > 1:
+        k, v = (x[:, :1].expand(-1, q.shape[1], -1, -1) for x in (k, v))
+    return check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
 
 
 def check_gqa(q: Tensor, k: Tensor, v: Tensor) -> int:

@@ -80,7 +80,8 @@ def block_sparse_attention(
     """Softmax attention over the union of ``parts`` (disjoint key sets per query); differentiable.
 
     Args:
-        q, k, v: ``(B, H, L, D)``, ``(B, H, S, D)``, ``(B, H, S, Dv)``.
+        q, k, v: ``(B, H, L, D)``, ``(B, H_kv, S, D)``, ``(B, H_kv, S, Dv)``; H_kv = H, or a divisor
+            of it (grouped-query: key head h // G serves query head h), read in place.
         parts: each a sequence of ``Group``.
         key_padding_mask: bool ``(B, S)``, True marks a real key, or None.
         scale: the softmax scale.
@@ -107,9 +108,10 @@ class _Chunk:
     """One chunk of a group: the gathered indices and the element mask, shared by both passes."""
 
     def __init__(
-        self, group: Group, start: int, stop: int, H: int, L: int, S: int, pad: int, key_padding_mask: Tensor | None
-    ) -> None:
-        self.group, self.start, self.stop, self.pad = group, start, stop, pad
+        self, group: Group, start: int, stop: int, H: int, L: int, S: int, pad: int, key_padding_mask: Tensor | None,
+        groups: int = 1,
+    ) -> None:  # fmt: skip
+        self.group, self.start, self.stop, self.pad, self.groups = group, start, stop, pad, groups
         self.query_view = None if group.views is None else group.views.query_view
         self.writes = group.views is not None and group.views.writes  # outputs go through query_view
         self.queries = group.queries[start:stop]  # (n, bq)
@@ -135,14 +137,17 @@ class _Chunk:
 
     @functools.cached_property
     def flat(self) -> Tensor:
-        """The key rows of the chunk in the ``(B, H·(S + 2 pad), ·)`` keys, flattened: built only when
-        gathered or scattered, as view groups read without them."""
-        heads = torch.arange(self.H, device=self.keys.device).view(self.H, 1, 1) * (self.S + 2 * self.pad)
+        """The key rows of the chunk in the ``(B, H_kv·(S + 2 pad), ·)`` keys, flattened (query head h
+        reads key head h // G): built only when gathered or scattered, as view groups read without
+        them."""
+        heads = torch.arange(self.H, device=self.keys.device).view(self.H, 1, 1) // self.groups
+        heads = heads * (self.S + 2 * self.pad)
         return (heads + self.pad + self.keys.clamp(0, self.S - 1)).reshape(-1)
 
     def gather(self, x: Tensor, sources: dict) -> Tensor:
-        """This chunk's keys (or values) from ``x`` ``(B, H, S + 2 pad, F)``: ``(B, H, n, W, F)``.
-        ``sources`` keeps each ``key_source`` sequence for the whole pass (built once)."""
+        """This chunk's keys (or values) from ``x`` ``(B, H_kv, S + 2 pad, F)``: ``(B, H, n, W, F)``.
+        ``sources`` keeps each ``key_source`` sequence for the whole pass (built once). With
+        grouped-query inputs each key head is repeated for its G query heads here, a chunk at a time."""
         views = self.group.views
         if views is not None:
             if views.key_source is not None:
@@ -150,7 +155,11 @@ class _Chunk:
                 if key not in sources:
                     sources[key] = views.key_source(x, self.pad)
                 x = sources[key]
-            return views.key_view(x, self.pad, self.start, self.stop)
+            y = views.key_view(x, self.pad, self.start, self.stop)
+            if y.shape[1] == self.H:
+                return y
+            B, Hkv = y.shape[:2]
+            return y.unsqueeze(2).expand(B, Hkv, self.H // Hkv, *y.shape[2:]).flatten(1, 2)
         B, F_ = x.shape[0], x.shape[-1]
         rows = x.reshape(-1, F_)  # index_select along dim 0 of a matrix: the fast gather on CPU
         flat = self.flat
@@ -196,8 +205,9 @@ def _padded(x: Tensor, front: int, back: int) -> Tensor:
 
 
 def _chunks(
-    group: Group, B: int, H: int, L: int, S: int, pad: int, key_padding_mask: Tensor | None, tile: int, views: bool
-):
+    group: Group, B: int, H: int, L: int, S: int, pad: int, key_padding_mask: Tensor | None, tile: int, views: bool,
+    groups: int = 1,
+):  # fmt: skip
     """The group's chunks of at most ``tile`` scores; with ``views``, a group read through views
     with one block's mask, whose chunks hold nothing but their output, of ``TUNING.blocksparse_view_tile``."""
     n, bq = group.queries.shape
@@ -206,7 +216,7 @@ def _chunks(
         tile = TUNING.blocksparse_view_tile
     per_chunk = max(1, tile // max(1, B * H * bq * W))
     for start in range(0, n, per_chunk):
-        yield _Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask)
+        yield _Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask, groups)
 
 
 def native_runs(queries: int, keys: int) -> bool:
@@ -316,7 +326,7 @@ def _forward(q, k, v, key_padding_mask, parts, scale, kernel, fused):
                 group_kernel = "fused" if fused else "eager"
             views = group_kernel != "eager"
             tile = TUNING.blocksparse_fused_tile if views else block_elements(TUNING.blocksparse_tile, q.device)
-            for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views=views):
+            for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views, H // k.shape[1]):
                 if group_kernel == "native" and _native_in_place(q_ext, kf, vf, sources, c, scale, out, lse, merge):
                     continue
                 o, chunk_lse = _chunk_forward(q_ext, kf, vf, sources, c, scale, group_kernel)
@@ -354,8 +364,9 @@ class _BlockSparse(torch.autograd.Function):
         g_ext, out_ext = grad.to(dtype), out.to(dtype)
         kf, vf = (_padded(x.to(dtype), pad, pad) for x in (k, v))  # (B, H, S + 2 pad, ·)
         grad_q = new_output((B, H, L + 1, D), work, q.device).zero_()
-        grad_k = new_output((B, H * (S + 2 * pad), D), work, q.device).zero_()
-        grad_v = new_output((B, H * (S + 2 * pad), Dv), work, q.device).zero_()
+        Hkv = k.shape[1]  # H / G with grouped-query inputs: their gradients sum over each group
+        grad_k = new_output((B, Hkv * (S + 2 * pad), D), work, q.device).zero_()
+        grad_v = new_output((B, Hkv * (S + 2 * pad), Dv), work, q.device).zero_()
         delta = None if ctx.fused else (g_ext * out_ext).sum(-1)  # (B, H, L): rowsum(dO ∘ O)
         sources: dict = {}
         for part in ctx.parts:
@@ -363,7 +374,7 @@ class _BlockSparse(torch.autograd.Function):
                 tile = TUNING.blocksparse_backward_tile
                 if not ctx.fused:
                     tile = block_elements(TUNING.blocksparse_tile, q.device)
-                for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, views=False):
+                for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, False, H // Hkv):
                     rows = c.queries
                     qc, gc = c.take(q_ext), c.take(g_ext, view=False)
                     kc, vc = c.gather(kf, sources), c.gather(vf, sources)
@@ -379,8 +390,8 @@ class _BlockSparse(torch.autograd.Function):
                     grad_k.index_add_(1, c.flat, dk.reshape(B, -1, D).to(work))
                     grad_v.index_add_(1, c.flat, dv.reshape(B, -1, Dv).to(work))
         grad_q = grad_q[:, :, :L].to(q.dtype)
-        grad_k = grad_k.view(B, H, S + 2 * pad, D)[:, :, pad : pad + S].to(k.dtype)
-        grad_v = grad_v.view(B, H, S + 2 * pad, Dv)[:, :, pad : pad + S].to(v.dtype)
+        grad_k = grad_k.view(B, Hkv, S + 2 * pad, D)[:, :, pad : pad + S].to(k.dtype)
+        grad_v = grad_v.view(B, Hkv, S + 2 * pad, Dv)[:, :, pad : pad + S].to(v.dtype)
         return grad_q, grad_k, grad_v, None, None, None, None, None
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from subquad._validate import AttentionShape, check_attention_inputs
+from subquad._validate import AttentionShape, check_attention_inputs, check_grouped_inputs
 from subquad.decoding import KVCache
 from subquad.masks import contract_mask, visible_queries
 from subquad.registry import Config, Mechanism, option
@@ -74,12 +74,8 @@ def full_attention(
         ``(B, H, L, Dv)``; zero rows for queries that see no key.
     """
     config = config or FullConfig()
-    groups = q.shape[1] // k.shape[1] if enable_gqa and q.dim() == k.dim() == 4 else 1
-    if groups > 1:  # checked as the H heads they serve (views: nothing is copied)
-        shape = check_attention_inputs(q, *(x[:, :1].expand(-1, q.shape[1], -1, -1) for x in (k, v)),
-                                       key_padding_mask, is_causal, scale)  # fmt: skip
-    else:
-        shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
+    shape = check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
+    groups = q.shape[1] // k.shape[1]
     if attn_mask is not None:
         attn_mask = _check_attn_mask(attn_mask, shape, q)
     if attn_mask is None and key_padding_mask is None and (not is_causal or shape.queries == shape.keys):

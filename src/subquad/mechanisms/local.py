@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from subquad._validate import check_attention_inputs
+from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
 from subquad.kernels import native as _native
 from subquad.kernels.blocksparse import block_sparse_attention
@@ -83,6 +83,7 @@ def local_attention(
     scale: float | None = None,
     config: LocalConfig | None = None,
     state: nn.Module | None = None,
+    enable_gqa: bool = False,
 ) -> Tensor:
     """Sliding-window softmax attention.
 
@@ -93,12 +94,13 @@ def local_attention(
             otherwise ``|j - (i + S - L)| < window``.
         scale: softmax scale, default ``D ** -0.5``.
         config: ``LocalConfig``.
+        enable_gqa: k and v may have a divisor of q's heads (grouped-query), read in place.
 
     Returns:
         ``(B, H, L, Dv)``; zero rows for queries whose window holds no real key.
     """
     config = config or LocalConfig()
-    shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
+    shape = check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
     L, S = shape.queries, shape.keys
     w = min(config.window, L + S)  # a wider window sees no more keys: the same result, bounded work
     offset = S - L
@@ -143,5 +145,6 @@ MECHANISM = Mechanism(
     causal=True,
     cross=True,
     decoder=WindowCache,
+    gqa=True,
     examples=({}, {"window": 5}, {"window": 3, "kernel": "eager"}, {"window": 9, "kernel": "native"}),
 )

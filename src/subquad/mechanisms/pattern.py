@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from subquad._validate import AttentionShape, check_attention_inputs
+from subquad._validate import AttentionShape, check_grouped_inputs
 from subquad.kernels.blocksparse import block_sparse_attention
 from subquad.kernels.layouts import Group
 from subquad.kernels.tuning import TUNING, block_elements
@@ -187,6 +187,7 @@ def pattern_attention(
     config: PatternConfig | None = None,
     state: None = None,
     mask_mod: MaskMod | None = None,
+    enable_gqa: bool = False,
 ) -> Tensor:
     """Softmax attention under any ``mask_mod``, computed on its non-empty blocks only.
 
@@ -198,12 +199,13 @@ def pattern_attention(
         config: ``PatternConfig``: the named pattern and the block length.
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` on broadcastable index tensors; replaces
             the named pattern. ``h`` is the layer head ``head_offset + h``.
+        enable_gqa: k and v may have a divisor of q's heads (grouped-query), read in place.
 
     Returns:
         ``(B, H, L, Dv)``; zero rows for queries that see no key.
     """
     config = config or PatternConfig()
-    shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
+    shape = check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
     if mask_mod is not None and not callable(mask_mod):
         raise ValueError(
             f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool tensor, got {type(mask_mod).__name__}"
@@ -223,5 +225,6 @@ MECHANISM = Mechanism(
     summary="any mask_mod (named, or passed as mask_mod=), block-sparse with autograd",
     paper="mask_mod(b, h, q_idx, kv_idx) patterns, as in FlexAttention",
     tensor_args=("mask_mod",),
+    gqa=True,
     examples=({}, {"window": 4, "block": 4}, {"window": 3, "dilation": 2, "global_tokens": 1, "block": 5}),
 )

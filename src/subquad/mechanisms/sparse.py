@@ -55,7 +55,7 @@ import functools
 import torch
 from torch import Tensor
 
-from subquad._validate import AttentionShape, check_attention_inputs
+from subquad._validate import AttentionShape, check_grouped_inputs
 from subquad.decoding import KVCache
 from subquad.kernels import native as _native
 from subquad.kernels.blocksparse import block_sparse_attention, native_runs
@@ -180,9 +180,10 @@ def _summary_groups(config: SparseConfig, shape: AttentionShape, causal: bool, d
     summary_block = torch.arange(blocks * c, device=device) // c
 
     def key_source(x: Tensor, pad: int) -> Tensor:
-        B, _, N, F_ = x.shape
-        rows = (torch.arange(H, device=device)[:, None] * N + pad + summary.clamp(max=S - 1)).flatten()
-        return x.reshape(B, H * N, F_).index_select(1, rows).view(B, H, -1, F_)  # (B, H, blocks·c, F)
+        B, Hkv, N, F_ = x.shape  # Hkv = H / G with grouped-query inputs: head h reads key head h // G
+        heads = torch.arange(H, device=device)[:, None] // (H // Hkv)
+        rows = (heads * N + pad + summary.clamp(max=S - 1)).flatten()
+        return x.reshape(B, Hkv * N, F_).index_select(1, rows).view(B, H, -1, F_)  # (B, H, blocks·c, F)
 
     groups = []
     for first, last in _summary_spans(
@@ -299,6 +300,7 @@ def sparse_attention(
     scale: float | None = None,
     config: SparseConfig | None = None,
     state: None = None,
+    enable_gqa: bool = False,
 ) -> Tensor:
     """Sparse Transformer attention: strided (local, column or merged) or fixed, block-sparse.
 
@@ -309,12 +311,13 @@ def sparse_attention(
         is_causal: the causal form of the pattern (``j ≤ p``).
         scale: softmax scale, default ``D ** -0.5``.
         config: ``SparseConfig``.
+        enable_gqa: k and v may have a divisor of q's heads (grouped-query), read in place.
 
     Returns:
         ``(B, H, L, Dv)``; zero rows for queries that see no key.
     """
     config = config or SparseConfig()
-    shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
+    shape = check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
     if shape.queries > shape.keys:
         raise ValueError(
             f"sparse places query i at key position i + S - L, so it needs L <= S, got L={shape.queries} and "
@@ -332,6 +335,7 @@ MECHANISM = Mechanism(
     summary="Sparse Transformer strided (local/column/merged) and fixed patterns, block-sparse",
     paper="Child et al. 2019, Generating Long Sequences with Sparse Transformers, §4.2",
     decoder=KVCache,  # exact: the causal pattern of position p reads only keys <= p
+    gqa=True,
     longer_queries=False,
     examples=(
         {},
