@@ -55,6 +55,7 @@ PLUGIN_GROUP = "subquad.mechanisms"
 _BUILTIN_MODULES = (
     "subquad.mechanisms.full",
     "subquad.mechanisms.clustered",
+    "subquad.mechanisms.improved_clustered",
     "subquad.mechanisms.linear",
     "subquad.mechanisms.agglomerative",
     "subquad.mechanisms.local",

@@ -12,12 +12,11 @@ from subquad.kernels.tuning import TUNING
 from subquad.mechanisms.clustered import (
     ClusteredConfig,
     ClusteredState,
-    ImprovedClusteredConfig,
     cluster_queries,
     clustered_attention,
-    improved_clustered_attention,
 )
 from subquad.mechanisms.full import attention_weights, full_attention
+from subquad.mechanisms.improved_clustered import ImprovedClusteredConfig, improved_clustered_attention
 from subquad.ops import clustering
 
 from ..conftest import padding, qkv, randn

@@ -1,19 +1,10 @@
-"""Clustered and improved-clustered attention (Vyas, Katharopoulos & Fleuret 2020).
+"""Clustered attention (Vyas, Katharopoulos & Fleuret 2020); its improved form builds on it
+(``mechanisms.improved_clustered``).
 
 **Clustered** (§3.2, eq. 3–6). The L queries of each (batch, head) are grouped into C clusters;
 each cluster's centroid is the mean of its queries, ``Q^c_j = Σ_{i∈j} Q_i / |j|`` (eq. 3). The
 centroids attend once, ``A^c = softmax(Q^c Kᵀ · scale)`` (C × S, eq. 4), ``V^c = A^c V`` (eq. 5),
 and every query takes its cluster's row, ``V̂_i = V^c_{c(i)}`` (eq. 6). Cost O(L·C·D + C·S·D).
-
-**Improved clustered** (§3.3, eq. 9–10). Per cluster, the top-k keys of ``A^c_j`` are re-scored
-exactly for each of its queries and rescaled to the mass ``m̂_j`` the centroid gave them; every
-other key keeps the centroid's weight:
-
-    A^t_il = m̂_j · exp(q_i·k_l·s) / Σ_{r∈T_j} exp(q_i·k_r·s)   if l ∈ T_j     (eq. 9)
-    A^t_il = A^c_jl                                           otherwise
-
-so ``V̂_i = (V^c_j − Σ_{l∈T_j} A^c_jl v_l) + m̂_j Σ_{l∈T_j} softmax_T(q_i·k·s)_l v_l`` (eq. 10).
-Proposition 2: ``‖A^t_i − A_i‖₁ ≤ ‖A^c_j − A_i‖₁`` for every query. Extra cost O(L·k·D).
 
 **Grouping.** The paper (§3.2.2) hashes the queries with B sign-of-random-projection bits and runs
 Lloyd's k-means in Hamming space: the assignment step takes the centroid code with the fewest
@@ -61,6 +52,7 @@ sequence), so ``is_causal=True`` raises and names the mechanisms that have one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,10 +68,8 @@ from subquad.registry import Config, Mechanism, no_causal_form, option
 __all__ = [
     "ClusteredConfig",
     "ClusteredState",
-    "ImprovedClusteredConfig",
     "cluster_queries",
     "clustered_attention",
-    "improved_clustered_attention",
 ]
 
 
@@ -100,12 +90,6 @@ class ClusteredConfig(Config):
     fit_per_cluster: int = option(
         8, "fit the centroids on a seeded sample of this many queries per cluster, then assign all; 0: all", ge=0
     )
-
-
-@dataclass(frozen=True)
-class ImprovedClusteredConfig(ClusteredConfig):
-    mechanism = "improved-clustered"
-    topk: int = option(32, "keys per cluster re-scored exactly for each query; clamped to S", ge=1)
 
 
 class ClusteredState(nn.Module):
@@ -214,63 +198,6 @@ def _masked_softmax(scores: Tensor, real: Tensor | None) -> Tensor:
     return torch.softmax(scores, dim=-1) * real
 
 
-def _rescore_topk(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    assign: Tensor,
-    probs: Tensor,
-    centroid_out: Tensor,
-    key_real: Tensor | None,
-    topk: int,
-    scale: float,
-) -> Tensor:
-    """Improved-clustered output (eq. 9–10) for G rows: ``(G, L, Dv)``.
-
-    For query i of cluster j: ``V^c_j + Σ_{l∈T_j} (m̂_j · softmax_T(q_i·k·s)_l − A^c_jl) v_l``, which
-    is eq. 10 with the centroid's weights on its top-k keys swapped for the re-scored ones.
-    """
-    G, L, D = q.shape
-    S, Dv = k.shape[1], v.shape[2]
-    C = probs.shape[1]
-    device = q.device
-    top_probs, top_idx = probs.topk(min(topk, S), dim=-1)  # (G, C, k)
-    kk = top_idx.shape[-1]
-    top_rows = (top_idx + (torch.arange(G, device=device) * S).view(G, 1, 1)).view(G * C, kk)  # into (G·S)
-    mass = top_probs.sum(-1).view(G * C, 1, 1)  # m̂_j
-
-    # Sort the queries by cluster and cut each cluster into tiles of at most `tile` queries.
-    cluster = (assign + (torch.arange(G, device=device) * C).unsqueeze(-1)).view(-1)  # (G·L,) in [0, G·C)
-    order = torch.sort(cluster, stable=True).indices
-    counts = torch.bincount(cluster, minlength=G * C)
-    tile = TUNING.clustered_tile
-    starts = torch.cumsum(counts, 0) - counts
-    tiles = (counts + tile - 1) // tile
-    tile_cluster = torch.repeat_interleave(torch.arange(G * C, device=device), tiles)  # (T,)
-    first_tile = torch.cumsum(tiles, 0) - tiles
-    rank = torch.arange(tile_cluster.numel(), device=device) - first_tile[tile_cluster]
-    pos = (starts[tile_cluster] + rank * tile).unsqueeze(-1) + torch.arange(tile, device=device)  # (T, tile)
-    rows = order.index_select(0, pos.clamp_max(G * L - 1).view(-1))  # query per tile slot, into (G·L)
-    T = tile_cluster.numel()
-    # Where each query's row lands among the tile slots (the inverse of `rows` on the valid slots).
-    sorted_cluster = cluster.index_select(0, order)
-    sorted_slot = first_tile[sorted_cluster] * tile + torch.arange(G * L, device=device) - starts[sorted_cluster]
-    slot = torch.empty_like(sorted_slot).scatter_(0, order, sorted_slot)
-
-    key_rows = top_rows.index_select(0, tile_cluster).view(-1)  # (T·k,)
-    q_tile = q.reshape(G * L, D).index_select(0, rows).view(T, tile, D)
-    k_tile = k.reshape(G * S, D).index_select(0, key_rows).view(T, kk, D)
-    v_tile = v.reshape(G * S, Dv).index_select(0, key_rows).view(T, kk, Dv)
-    scores = torch.bmm(q_tile, k_tile.transpose(1, 2)).mul_(scale)  # (T, tile, k)
-    top_real = None
-    if key_real is not None:
-        top_real = key_real.reshape(G * S).index_select(0, key_rows).view(T, 1, kk)
-    exact = _masked_softmax(scores, top_real) * mass.index_select(0, tile_cluster)
-    swap = exact - top_probs.view(G * C, 1, kk).index_select(0, tile_cluster)
-    correction = torch.bmm(swap, v_tile).view(T * tile, Dv).index_select(0, slot)  # (G·L, Dv)
-    return (centroid_out.view(G * C, Dv).index_select(0, cluster) + correction).view(G, L, Dv)
-
-
 def _clustered(
     q: Tensor,
     k: Tensor,
@@ -281,14 +208,10 @@ def _clustered(
     config: ClusteredConfig,
     state: nn.Module | None,
     query_padding_mask: Tensor | None,
-    improved: bool,
+    rescore: Rescore | None = None,
 ) -> Tensor:
-    want = ImprovedClusteredConfig if improved else ClusteredConfig
-    if type(config) is not want:
-        raise ValueError(
-            f"{want.mechanism} needs a {want.__name__}, got {type(config).__name__}; "
-            "clustered and improved-clustered each take their own config"
-        )
+    """Clustered attention of every (batch, head) row, in groups of rows; ``rescore`` replaces
+    each query's centroid output (eq. 6) with its own (improved-clustered's eq. 10)."""
     shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
     if is_causal:
         raise ValueError(no_causal_form(config.mechanism))
@@ -302,7 +225,7 @@ def _clustered(
     key_real = None if key_padding_mask is None else key_padding_mask.repeat_interleave(H, dim=0)  # (BH, S)
     query_real = None if query_padding_mask is None else query_padding_mask.repeat_interleave(H, dim=0)
     heads = torch.arange(H, device=q.device).repeat(B)
-    group = _rows_per_group(shape, C, config.topk if improved else None, q.device)
+    group = _rows_per_group(shape, C, getattr(config, "topk", None), q.device)
     result = BlockOutput((rows, L, Dv), 0, q, tracks_grad(q, k, v))
     # split, not slices: one backward node for all groups (each slice's backward fills a full-size zero)
     for r, qg, kg, vg in zip(range(0, rows, group), qf.split(group), kf.split(group), vf.split(group)):
@@ -320,8 +243,8 @@ def _clustered(
         kr = None if key_real is None else key_real[sl].unsqueeze(1)  # (G, 1, S)
         probs = _masked_softmax(torch.bmm(centroids * shape.scale, kg.transpose(1, 2)), kr)  # A^c, eq. 4
         centroid_out = torch.bmm(probs, vg)  # V^c, eq. 5
-        if improved:
-            out = _rescore_topk(qg, kg, vg, assign, probs, centroid_out, kr, config.topk, shape.scale)
+        if rescore is not None:
+            out = rescore(qg, kg, vg, assign, probs, centroid_out, kr, shape.scale)
         else:
             index = (assign + (torch.arange(G, device=q.device) * C).unsqueeze(-1)).view(-1)
             out = centroid_out.view(G * C, Dv).index_select(0, index).view(G, L, Dv)  # eq. 6
@@ -371,35 +294,24 @@ def clustered_attention(
         ``(B, H, L, Dv)``.
     """
     config = config or ClusteredConfig()
-    return _clustered(q, k, v, key_padding_mask, is_causal, scale, config, state, query_padding_mask, False)
+    if type(config) is not ClusteredConfig:
+        raise ValueError(
+            f"clustered needs a ClusteredConfig, got {type(config).__name__}; clustered and improved-clustered "
+            "each take their own config"
+        )
+    return _clustered(q, k, v, key_padding_mask, is_causal, scale, config, state, query_padding_mask)
 
 
-def improved_clustered_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    key_padding_mask: Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    config: ImprovedClusteredConfig | None = None,
-    state: nn.Module | None = None,
-    query_padding_mask: Tensor | None = None,
-) -> Tensor:
-    """Improved clustered attention (eq. 9–10): clustered, plus exact re-scoring of each cluster's
-    top-k keys for each of its queries. Arguments as ``clustered_attention``."""
-    config = config or ImprovedClusteredConfig()
-    return _clustered(q, k, v, key_padding_mask, is_causal, scale, config, state, query_padding_mask, True)
-
-
-_PAPER = "Vyas, Katharopoulos & Fleuret 2020, Fast Transformers with Clustered Attention"
+PAPER = "Vyas, Katharopoulos & Fleuret 2020, Fast Transformers with Clustered Attention"
+# improved-clustered's step after the centroids: (q, k, v, assign, A^c, V^c, key_real, scale) -> (G, L, Dv)
+Rescore = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, float], Tensor]
 
 CLUSTERED = Mechanism(
     name="clustered",
     fn=clustered_attention,
     config=ClusteredConfig,
     summary="queries grouped by k-means (or LSH + Hamming k-means); one softmax per centroid, broadcast back",
-    paper=f"{_PAPER}, §3.2 eq. 3-6",
+    paper=f"{PAPER}, §3.2 eq. 3-6",
     causal=False,
     tensor_args=("query_padding_mask",),
     groups_queries=True,
@@ -412,17 +324,4 @@ CLUSTERED = Mechanism(
     ),
 )
 
-IMPROVED_CLUSTERED = Mechanism(
-    name="improved-clustered",
-    fn=improved_clustered_attention,
-    config=ImprovedClusteredConfig,
-    summary="clustered, plus exact re-scoring of each cluster's top-k keys for every query",
-    paper=f"{_PAPER}, §3.3 eq. 9-10",
-    causal=False,
-    tensor_args=("query_padding_mask",),
-    groups_queries=True,
-    state=ClusteredState,
-    examples=({}, {"clusters": 3, "topk": 4}, {"clusters": 2, "kmeans": "hamming", "bits": 8, "topk": 2}),
-)
-
-MECHANISMS = (CLUSTERED, IMPROVED_CLUSTERED)
+MECHANISM = CLUSTERED
