@@ -22,7 +22,7 @@ S rather than as a ones column: (D × Dv+1) products run a quarter slower than (
 Its backward is the same product run forwards in time (for ∂q) and backwards in time (for ∂k,
 ∂v), recomputing φ per block: only q, k, v, the output and the denominators are saved. With
 L ≠ S the queries are the last L positions of the keys (bottom-right alignment): keys before them
-enter as the initial state. ``causal_dot`` exposes the bare product,
+enter as the initial state. ``subquad.ops.scan.causal_dot`` is the bare product,
 differentiable, for mechanisms built on it.
 
 **Decoding.** ``LinearDecoder`` carries S and the normaliser per head (O(D·Dv), whatever the prefix

@@ -16,7 +16,7 @@ stride (block length) ``l``, as in the authors' released code (§4.2, Fig. 3):
 **Head index.** ``h`` is the head's index in its layer: a ``HeadGroup`` whose heads start at layer
 head 4 passes ``head_offset=4``, so head h of the call uses summary group ``(4 + h) mod nv``.
 
-**Block-sparse computation** (``_blocksparse``): each pattern is a union of disjoint parts, each
+**Block-sparse computation** (``kernels.blocksparse``): each pattern is a union of disjoint parts, each
 computed block by block and merged by log-sum-exp. No (N × N) tensor exists and the blocks outside
 a part are never touched, so the causal upper triangle is never computed. Layouts are built from the
 patterns' geometry (cached per shape); their element masks are the mask_mods above, and tests check
