@@ -58,7 +58,44 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_bench_arguments(bench)
     bench.set_defaults(run=_run_bench)
+
+    train = commands.add_parser(
+        "train",
+        help="train a byte-level language model on a text file, with checkpoints and --resume",
+        description="Train a causal byte-level language model of any mechanism on a text file. Metrics go "
+        "to OUT/metrics.jsonl, checkpoints to OUT/checkpoints; --resume continues a run exactly.",
+    )
+    _add_train_arguments(train)
+    train.set_defaults(run=_run_train)
     return parser
+
+
+# --------------------------------------------------------------------------------------------- train
+
+
+def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """A flag per `TrainConfig` field, and ``--resume``."""
+    from subquad.train.loop import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    for f in fields(TrainConfig):
+        flag = f"--{f.name.replace('_', '-')}"
+        if typing.get_origin(hints[f.name]) is tuple:  # name=value items
+            meta = f.metadata
+            parser.add_argument(flag, nargs="*", default=[], metavar=meta["metavar"], help=meta["help"])
+        else:
+            parser.add_argument(flag, **_setting_flag(f, hints[f.name]))
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from subquad.train.loop import TrainConfig, train
+
+    hints = typing.get_type_hints(TrainConfig)
+    values = {f.name: _setting_value(f, hints[f.name], args) for f in fields(TrainConfig)}
+    summary = train(TrainConfig(**values), resume=args.resume)
+    print(json.dumps(summary))
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- list
@@ -195,7 +232,7 @@ def _setting_value(f: Field, tp: Any, args: argparse.Namespace) -> Any:
     value, choices = getattr(args, f.name), f.metadata["choices"]
     if isinstance(choices, Mapping):
         return choices[value]
-    return tuple(value) if typing.get_origin(tp) is Sequence else value
+    return tuple(value) if typing.get_origin(tp) in (Sequence, tuple) else value
 
 
 def _option_parser(tp: Any) -> tuple[Callable[[str], Any], str]:

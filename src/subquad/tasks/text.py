@@ -4,10 +4,10 @@ The file is memory-mapped, never read whole, so a corpus of several GB trains in
 memory. A gzip file (``.gz``, or dictzip ``.dz`` such as Debian's ``dict-gcide``) is decompressed
 once into the cache (``$SUBQUAD_CACHE``, default ``~/.cache/subquad``), then mapped.
 
-**Splits.** The file is cut into blocks of ``block`` bytes; a seeded permutation gives each block to
-train, validation or test in the given fractions, so every split samples the whole file (a
-dictionary sorted A to Z would otherwise validate on Z alone). Adjacent blocks of one split join
-into runs; a window never crosses from one run into another.
+**Splits.** The file is cut into blocks of ``block`` bytes (a hundredth of it by default); a
+seeded permutation gives each block to train, validation or test in the given fractions, so every
+split samples the whole file (a dictionary sorted A to Z would otherwise validate on Z alone).
+Adjacent blocks of one split join into runs; a window never crosses from one run into another.
 
 **Batches** are a pure function of (seed, step): training windows are drawn at random offsets by a
 generator seeded with both, so a resumed run draws the batches the first run would have, and the
@@ -90,7 +90,8 @@ class ByteCorpus:
         path: the file; gzip input is decompressed into the cache once.
         seq_len: bytes a model sees per window (a window holds ``seq_len + 1``: inputs and targets).
         fractions: of the blocks given to train, val and test.
-        block: bytes per block of the split; at least ``seq_len + 1``.
+        block: bytes per block of the split, at least ``seq_len + 1``; by default a hundredth of
+            the file (at most 1 MiB, at least one window), so every split gets several blocks.
         seed: seeds the split and the training windows.
     """
 
@@ -99,12 +100,14 @@ class ByteCorpus:
         path: str | os.PathLike,
         seq_len: int,
         fractions: tuple[float, float, float] = (0.9, 0.05, 0.05),
-        block: int = 1 << 20,
+        block: int | None = None,
         seed: int = 0,
     ) -> None:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no text file at {path}; {GCIDE_HINT}")
+        if block is None:
+            block = max(seq_len + 1, min(1 << 20, path.stat().st_size // 100))
         if seq_len < 1 or block < seq_len + 1:
             raise ValueError(f"need 1 <= seq_len < block, got seq_len={seq_len}, block={block}")
         if len(fractions) != 3 or min(fractions) < 0 or not math.isclose(sum(fractions), 1.0):

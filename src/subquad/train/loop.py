@@ -1,0 +1,268 @@
+"""``subquad train``: a byte-level language model trained on a file, with checkpoints and exact resume.
+
+AdamW with linear warm-up and cosine decay, gradient clipping and accumulation; auxiliary losses
+(routing's commitment) collected through ``subquad.hooks`` and added; bf16 autocast as an option;
+evaluation in bits per byte every ``eval_every`` steps. The run folder holds ``config.json``,
+``metrics.jsonl`` (a line per step and per evaluation, flushed as written), ``checkpoints/`` and, at
+the end, ``summary.json`` and ``curve.png``. Batches are a function of (seed, step), and a checkpoint holds every
+RNG, so ``resume=True`` after a kill at any moment ends with the weights of the run that was
+never killed, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from subquad import hooks
+from subquad.bench.runner import setting
+from subquad.nn import CausalLM, HeadGroup
+from subquad.registry import get_mechanism, make_config
+from subquad.tasks.text import ByteCorpus, bits_per_byte
+from subquad.train import checkpoint
+
+__all__ = ["TrainConfig", "plot_curve", "train"]
+
+_YES_NO = {"yes": True, "no": False}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run; ``subquad train``'s flags and defaults come from here."""
+
+    data: str = setting("", "the text file to train on (plain, .gz or dictzip .dz)", metavar="PATH")
+    out: str = setting("subquad-run", "the run folder: config, metrics, checkpoints, summary", metavar="DIR")
+    attention: str = setting("full", "the mechanism of every layer (subquad list)", metavar="NAME")
+    options: tuple[str, ...] = setting((), "the mechanism's options as name=value", metavar="NAME=VALUE")
+    seq_len: int = setting(256, "bytes per training window")
+    dim: int = setting(128, "model width")
+    depth: int = setting(4, "layers")
+    heads: int = setting(4, "attention heads per layer")
+    dropout: float = setting(0.0, "dropout in the blocks")
+    steps: int = setting(1000, "optimizer steps")
+    batch: int = setting(16, "windows per step (the global batch)")
+    accumulate: int = setting(1, "micro-batches per step (the batch is split between them)")
+    lr: float = setting(3e-4, "peak learning rate")
+    warmup: int = setting(100, "linear warm-up steps, then cosine decay to min_lr")
+    min_lr: float = setting(3e-5, "learning rate at the end of the cosine")
+    weight_decay: float = setting(0.01, "AdamW weight decay")
+    clip: float = setting(1.0, "gradient norm clipping (0: none)")
+    eval_every: int = setting(100, "steps between evaluations")
+    eval_windows: int = setting(64, "validation windows per evaluation")
+    checkpoint_every: int = setting(100, "steps between checkpoints")
+    keep: int = setting(3, "checkpoints kept")
+    seed: int = setting(0, "seeds the split, the batches, the weights and dropout")
+    bf16: bool = setting(False, "bf16 autocast", choices=_YES_NO)
+    grad_checkpoint: bool = setting(False, "recompute block activations in the backward pass", choices=_YES_NO)
+
+    def __post_init__(self) -> None:
+        positive = ("seq_len", "dim", "depth", "heads", "steps", "batch", "accumulate", "eval_every",
+                    "eval_windows", "checkpoint_every", "keep")  # fmt: skip
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch % self.accumulate:
+            raise ValueError(f"batch {self.batch} must split into accumulate={self.accumulate} equal micro-batches")
+        if self.dim % self.heads:
+            raise ValueError(f"dim {self.dim} must divide between heads={self.heads}")
+        if not self.data:
+            raise ValueError("pass --data PATH: the text file to train on")
+        if not 0 <= self.dropout < 1 or self.lr <= 0 or self.min_lr < 0 or self.warmup < 0 or self.clip < 0:
+            raise ValueError("need 0 <= dropout < 1, lr > 0, min_lr >= 0, warmup >= 0 and clip >= 0")
+        make_config(get_mechanism(self.attention), **self.attention_options())  # an unknown one raises now
+
+    def attention_options(self) -> dict[str, Any]:
+        """``options`` parsed: numbers and true/false as such, the rest as strings."""
+        parsed = {}
+        for item in self.options:
+            name, sep, text = item.partition("=")
+            if not sep or not name:
+                raise ValueError(f"an attention option is name=value, got {item!r}")
+            parsed[name] = _value(text)
+        return parsed
+
+
+def _value(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return tuple(_value(t) for t in text.split(",")) if "," in text else text
+
+
+def _schedule(config: TrainConfig):
+    def factor(step: int) -> float:
+        if step < config.warmup:
+            return (step + 1) / config.warmup
+        progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+        floor = config.min_lr / config.lr
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _model(config: TrainConfig) -> nn.Module:
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    position = "conv" if config.attention == "agglomerative" else "learned"  # Spellings (2019)'s input
+    return CausalLM(
+        256, config.dim, config.depth, config.heads,
+        attention=HeadGroup(config.attention, **config.attention_options()), max_len=config.seq_len,
+        dropout=config.dropout, seed=config.seed, position=position, checkpoint=config.grad_checkpoint,
+    )  # fmt: skip
+
+
+def _evaluate(model: nn.Module, corpus: ByteCorpus, config: TrainConfig) -> float:
+    model.eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for tokens in corpus.eval_batches("val", config.batch, config.eval_windows):
+            total += model.loss(tokens).item() * tokens.shape[0]
+            count += tokens.shape[0]
+    model.train()
+    return bits_per_byte(total / count)
+
+
+def _start(config: TrainConfig, resume: bool) -> tuple[Path, Path | None]:
+    """The run folder, checked against ``config``, and the checkpoint to resume from."""
+    out = Path(config.out)
+    saved = out / "config.json"
+    if saved.exists():
+        if not resume:
+            raise ValueError(f"{out} already holds a run; pass --resume to continue it, or choose another --out")
+        before = json.loads(saved.read_text())
+        changed = {k: (before.get(k), v) for k, v in _jsonable(config).items() if before.get(k) != v and k != "steps"}
+        if changed:
+            raise ValueError(f"--resume needs the run's config; these differ (run, now): {changed}")
+    out.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(_jsonable(config), indent=2))
+    return out, checkpoint.latest(out / "checkpoints") if resume else None
+
+
+def _jsonable(config: TrainConfig) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}
+
+
+class _Log:
+    """``metrics.jsonl``: on resume, lines past the checkpoint's step are dropped (they are redone)."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        kept = []
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+        self.file = path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+
+def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train (or resume) the run of ``config``; returns the summary it writes."""
+    corpus = ByteCorpus(config.data, config.seq_len, seed=config.seed)  # bad data fails before the run exists
+    out, last = _start(config, resume)
+    model = _model(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
+    step = 0
+    if last is not None:
+        state = checkpoint.load(last, model)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"])
+        step = state["step"]
+    log, best = _Log(out / "metrics.jsonl", step), math.inf
+    started, first = time.perf_counter(), step
+    while step < config.steps:
+        loss, seconds = _step(model, optimizer, scheduler, corpus, config, step)
+        step += 1
+        log.write({"step": step, "loss_bpb": bits_per_byte(loss), "lr": scheduler.get_last_lr()[0],
+                   "tokens_per_s": config.batch * config.seq_len / seconds})  # fmt: skip
+        if step % config.eval_every == 0 or step == config.steps:
+            val = _evaluate(model, corpus, config)
+            best = min(best, val)
+            log.write({"step": step, "val_bpb": val})
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            state = {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "rng": checkpoint.rng_state(),
+            }
+            checkpoint.save(out / "checkpoints", step, model, state, config.keep)
+        if progress:
+            _report(step, config, bits_per_byte(loss), best, started, first)
+    summary = {"steps": step, "seconds": time.perf_counter() - started, "best_val_bpb": best}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_curve(out / "metrics.jsonl", out / "curve.png", title=f"{config.attention}, N = {config.seq_len}")
+    return summary
+
+
+def _report(step: int, config: TrainConfig, loss: float, best: float, started: float, first: int) -> None:
+    """A progress line to stderr, about a hundred per run: loss, best validation, tokens/s, ETA."""
+    if step % max(1, config.steps // 100) and step != config.steps:
+        return
+    elapsed = time.perf_counter() - started
+    rate = (step - first) / elapsed if elapsed > 0 else 0.0
+    eta = (config.steps - step) / rate if rate else 0.0
+    val = f"  val {best:.3f}" if best < math.inf else ""
+    tokens = rate * config.batch * config.seq_len
+    print(f"step {step}/{config.steps}  loss {loss:.3f} bpb{val}  {tokens:,.0f} tok/s  ETA {eta:,.0f} s",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+def plot_curve(metrics: Path, png: Path, title: str = "") -> Path | None:
+    """Training and validation bits per byte against the step, from ``metrics.jsonl``; None without
+    matplotlib (``pip install 'subquad[train]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    train_points = [(r["step"], r["loss_bpb"]) for r in records if "loss_bpb" in r]
+    val_points = [(r["step"], r["val_bpb"]) for r in records if "val_bpb" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if train_points:
+        ax.plot(*zip(*train_points), lw=0.8, alpha=0.7, label="train")
+    if val_points:
+        ax.plot(*zip(*val_points), "o-", label="validation")
+    ax.set(xlabel="step", ylabel="bits per byte", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def _step(model, optimizer, scheduler, corpus: ByteCorpus, config: TrainConfig, step: int) -> tuple[float, float]:
+    """One optimizer step on the global batch of ``step``; returns its mean loss (nats) and seconds."""
+    t = time.perf_counter()
+    tokens = corpus.train_batch(step, config.batch)
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for micro in tokens.split(config.batch // config.accumulate):
+        with hooks.auxiliary_losses() as aux, torch.autocast("cpu", torch.bfloat16, enabled=config.bf16):
+            loss = model.loss(micro)
+            objective = loss + sum(aux) if aux else loss
+        (objective / config.accumulate).backward()
+        total += loss.item() / config.accumulate
+    if config.clip:
+        nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+    optimizer.step()
+    scheduler.step()
+    return total, time.perf_counter() - t

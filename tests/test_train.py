@@ -1,0 +1,109 @@
+"""``subquad train``: a run killed with SIGKILL and resumed ends with the weights of one never killed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from subquad.train.loop import TrainConfig, train
+
+ROOT = Path(__file__).parent.parent
+SMALL = ["--seq-len", "32", "--dim", "32", "--depth", "2", "--heads", "2", "--batch", "4", "--warmup", "5",
+         "--eval-every", "50", "--eval-windows", "4", "--checkpoint-every", "5", "--dropout", "0.1"]  # fmt: skip
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    text = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}." for i in range(400))
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    return path
+
+
+def _command(corpus, out, steps, *extra):
+    return [sys.executable, "-m", "subquad", "train", "--data", str(corpus), "--out", str(out),
+            "--steps", str(steps), *SMALL, *extra]  # fmt: skip
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _final_weights(out):
+    (last,) = sorted((out / "checkpoints").glob("step-*"))[-1:]
+    return load_file(str(last / "model.safetensors"))
+
+
+def test_resume_after_sigkill_is_bit_identical(corpus, tmp_path):
+    steps = 200
+    whole = subprocess.run(_command(corpus, tmp_path / "whole", steps), env=_env(), capture_output=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr.decode()[-2000:]
+    killed = subprocess.Popen(_command(corpus, tmp_path / "killed", steps), env=_env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 120
+    while not list(checkpoints.glob("step-*/state.pt")) and time.time() < deadline:
+        time.sleep(0.01)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "killed" / "summary.json").exists(), "the run ended before it could be killed"
+    resumed = subprocess.run(_command(corpus, tmp_path / "killed", steps, "--resume"), env=_env(), capture_output=True,
+                             timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
+    a, b = _final_weights(tmp_path / "whole"), _final_weights(tmp_path / "killed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    lines = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in lines if "loss_bpb" in r]
+    assert train_steps == list(range(1, steps + 1))  # every step logged once, none lost or doubled
+    first = [r["loss_bpb"] for r in map(json.loads, (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines())
+             if "loss_bpb" in r]  # fmt: skip
+    assert [r["loss_bpb"] for r in lines if "loss_bpb" in r] == first
+
+
+def test_the_same_config_gives_the_same_numbers_and_learns(corpus, tmp_path):
+    config = dict(data=str(corpus), seq_len=32, dim=32, depth=2, heads=2, batch=8, steps=60, warmup=5,
+                  eval_every=30, eval_windows=8, checkpoint_every=30, lr=3e-3)  # fmt: skip
+    a = train(TrainConfig(out=str(tmp_path / "a"), **config), progress=False)
+    b = train(TrainConfig(out=str(tmp_path / "b"), **config), progress=False)
+    assert a["best_val_bpb"] == b["best_val_bpb"]
+    first = json.loads((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()[0])["loss_bpb"]
+    assert a["best_val_bpb"] < first - 2  # it learns: 8 bits of a uniform guess down to the text's bytes
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"attention": "nope"}, "unknown mechanism 'nope'"),
+        ({"attention": "local", "options": ("window=0",)}, "local option window must be >= 1, got 0"),
+        ({"attention": "local", "options": ("window",)}, "an attention option is name=value, got 'window'"),
+        ({"batch": 6, "accumulate": 4}, "batch 6 must split into accumulate=4 equal micro-batches"),
+        ({"dim": 30, "heads": 4}, "dim 30 must divide between heads=4"),
+        ({"data": ""}, "pass --data PATH"),
+    ],
+)
+def test_bad_configs_are_refused(corpus, options, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{"data": str(corpus), **options})
+
+
+def test_bad_runs_are_refused(corpus, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no text file at .*missing.txt"):
+        train(TrainConfig(data=str(tmp_path / "missing.txt"), out=str(tmp_path / "r")), progress=False)
+    assert not (tmp_path / "r").exists()  # a failed start leaves no run behind
+    config = TrainConfig(data=str(corpus), out=str(tmp_path / "r"), seq_len=16, dim=16, depth=1, heads=1, steps=2)
+    train(config, progress=False)
+    with pytest.raises(ValueError, match="already holds a run; pass --resume"):
+        train(config, progress=False)
+    changed = TrainConfig(data=str(corpus), out=str(tmp_path / "r"), seq_len=16, dim=32, depth=1, heads=1, steps=2)
+    with pytest.raises(ValueError, match=r"--resume needs the run's config; these differ .*'dim': \(16, 32\)"):
+        train(changed, resume=True, progress=False)
