@@ -107,3 +107,23 @@ def test_bad_runs_are_refused(corpus, tmp_path):
     changed = TrainConfig(data=str(corpus), out=str(tmp_path / "r"), seq_len=16, dim=32, depth=1, heads=1, steps=2)
     with pytest.raises(ValueError, match=r"--resume needs the run's config; these differ .*'dim': \(16, 32\)"):
         train(changed, resume=True, progress=False)
+
+
+def test_two_processes_follow_the_loss_curve_of_one(corpus, tmp_path):
+    """torchrun with 2 CPU processes (gloo), each computing half of every global batch under DDP."""
+    args = ["--steps", "20", "--batch", "8", "--lr", "3e-3", "--dropout", "0.0", "--checkpoint-every", "10"]
+    one = subprocess.run(_command(corpus, tmp_path / "one", 20, *args), env=_env(), capture_output=True, timeout=300)
+    assert one.returncode == 0, one.stderr.decode()[-2000:]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    two = subprocess.run([*launch, *_command(corpus, tmp_path / "two", 20, *args)[1:]], env=_env(),
+                         capture_output=True, timeout=300)  # fmt: skip
+    assert two.returncode == 0, two.stderr.decode()[-3000:]
+    assert two.stdout.decode().count('"processes": 2') == 1  # rank 0 alone reports
+    curves = [
+        [r["loss_bpb"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+         if "loss_bpb" in r]
+        for name in ("one", "two")
+    ]  # fmt: skip
+    assert len(curves[0]) == len(curves[1]) == 20
+    assert max(abs(a - b) for a, b in zip(*curves)) <= 1e-4 * max(curves[0])
+    assert curves[1][-1] < curves[1][0] - 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import platform
 import sys
 import time
@@ -94,7 +95,8 @@ def _run_train(args: argparse.Namespace) -> int:
     hints = typing.get_type_hints(TrainConfig)
     values = {f.name: _setting_value(f, hints[f.name], args) for f in fields(TrainConfig)}
     summary = train(TrainConfig(**values), resume=args.resume)
-    print(json.dumps(summary))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        print(json.dumps(summary))
     return 0
 
 

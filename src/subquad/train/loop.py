@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -21,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from subquad import hooks
 from subquad.bench.runner import setting
@@ -135,8 +138,8 @@ def _evaluate(model: nn.Module, corpus: ByteCorpus, config: TrainConfig) -> floa
     return bits_per_byte(total / count)
 
 
-def _start(config: TrainConfig, resume: bool) -> tuple[Path, Path | None]:
-    """The run folder, checked against ``config``, and the checkpoint to resume from."""
+def _start(config: TrainConfig, resume: bool) -> None:
+    """Create or check the run folder against ``config`` (rank 0)."""
     out = Path(config.out)
     saved = out / "config.json"
     if saved.exists():
@@ -148,7 +151,6 @@ def _start(config: TrainConfig, resume: bool) -> tuple[Path, Path | None]:
             raise ValueError(f"--resume needs the run's config; these differ (run, now): {changed}")
     out.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(_jsonable(config), indent=2))
-    return out, checkpoint.latest(out / "checkpoints") if resume else None
 
 
 def _jsonable(config: TrainConfig) -> dict[str, Any]:
@@ -171,9 +173,21 @@ class _Log:
 
 
 def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Train (or resume) the run of ``config``; returns the summary it writes."""
+    """Train (or resume) the run of ``config``; returns the summary it writes.
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) it joins the process group (gloo on CPU, NCCL on GPU),
+    each process computes its slice of every global batch under DDP, and only rank 0 writes.
+    """
+    rank, world = _distributed()
+    if config.batch % (world * config.accumulate):
+        raise ValueError(
+            f"batch {config.batch} must split into {world} processes × accumulate={config.accumulate} equal parts"
+        )
     corpus = ByteCorpus(config.data, config.seq_len, seed=config.seed)  # bad data fails before the run exists
-    out, last = _start(config, resume)
+    out = Path(config.out)
+    last = _start(config, resume) if rank == 0 else None
+    _barrier(world)
+    last = checkpoint.latest(out / "checkpoints") if resume else None  # every rank, after rank 0 checked
     model = _model(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
@@ -184,30 +198,74 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
         scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         step = state["step"]
-    log, best = _Log(out / "metrics.jsonl", step), math.inf
-    started, first = time.perf_counter(), step
+    runner = _Losses(model, world)
+    log = _Log(out / "metrics.jsonl", step) if rank == 0 else None
+    best, started, first = math.inf, time.perf_counter(), step
     while step < config.steps:
-        loss, seconds = _step(model, optimizer, scheduler, corpus, config, step)
+        loss, seconds = _step(runner, optimizer, scheduler, corpus, config, step, rank, world)
         step += 1
-        log.write({"step": step, "loss_bpb": bits_per_byte(loss), "lr": scheduler.get_last_lr()[0],
-                   "tokens_per_s": config.batch * config.seq_len / seconds})  # fmt: skip
+        record = [{"step": step, "loss_bpb": bits_per_byte(loss), "lr": scheduler.get_last_lr()[0],
+                   "tokens_per_s": config.batch * config.seq_len / seconds}]  # fmt: skip
         if step % config.eval_every == 0 or step == config.steps:
-            val = _evaluate(model, corpus, config)
-            best = min(best, val)
-            log.write({"step": step, "val_bpb": val})
-        if step % config.checkpoint_every == 0 or step == config.steps:
-            state = {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": checkpoint.rng_state(),
-            }
-            checkpoint.save(out / "checkpoints", step, model, state, config.keep)
-        if progress:
-            _report(step, config, bits_per_byte(loss), best, started, first)
-    summary = {"steps": step, "seconds": time.perf_counter() - started, "best_val_bpb": best}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot_curve(out / "metrics.jsonl", out / "curve.png", title=f"{config.attention}, N = {config.seq_len}")
+            best = min(best, val := _evaluate(model, corpus, config))  # every rank: the same numbers
+            record.append({"step": step, "val_bpb": val})
+        if rank == 0:
+            for r in record:
+                log.write(r)
+            if step % config.checkpoint_every == 0 or step == config.steps:
+                state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+                checkpoint.save(out / "checkpoints", step, model, {**state, "rng": checkpoint.rng_state()}, config.keep)
+            if progress:
+                _report(step, config, bits_per_byte(loss), best, started, first)
+    summary = {"steps": step, "seconds": time.perf_counter() - started, "best_val_bpb": best, "processes": world}
+    if rank == 0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot_curve(out / "metrics.jsonl", out / "curve.png", title=f"{config.attention}, N = {config.seq_len}")
+    _barrier(world)
     return summary
+
+
+def _distributed() -> tuple[int, int]:
+    """This process's rank and the world size; joins the process group under torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+class _LossForward(nn.Module):
+    """The model's loss as a forward, so DistributedDataParallel can synchronise its gradients."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model.loss(tokens)
+
+
+class _Losses:
+    """Runs the loss of a batch, under DistributedDataParallel when there are several processes."""
+
+    def __init__(self, model: nn.Module, world: int) -> None:
+        self.model, self.forward = model, _LossForward(model)
+        self.parallel = DistributedDataParallel(self.forward) if world > 1 else None
+
+    def run(self, tokens: Tensor, sync: bool) -> Tensor:
+        """The loss of ``tokens``; ``sync``: this backward all-reduces the gradients."""
+        if self.parallel is None:
+            return self.forward(tokens)
+        if sync:
+            return self.parallel(tokens)
+        with self.parallel.no_sync():
+            return self.parallel(tokens)
 
 
 def _report(step: int, config: TrainConfig, loss: float, best: float, started: float, first: int) -> None:
@@ -249,20 +307,27 @@ def plot_curve(metrics: Path, png: Path, title: str = "") -> Path | None:
     return png
 
 
-def _step(model, optimizer, scheduler, corpus: ByteCorpus, config: TrainConfig, step: int) -> tuple[float, float]:
-    """One optimizer step on the global batch of ``step``; returns its mean loss (nats) and seconds."""
+def _step(
+    runner: _Losses, optimizer, scheduler, corpus: ByteCorpus, config: TrainConfig, step: int, rank: int, world: int
+) -> tuple[float, float]:
+    """One optimizer step on this rank's slice of the global batch of ``step``; returns the mean
+    loss of the whole batch (nats) and the seconds it took."""
     t = time.perf_counter()
-    tokens = corpus.train_batch(step, config.batch)
+    tokens = corpus.train_batch(step, config.batch, rank, world)
     optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    for micro in tokens.split(config.batch // config.accumulate):
+    total = torch.zeros(())
+    micros = tokens.split(config.batch // (world * config.accumulate))
+    for i, micro in enumerate(micros):
         with hooks.auxiliary_losses() as aux, torch.autocast("cpu", torch.bfloat16, enabled=config.bf16):
-            loss = model.loss(micro)
+            loss = runner.run(micro, sync=i == len(micros) - 1)  # gradients meet once, on the last
             objective = loss + sum(aux) if aux else loss
         (objective / config.accumulate).backward()
-        total += loss.item() / config.accumulate
+        total += loss.detach().float() / config.accumulate
     if config.clip:
-        nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+        nn.utils.clip_grad_norm_(runner.model.parameters(), config.clip)
     optimizer.step()
     scheduler.step()
-    return total, time.perf_counter() - t
+    if world > 1:
+        dist.all_reduce(total)
+        total /= world
+    return float(total), time.perf_counter() - t
