@@ -127,3 +127,38 @@ def test_two_processes_follow_the_loss_curve_of_one(corpus, tmp_path):
     assert len(curves[0]) == len(curves[1]) == 20
     assert max(abs(a - b) for a, b in zip(*curves)) <= 1e-4 * max(curves[0])
     assert curves[1][-1] < curves[1][0] - 1
+
+
+def _idx(dims, data):
+    return bytes([0, 0, 8, len(dims)]) + b"".join(d.to_bytes(4, "big") for d in dims) + bytes(data)
+
+
+@pytest.fixture
+def images(tmp_path):
+    """An IDX folder of 200 4×4 images whose label is the quadrant holding their bright pixel."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 4, (200,), generator=g)
+    pictures = torch.zeros(200, 4, 4, dtype=torch.uint8)
+    for i, label in enumerate(labels.tolist()):
+        pictures[i, 2 * (label // 2) + int(torch.randint(0, 2, (), generator=g)), 2 * (label % 2)] = 255
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    (folder / "train-images-idx3-ubyte").write_bytes(_idx([200, 4, 4], pictures.flatten().tolist()))
+    (folder / "train-labels-idx1-ubyte").write_bytes(_idx([200], labels.tolist()))
+    return folder
+
+
+def test_pixels_and_listops_train_and_report_accuracy(images, tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
+    common = dict(dim=32, depth=1, heads=2, batch=16, warmup=5, lr=3e-3, eval_every=40, eval_windows=4,
+                  checkpoint_every=40)  # fmt: skip
+    pixels = train(TrainConfig(task="pixels", data=str(images), out=str(tmp_path / "p"), seq_len=16, steps=120,
+                               attention="local", options=("window=4",), **common), progress=False)  # fmt: skip
+    assert pixels["best_val_accuracy"] >= 0.9  # which quadrant is bright: learnable from 16 pixels
+    lo = train(TrainConfig(task="listops", out=str(tmp_path / "l"), seq_len=48, steps=40, **common), progress=False)
+    assert 0 <= lo["best_val_accuracy"] <= 1
+    assert (tmp_path / "l" / "curve.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="the images have 16 pixels; pass --seq-len 16 or more"):
+        train(TrainConfig(task="pixels", data=str(images), out=str(tmp_path / "q"), seq_len=8, **common))
+    with pytest.raises(FileNotFoundError, match="no data folder at .*nowhere.*dataset-fashion-mnist"):
+        train(TrainConfig(task="pixels", data=str(tmp_path / "nowhere"), out=str(tmp_path / "q"), **common))

@@ -1,4 +1,4 @@
-"""``subquad train``: a byte-level language model trained on a file, with checkpoints and exact resume.
+"""``subquad train``: the papers' models trained on a task (``train.tasks``), with checkpoints and exact resume.
 
 AdamW with linear warm-up and cosine decay, gradient clipping and accumulation; auxiliary losses
 (routing's commitment) collected through ``subquad.hooks`` and added; bf16 autocast as an option;
@@ -28,10 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from subquad import hooks
 from subquad.bench.runner import setting
-from subquad.nn import CausalLM, HeadGroup
 from subquad.registry import get_mechanism, make_config
-from subquad.tasks.text import ByteCorpus, bits_per_byte
 from subquad.train import checkpoint
+from subquad.train.tasks import make_task
 
 __all__ = ["TrainConfig", "plot_curve", "train"]
 
@@ -42,7 +41,15 @@ _YES_NO = {"yes": True, "no": False}
 class TrainConfig:
     """One training run; ``subquad train``'s flags and defaults come from here."""
 
-    data: str = setting("", "the text file to train on (plain, .gz or dictzip .dz)", metavar="PATH")
+    task: str = setting(
+        "text",
+        "text: byte-level LM; listops: LRA ListOps; pixels: images as pixel sequences",
+        choices=("text", "listops", "pixels"),
+    )
+    data: str = setting("", "text: the file to train on (plain, .gz, .dz); pixels: the IDX folder", metavar="PATH")
+    listops_preset: str = setting(
+        "small", "listops sizes: small (2k/200/200) or lra (96k/2k/2k)", choices=("small", "lra")
+    )
     out: str = setting("subquad-run", "the run folder: config, metrics, checkpoints, summary", metavar="DIR")
     attention: str = setting("full", "the mechanism of every layer (subquad list)", metavar="NAME")
     options: tuple[str, ...] = setting((), "the mechanism's options as name=value", metavar="NAME=VALUE")
@@ -77,8 +84,10 @@ class TrainConfig:
             raise ValueError(f"batch {self.batch} must split into accumulate={self.accumulate} equal micro-batches")
         if self.dim % self.heads:
             raise ValueError(f"dim {self.dim} must divide between heads={self.heads}")
-        if not self.data:
-            raise ValueError("pass --data PATH: the text file to train on")
+        if not self.data and self.task != "listops":
+            raise ValueError(
+                f"pass --data PATH: the {'text file' if self.task == 'text' else 'IDX folder'} to train on"
+            )
         if not 0 <= self.dropout < 1 or self.lr <= 0 or self.min_lr < 0 or self.warmup < 0 or self.clip < 0:
             raise ValueError("need 0 <= dropout < 1, lr > 0, min_lr >= 0, warmup >= 0 and clip >= 0")
         make_config(get_mechanism(self.attention), **self.attention_options())  # an unknown one raises now
@@ -116,26 +125,12 @@ def _schedule(config: TrainConfig):
     return factor
 
 
-def _model(config: TrainConfig) -> nn.Module:
-    torch.manual_seed(config.seed)
-    random.seed(config.seed)
-    position = "conv" if config.attention == "agglomerative" else "learned"  # Spellings (2019)'s input
-    return CausalLM(
-        256, config.dim, config.depth, config.heads,
-        attention=HeadGroup(config.attention, **config.attention_options()), max_len=config.seq_len,
-        dropout=config.dropout, seed=config.seed, position=position, checkpoint=config.grad_checkpoint,
-    )  # fmt: skip
-
-
-def _evaluate(model: nn.Module, corpus: ByteCorpus, config: TrainConfig) -> float:
+def _evaluate(model: nn.Module, task: Any) -> float:
     model.eval()
-    total = count = 0.0
     with torch.no_grad():
-        for tokens in corpus.eval_batches("val", config.batch, config.eval_windows):
-            total += model.loss(tokens).item() * tokens.shape[0]
-            count += tokens.shape[0]
+        value = task.evaluate(model)
     model.train()
-    return bits_per_byte(total / count)
+    return value
 
 
 def _start(config: TrainConfig, resume: bool) -> None:
@@ -183,12 +178,14 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
         raise ValueError(
             f"batch {config.batch} must split into {world} processes × accumulate={config.accumulate} equal parts"
         )
-    corpus = ByteCorpus(config.data, config.seq_len, seed=config.seed)  # bad data fails before the run exists
+    task = make_task(config)  # bad data fails before the run exists
     out = Path(config.out)
     last = _start(config, resume) if rank == 0 else None
     _barrier(world)
     last = checkpoint.latest(out / "checkpoints") if resume else None  # every rank, after rank 0 checked
-    model = _model(config)
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    model = task.model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
     step = 0
@@ -198,17 +195,19 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
         scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         step = state["step"]
-    runner = _Losses(model, world)
+    runner = _Losses(model, task, world)
     log = _Log(out / "metrics.jsonl", step) if rank == 0 else None
-    best, started, first = math.inf, time.perf_counter(), step
+    sign = 1 if task.lower_is_better else -1
+    best, started, first = math.inf * sign, time.perf_counter(), step
     while step < config.steps:
-        loss, seconds = _step(runner, optimizer, scheduler, corpus, config, step, rank, world)
+        loss, seconds = _step(runner, optimizer, scheduler, task, config, step, rank, world)
         step += 1
-        record = [{"step": step, "loss_bpb": bits_per_byte(loss), "lr": scheduler.get_last_lr()[0],
+        record = [{"step": step, **task.train_metric(loss), "lr": scheduler.get_last_lr()[0],
                    "tokens_per_s": config.batch * config.seq_len / seconds}]  # fmt: skip
         if step % config.eval_every == 0 or step == config.steps:
-            best = min(best, val := _evaluate(model, corpus, config))  # every rank: the same numbers
-            record.append({"step": step, "val_bpb": val})
+            val = _evaluate(model, task)  # every rank: the same numbers
+            best = min(best * sign, val * sign) * sign
+            record.append({"step": step, task.metric: val})
         if rank == 0:
             for r in record:
                 log.write(r)
@@ -216,11 +215,13 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
                 state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
                 checkpoint.save(out / "checkpoints", step, model, {**state, "rng": checkpoint.rng_state()}, config.keep)
             if progress:
-                _report(step, config, bits_per_byte(loss), best, started, first)
-    summary = {"steps": step, "seconds": time.perf_counter() - started, "best_val_bpb": best, "processes": world}
+                _report(step, config, record[0], best, started, first)
+    summary = {"steps": step, "seconds": time.perf_counter() - started, f"best_{task.metric}": best, "processes": world}
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot_curve(out / "metrics.jsonl", out / "curve.png", title=f"{config.attention}, N = {config.seq_len}")
+        plot_curve(
+            out / "metrics.jsonl", out / "curve.png", title=f"{config.task}: {config.attention}, N = {config.seq_len}"
+        )
     _barrier(world)
     return summary
 
@@ -241,44 +242,47 @@ def _barrier(world: int) -> None:
 
 
 class _LossForward(nn.Module):
-    """The model's loss as a forward, so DistributedDataParallel can synchronise its gradients."""
+    """The task's loss as a forward, so DistributedDataParallel can synchronise its gradients."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, task: Any) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.task = model, task
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        return self.model.loss(tokens)
+    def forward(self, batch: Any) -> Tensor:
+        return self.task.loss(self.model, batch)
 
 
 class _Losses:
     """Runs the loss of a batch, under DistributedDataParallel when there are several processes."""
 
-    def __init__(self, model: nn.Module, world: int) -> None:
-        self.model, self.forward = model, _LossForward(model)
+    def __init__(self, model: nn.Module, task: Any, world: int) -> None:
+        self.model, self.forward = model, _LossForward(model, task)
         self.parallel = DistributedDataParallel(self.forward) if world > 1 else None
 
-    def run(self, tokens: Tensor, sync: bool) -> Tensor:
-        """The loss of ``tokens``; ``sync``: this backward all-reduces the gradients."""
+    def run(self, batch: Any, sync: bool) -> Tensor:
+        """The loss of ``batch``; ``sync``: this backward all-reduces the gradients."""
         if self.parallel is None:
-            return self.forward(tokens)
+            return self.forward(batch)
         if sync:
-            return self.parallel(tokens)
+            return self.parallel(batch)
         with self.parallel.no_sync():
-            return self.parallel(tokens)
+            return self.parallel(batch)
 
 
-def _report(step: int, config: TrainConfig, loss: float, best: float, started: float, first: int) -> None:
-    """A progress line to stderr, about a hundred per run: loss, best validation, tokens/s, ETA."""
+def _report(step: int, config: TrainConfig, record: dict, best: float, started: float, first: int) -> None:
+    """A progress line to stderr, about a hundred per run: the training metric, the best evaluation,
+    tokens/s and the ETA."""
     if step % max(1, config.steps // 100) and step != config.steps:
         return
     elapsed = time.perf_counter() - started
     rate = (step - first) / elapsed if elapsed > 0 else 0.0
     eta = (config.steps - step) / rate if rate else 0.0
-    val = f"  val {best:.3f}" if best < math.inf else ""
+    train = "  ".join(f"{k} {v:.3f}" for k, v in record.items() if k.startswith("loss"))
+    val = f"  best val {best:.3f}" if math.isfinite(best) else ""
     tokens = rate * config.batch * config.seq_len
-    print(f"step {step}/{config.steps}  loss {loss:.3f} bpb{val}  {tokens:,.0f} tok/s  ETA {eta:,.0f} s",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"step {step}/{config.steps}  {train}{val}  {tokens:,.0f} tok/s  ETA {eta:,.0f} s", file=sys.stderr, flush=True
+    )
 
 
 def plot_curve(metrics: Path, png: Path, title: str = "") -> Path | None:
@@ -292,14 +296,16 @@ def plot_curve(metrics: Path, png: Path, title: str = "") -> Path | None:
     except ImportError:
         return None
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    train_points = [(r["step"], r["loss_bpb"]) for r in records if "loss_bpb" in r]
-    val_points = [(r["step"], r["val_bpb"]) for r in records if "val_bpb" in r]
+    train_key = next((k for r in records for k in r if k.startswith("loss")), "loss")
+    val_key = next((k for r in records for k in r if k.startswith("val_")), "val")
+    train_points = [(r["step"], r[train_key]) for r in records if train_key in r]
+    val_points = [(r["step"], r[val_key]) for r in records if val_key in r]
     fig, ax = plt.subplots(figsize=(6, 4))
     if train_points:
         ax.plot(*zip(*train_points), lw=0.8, alpha=0.7, label="train")
     if val_points:
         ax.plot(*zip(*val_points), "o-", label="validation")
-    ax.set(xlabel="step", ylabel="bits per byte", title=title)
+    ax.set(xlabel="step", ylabel=f"{train_key} / {val_key}", title=title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
@@ -308,15 +314,14 @@ def plot_curve(metrics: Path, png: Path, title: str = "") -> Path | None:
 
 
 def _step(
-    runner: _Losses, optimizer, scheduler, corpus: ByteCorpus, config: TrainConfig, step: int, rank: int, world: int
+    runner: _Losses, optimizer, scheduler, task: Any, config: TrainConfig, step: int, rank: int, world: int
 ) -> tuple[float, float]:
     """One optimizer step on this rank's slice of the global batch of ``step``; returns the mean
     loss of the whole batch (nats) and the seconds it took."""
     t = time.perf_counter()
-    tokens = corpus.train_batch(step, config.batch, rank, world)
+    micros = task.split(task.batch(step, rank, world), config.accumulate)
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros(())
-    micros = tokens.split(config.batch // (world * config.accumulate))
     for i, micro in enumerate(micros):
         with hooks.auxiliary_losses() as aux, torch.autocast("cpu", torch.bfloat16, enabled=config.bf16):
             loss = runner.run(micro, sync=i == len(micros) - 1)  # gradients meet once, on the last
