@@ -162,3 +162,63 @@ def test_pixels_and_listops_train_and_report_accuracy(images, tmp_path, monkeypa
         train(TrainConfig(task="pixels", data=str(images), out=str(tmp_path / "q"), seq_len=8, **common))
     with pytest.raises(FileNotFoundError, match="no data folder at .*nowhere.*dataset-fashion-mnist"):
         train(TrainConfig(task="pixels", data=str(tmp_path / "nowhere"), out=str(tmp_path / "q"), **common))
+
+
+MIXED = """
+task = "text"
+seq_len = 32
+dim = 32
+depth = 2
+heads = 4
+steps = 6
+batch = 4
+eval_every = 3
+eval_windows = 2
+checkpoint_every = 3
+bf16 = false
+
+[[layers]]
+groups = [{ mechanism = "local", heads = 2, window = 8 }, { mechanism = "routing", heads = 2, clusters = 3 }]
+"""
+
+
+def test_a_config_file_gives_head_splits_and_a_run_reproduces_from_its_config_json(corpus, tmp_path):
+    (tmp_path / "mixed.toml").write_text(MIXED)
+    first = [*_command(corpus, tmp_path / "a", 6)[:4], "--config", str(tmp_path / "mixed.toml"),
+             "--data", str(corpus), "--out", str(tmp_path / "a")]  # fmt: skip
+    done = subprocess.run(first, env=_env(), capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert saved["layers"] == [{"groups": [{"heads": 2, "mechanism": "local", "window": 8},
+                                           {"clusters": 3, "heads": 2, "mechanism": "routing"}]}]  # fmt: skip
+    again = [sys.executable, "-m", "subquad", "train", "--config", str(tmp_path / "a" / "config.json"),
+             "--out", str(tmp_path / "b")]  # fmt: skip
+    done = subprocess.run(again, env=_env(), capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    a, b = _final_weights(tmp_path / "a"), _final_weights(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any("routing" in k or "attn" in k for k in a)
+
+
+@pytest.mark.parametrize(
+    "layers, match",
+    [
+        ([{"groups": [{"mechanism": "local", "heads": 3}]}], r"head groups \[3\] cover 3 heads but the layer has"),
+        ([{"groups": [{"heads": 4}]}], "a head group needs a mechanism"),
+        ([{"nothing": 1}], r"each \[\[layers\]\] table needs groups"),
+        ([{"groups": [{"mechanism": "full"}]}] * 3, r"for every layer or one per layer \(2\), got 3"),
+    ],
+)  # fmt: skip
+def test_bad_head_splits_are_refused(corpus, layers, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(data=str(corpus), depth=2, heads=4, dim=32, layers=layers)
+
+
+def test_bad_config_files_are_named(tmp_path):
+    from subquad.train.loop import load_config_file
+
+    (tmp_path / "bad.toml").write_text("depht = 3\n")
+    with pytest.raises(ValueError, match=r"bad.toml: unknown setting\(s\) \['depht'\]; known: .*depth"):
+        load_config_file(tmp_path / "bad.toml")
+    with pytest.raises(FileNotFoundError, match="no config file at .*none.toml"):
+        load_config_file(tmp_path / "none.toml")

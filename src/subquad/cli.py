@@ -78,9 +78,14 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """A flag per `TrainConfig` field, and ``--resume``."""
     from subquad.train.loop import TrainConfig
 
+    parser.add_argument(
+        "--config", metavar="FILE", help="settings from a TOML file (or a run's config.json); flags given here win"
+    )
     hints = typing.get_type_hints(TrainConfig)
     for f in fields(TrainConfig):
         flag = f"--{f.name.replace('_', '-')}"
+        if f.name == "layers":  # structured: config files only
+            continue
         if typing.get_origin(hints[f.name]) is tuple:  # name=value items
             meta = f.metadata
             parser.add_argument(flag, nargs="*", default=[], metavar=meta["metavar"], help=meta["help"])
@@ -90,10 +95,16 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from subquad.train.loop import TrainConfig, train
+    from subquad.train.loop import TrainConfig, load_config_file, train
 
     hints = typing.get_type_hints(TrainConfig)
-    values = {f.name: _setting_value(f, hints[f.name], args) for f in fields(TrainConfig)}
+    given = load_config_file(args.config) if args.config else {}
+    values = {"layers": given.get("layers", ())}
+    for f in fields(TrainConfig):
+        if f.name != "layers":
+            value = _setting_value(f, hints[f.name], args)
+            # a flag left at its default yields to the file (argparse cannot tell "not given" apart)
+            values[f.name] = given[f.name] if f.name in given and value == f.default else value
     summary = train(TrainConfig(**values), resume=args.resume)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         print(json.dumps(summary))

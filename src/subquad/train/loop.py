@@ -17,7 +17,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from subquad import hooks
 from subquad.bench.runner import setting
-from subquad.registry import get_mechanism, make_config
+from subquad.nn import HeadGroup
+from subquad.nn.attention import resolve_head_groups
 from subquad.train import checkpoint
 from subquad.train.tasks import make_task
 
-__all__ = ["TrainConfig", "plot_curve", "train"]
+__all__ = ["TrainConfig", "load_config_file", "plot_curve", "train"]
 
 _YES_NO = {"yes": True, "no": False}
 
@@ -53,6 +54,9 @@ class TrainConfig:
     out: str = setting("subquad-run", "the run folder: config, metrics, checkpoints, summary", metavar="DIR")
     attention: str = setting("full", "the mechanism of every layer (subquad list)", metavar="NAME")
     options: tuple[str, ...] = setting((), "the mechanism's options as name=value", metavar="NAME=VALUE")
+    layers: tuple = setting(
+        (), "config files only: [[layers]] tables of head groups, one for every layer or one per layer"
+    )
     seq_len: int = setting(256, "bytes per training window")
     dim: int = setting(128, "model width")
     depth: int = setting(4, "layers")
@@ -90,7 +94,20 @@ class TrainConfig:
             )
         if not 0 <= self.dropout < 1 or self.lr <= 0 or self.min_lr < 0 or self.warmup < 0 or self.clip < 0:
             raise ValueError("need 0 <= dropout < 1, lr > 0, min_lr >= 0, warmup >= 0 and clip >= 0")
-        make_config(get_mechanism(self.attention), **self.attention_options())  # an unknown one raises now
+        object.__setattr__(self, "layers", _frozen(self.layers))
+        if self.layers and len(self.layers) not in (1, self.depth):
+            raise ValueError(
+                f"give one [[layers]] table for every layer or one per layer ({self.depth}), got {len(self.layers)}"
+            )
+        for spec in self.attention_specs():  # an unknown mechanism, option or head split raises now
+            resolve_head_groups(spec, self.heads, {})
+
+    def attention_specs(self) -> list:
+        """The attention spec of each layer: ``layers``' head groups, else ``attention`` with its options."""
+        if not self.layers:
+            return [HeadGroup(self.attention, **self.attention_options())] * self.depth
+        specs = [tuple(HeadGroup(**dict(group)) for group in layer) for layer in self.layers]
+        return specs * self.depth if len(specs) == 1 else specs
 
     def attention_options(self) -> dict[str, Any]:
         """``options`` parsed: numbers and true/false as such, the rest as strings."""
@@ -101,6 +118,48 @@ class TrainConfig:
                 raise ValueError(f"an attention option is name=value, got {item!r}")
             parsed[name] = _value(text)
         return parsed
+
+
+def _frozen(layers: Any) -> tuple:
+    """``[[layers]]`` from a config file (lists of tables with a ``groups`` list) as nested tuples."""
+    if layers in ((), [], None):
+        return ()
+    out = []
+    for layer in layers:
+        groups = layer.get("groups") if isinstance(layer, dict) else layer
+        if not isinstance(groups, (list, tuple)) or not groups:
+            raise ValueError(
+                f"each [[layers]] table needs groups = [{{mechanism = ..., heads = ...}}, ...], got {layer!r}"
+            )
+        frozen = []
+        for group in groups:
+            group = dict(group)
+            if "mechanism" not in group:
+                raise ValueError(f"a head group needs a mechanism, got {group!r}")
+            frozen.append(tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in group.items())))
+        out.append(tuple(frozen))
+    return tuple(out)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """A run's settings from a TOML file, or the ``config.json`` a run wrote (to reproduce it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no config file at {path}")
+    if path.suffix == ".json":
+        values = json.loads(path.read_text())
+    else:
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            import tomli as tomllib
+        values = tomllib.loads(path.read_text())
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown setting(s) {unknown}; known: {', '.join(sorted(known))}")
+    return values
 
 
 def _value(text: str) -> Any:
@@ -149,7 +208,9 @@ def _start(config: TrainConfig, resume: bool) -> None:
 
 
 def _jsonable(config: TrainConfig) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}
+    values = asdict(config)
+    values["layers"] = [{"groups": [dict(group) for group in layer]} for layer in config.layers]
+    return json.loads(json.dumps(values))  # tuples as lists, as the file holds them
 
 
 class _Log:

@@ -19,15 +19,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from subquad.nn import CausalLM, Encoder, HeadGroup
+from subquad.nn import CausalLM, Encoder
 from subquad.tasks import listops, pixels
 from subquad.tasks.text import ByteCorpus, bits_per_byte
 
 __all__ = ["TASKS", "make_task"]
 
 
-def _spec(config) -> HeadGroup:
-    return HeadGroup(config.attention, **config.attention_options())
+def _spec(config) -> list:
+    return config.attention_specs()
 
 
 def _draw(seed: int, step: int, count: int, batch: int, rank: int, world: int) -> Tensor:
