@@ -222,3 +222,30 @@ def test_bad_config_files_are_named(tmp_path):
         load_config_file(tmp_path / "bad.toml")
     with pytest.raises(FileNotFoundError, match="no config file at .*none.toml"):
         load_config_file(tmp_path / "none.toml")
+
+
+def test_evaluate_and_generate_load_a_run(corpus, tmp_path):
+    from subquad.train.use import evaluate_run, generate_text
+
+    config = TrainConfig(data=str(corpus), out=str(tmp_path / "r"), seq_len=32, dim=32, depth=1, heads=2, batch=8,
+                         steps=80, warmup=5, lr=3e-3, eval_every=40, eval_windows=4, checkpoint_every=40,
+                         attention="local", options=("window=16",))  # fmt: skip
+    train(config, progress=False)
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    last_val = [r["val_bpb"] for r in records if "val_bpb" in r][-1]  # the run's own evaluation at step 80
+    val = evaluate_run(tmp_path / "r", "val", windows=4)
+    assert val == {"run": str(tmp_path / "r"), "task": "text", "val_bpb": pytest.approx(last_val, rel=1e-12)}
+    assert evaluate_run(tmp_path / "r", "val", windows=4, step=40)["val_bpb"] != val["val_bpb"]
+    text = generate_text(tmp_path / "r", "line 1", 12)
+    assert text.startswith("line 1") and len(text.encode()) >= 12
+    cli = [sys.executable, "-m", "subquad", "generate", str(tmp_path / "r"), "--prompt", "line 1", "--tokens", "12"]
+    assert subprocess.run(cli, env=_env(), capture_output=True, text=True, timeout=120).stdout.strip() == text.strip()
+    with pytest.raises(FileNotFoundError, match="has no checkpoint 7; it has: .*step-000000080"):
+        evaluate_run(tmp_path / "r", step=7)
+    with pytest.raises(FileNotFoundError, match="holds no run"):
+        evaluate_run(tmp_path)
+    with pytest.raises(ValueError, match="must be non-empty and, with --tokens, fit seq_len=32"):
+        generate_text(tmp_path / "r", "x" * 30, 10)
+    bad = subprocess.run([sys.executable, "-m", "subquad", "evaluate", str(tmp_path / "none")], env=_env(),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "subquad evaluate: error: " in bad.stderr and "Traceback" not in bad.stderr

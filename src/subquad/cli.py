@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.run(args)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:  # bad input: the message says what and how to fix it
         parser.exit(2, f"subquad {args.command}: error: {exc}\n")
 
 
@@ -68,7 +68,37 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_train_arguments(train)
     train.set_defaults(run=_run_train)
+
+    evaluate = commands.add_parser("evaluate", help="a trained run's metric on a split, from its checkpoint")
+    evaluate.add_argument("folder", metavar="RUN", help="the run folder (subquad train --out)")
+    evaluate.add_argument("--split", default="test", help="val or test (default: %(default)s)")
+    evaluate.add_argument("--windows", type=int, default=None, help="evaluate only this many batches (default: all)")
+    evaluate.add_argument("--step", type=int, default=None, help="a checkpoint's step (default: the newest)")
+    evaluate.set_defaults(run=_run_evaluate)
+
+    generate = commands.add_parser("generate", help="continue a prompt with a trained text run")
+    generate.add_argument("folder", metavar="RUN", help="the run folder (subquad train --out)")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--tokens", type=int, default=200, help="bytes to generate (default: %(default)s)")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
+    generate.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (default: all)")
+    generate.add_argument("--seed", type=int, default=0, help="the sampling seed (default: %(default)s)")
+    generate.set_defaults(run=_run_generate)
     return parser
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    from subquad.train.use import evaluate_run
+
+    print(json.dumps(evaluate_run(args.folder, args.split, args.windows, args.step)))
+    return 0
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from subquad.train.use import generate_text
+
+    print(generate_text(args.folder, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    return 0
 
 
 # --------------------------------------------------------------------------------------------- train

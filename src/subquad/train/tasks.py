@@ -64,9 +64,11 @@ class TextTask:
     def train_metric(self, loss: float) -> dict[str, float]:
         return {"loss_bpb": bits_per_byte(loss)}
 
-    def evaluate(self, model: nn.Module) -> float:
+    def evaluate(self, model: nn.Module, split: str = "val", limit: int | None = -1) -> float:
+        """Bits per byte on ``split``: its first ``limit`` windows (-1: ``eval_windows``; None: all)."""
+        limit = self.config.eval_windows if limit == -1 else limit
         total = count = 0.0
-        for tokens in self.corpus.eval_batches("val", self.config.batch, self.config.eval_windows):
+        for tokens in self.corpus.eval_batches(split, self.config.batch, limit):
             total += model.loss(tokens).item() * tokens.shape[0]
             count += tokens.shape[0]
         return bits_per_byte(total / count)
@@ -106,12 +108,16 @@ class _Classification:
     def train_metric(self, loss: float) -> dict[str, float]:
         return {"loss": loss}
 
-    def evaluate(self, model: nn.Module) -> float:
-        count = len(self.splits["val"][1])
-        limit = min(count, self.config.eval_windows * self.config.batch)
+    def evaluate(self, model: nn.Module, split: str = "val", limit: int | None = -1) -> float:
+        """Accuracy on ``split``: its first ``limit`` batches (-1: ``eval_windows``; None: all)."""
+        if split not in self.splits:
+            raise ValueError(f"this task's splits are {', '.join(self.splits)}, got {split!r}")
+        count = len(self.splits[split][1])
+        limit = self.config.eval_windows if limit == -1 else limit
+        limit = count if limit is None else min(count, limit * self.config.batch)
         correct = 0
         for start in range(0, limit, self.config.batch):
-            ids, real, labels = self._padded("val", torch.arange(start, min(start + self.config.batch, limit)))
+            ids, real, labels = self._padded(split, torch.arange(start, min(start + self.config.batch, limit)))
             correct += int((model(ids, key_padding_mask=real).argmax(-1) == labels).sum())
         return correct / limit if limit else math.nan
 
@@ -142,6 +148,11 @@ class PixelsTask(_Classification):
         rows = [row.long() + 1 for row in images]  # 0 is padding: grey level g is token g + 1
         self.vocab = 257
         self.splits = {"train": (rows[:-held], labels[:-held]), "val": (rows[-held:], labels[-held:])}
+        try:  # the t10k files, where the folder has them
+            test_images, test_labels = pixels.load_split(config.data, "test")
+            self.splits["test"] = ([row.long() + 1 for row in test_images], test_labels)
+        except FileNotFoundError:
+            pass
         self.classes = max(10, int(labels.max()) + 1)
 
 

@@ -1,0 +1,66 @@
+"""Using a trained run: ``subquad evaluate`` and ``subquad generate`` load its checkpoint.
+
+A run folder (``subquad train --out``) holds the config the model was built from; the model is
+rebuilt from it and the newest checkpoint (or a named one) loaded into it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from subquad.train import checkpoint
+from subquad.train.loop import TrainConfig, load_config_file
+from subquad.train.tasks import TextTask, make_task
+
+__all__ = ["evaluate_run", "generate_text", "load_run"]
+
+
+def load_run(run: str | Path, step: int | None = None) -> tuple[TrainConfig, Any, nn.Module]:
+    """The config, task and model of a run, with the weights of its newest checkpoint (or of ``step``)."""
+    run = Path(run)
+    if not (run / "config.json").is_file():
+        raise FileNotFoundError(f"{run} holds no run (no config.json); pass the --out folder of subquad train")
+    config = TrainConfig(**load_config_file(run / "config.json"))
+    folder = run / "checkpoints"
+    path = checkpoint.latest(folder) if step is None else folder / f"step-{step:09d}"
+    if path is None or not (path / "model.safetensors").is_file():
+        have = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
+        raise FileNotFoundError(f"{run} has no checkpoint {'' if step is None else step}; it has: {have or 'none'}")
+    task = make_task(config)
+    model = task.model()
+    checkpoint.load(path, model)
+    return config, task, model.eval()
+
+
+def evaluate_run(run: str | Path, split: str = "test", windows: int | None = None, step: int | None = None) -> dict:
+    """The task's metric on ``split`` (all of it unless ``windows`` limits it)."""
+    config, task, model = load_run(run, step)
+    with torch.no_grad():
+        value = task.evaluate(model, split, windows)
+    name = task.metric.replace("val_", f"{split}_")
+    return {"run": str(run), "task": config.task, name: value}
+
+
+def generate_text(
+    run: str | Path, prompt: str, tokens: int, temperature: float = 0.0, top_k: int | None = None, seed: int = 0
+) -> str:
+    """Continue ``prompt`` byte by byte with a text run's model (cached decoding where the
+    mechanism has it)."""
+    config, task, model = load_run(run)
+    if not isinstance(task, TextTask):
+        raise ValueError(f"generate needs a text run; {run} trained the {config.task} task")
+    data = prompt.encode()
+    if not data or len(data) + tokens > config.seq_len:
+        raise ValueError(
+            f"the prompt ({len(data)} bytes) must be non-empty and, with --tokens, fit seq_len={config.seq_len}"
+        )
+    use_cache = all(g.mechanism.decoder is not None for block in model.backbone.blocks for g in block.attn.groups)
+    out = model.generate(
+        torch.tensor([list(data)]), tokens, use_cache=use_cache, temperature=temperature, top_k=top_k,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
