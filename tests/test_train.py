@@ -249,3 +249,29 @@ def test_evaluate_and_generate_load_a_run(corpus, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "subquad", "evaluate", str(tmp_path / "none")], env=_env(),
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "subquad evaluate: error: " in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_compare_trains_each_variant_once_and_tabulates_them(corpus, tmp_path):
+    flags = ["--data", str(corpus), "--seq-len", "32", "--dim", "32", "--depth", "1", "--heads", "2", "--steps", "20",
+             "--batch", "8", "--eval-every", "10", "--checkpoint-every", "10", "--warmup", "5"]  # fmt: skip
+    command = [sys.executable, "-m", "subquad", "compare", "--out", str(tmp_path / "cmp"), "--variants", "full",
+               "local:window=8", "--", *flags]  # fmt: skip
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| full |" in done.stdout and "| local:window=8 |" in done.stdout and "val_bpb:" in done.stdout
+    rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [r["variant"] for r in rows] == ["full", "local:window=8"]
+    assert all(r["peak_mb"] > 0 and r["s_per_step"] > 0 and 0 < r["best"] <= r["final"] + 1e-12 for r in rows)
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
+    local = json.loads((tmp_path / "cmp" / "local_window=8" / "config.json").read_text())
+    assert local["attention"] == "local" and local["options"] == ["window=8"]
+    stamp = (tmp_path / "cmp" / "full" / "metrics.jsonl").stat().st_mtime_ns
+    again = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and (tmp_path / "cmp" / "full" / "metrics.jsonl").stat().st_mtime_ns == stamp
+    assert json.loads((tmp_path / "cmp" / "compare.json").read_text()) == rows  # finished variants are not rerun
+    wrong_calls = [(["--variants", ":window=8"], "a variant is NAME"),
+                   (["--variants", "full", "--", "--out", "x"], "pass --out before --")]  # fmt: skip
+    for bad, message in wrong_calls:
+        wrong = subprocess.run([sys.executable, "-m", "subquad", "compare", "--out", str(tmp_path / "w"), *bad],
+                               env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert wrong.returncode == 2 and message in wrong.stderr

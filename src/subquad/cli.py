@@ -84,7 +84,36 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (default: all)")
     generate.add_argument("--seed", type=int, default=0, help="the sampling seed (default: %(default)s)")
     generate.set_defaults(run=_run_generate)
+
+    compare = commands.add_parser(
+        "compare",
+        help="train several attention specs on one task at an equal budget and compare them",
+        description="Train each variant (NAME, NAME:option=value,... or a .toml config) with the same subquad "
+        "train flags, one after another, each in its own process; rerunning skips finished variants and "
+        "resumes an interrupted one. Example: subquad compare --out runs/cmp --variants full local:window=128 "
+        "linear -- --data corpus.txt --steps 500",
+    )
+    compare.add_argument("--out", required=True, help="the comparison folder: one run folder per variant")
+    compare.add_argument("--variants", nargs="+", required=True, metavar="VARIANT", help="what to compare")
+    compare.add_argument("train_flags", nargs=argparse.REMAINDER, help="after --: subquad train's flags for all")
+    compare.set_defaults(run=_run_compare)
     return parser
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from subquad.train.compare import compare, format_table
+
+    flags = args.train_flags[1:] if args.train_flags[:1] == ["--"] else args.train_flags
+    if "--out" in flags or "--resume" in flags:
+        raise ValueError(
+            "pass --out before --; each variant gets its own folder in it, and reruns resume by themselves"
+        )
+    _add_train_arguments(probe := argparse.ArgumentParser(prog="subquad compare (train flags)"))
+    probe.parse_args(flags)  # bad training flags fail before any variant runs
+    rows = compare(args.variants, flags, args.out)
+    print(format_table(rows))
+    print(f"wrote {args.out}/compare.json, compare.csv and compare.png")
+    return 0
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
