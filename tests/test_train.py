@@ -68,6 +68,8 @@ def test_resume_after_sigkill_is_bit_identical(corpus, tmp_path):
     first = [r["loss_bpb"] for r in map(json.loads, (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines())
              if "loss_bpb" in r]  # fmt: skip
     assert [r["loss_bpb"] for r in lines if "loss_bpb" in r] == first
+    summaries = [json.loads((tmp_path / name / "summary.json").read_text()) for name in ("whole", "killed")]
+    assert summaries[0]["best_val_bpb"] == summaries[1]["best_val_bpb"]  # evaluations before the kill count too
 
 
 def test_the_same_config_gives_the_same_numbers_and_learns(corpus, tmp_path):

@@ -221,6 +221,7 @@ class _Log:
         if path.exists():
             kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
         path.write_text("".join(line + "\n" for line in kept))
+        self.kept = [json.loads(line) for line in kept]  # what the run logged before its checkpoint
         self.file = path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -241,7 +242,8 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
         )
     task = make_task(config)  # bad data fails before the run exists
     out = Path(config.out)
-    last = _start(config, resume) if rank == 0 else None
+    if rank == 0:
+        _start(config, resume)
     _barrier(world)
     last = checkpoint.latest(out / "checkpoints") if resume else None  # every rank, after rank 0 checked
     torch.manual_seed(config.seed)
@@ -259,7 +261,8 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     runner = _Losses(model, task, world)
     log = _Log(out / "metrics.jsonl", step) if rank == 0 else None
     sign = 1 if task.lower_is_better else -1
-    best, started, first = math.inf * sign, time.perf_counter(), step
+    before = [r[task.metric] * sign for r in (log.kept if log else []) if task.metric in r]
+    best, started, first = min(before, default=math.inf) * sign, time.perf_counter(), step
     while step < config.steps:
         loss, seconds = _step(runner, optimizer, scheduler, task, config, step, rank, world)
         step += 1
