@@ -277,3 +277,26 @@ def test_compare_trains_each_variant_once_and_tabulates_them(corpus, tmp_path):
         wrong = subprocess.run([sys.executable, "-m", "subquad", "compare", "--out", str(tmp_path / "w"), *bad],
                                env=_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
         assert wrong.returncode == 2 and message in wrong.stderr
+
+
+def test_compare_at_equal_wall_clock_sets_each_variant_s_steps_from_its_probe(corpus, tmp_path):
+    flags = ["--data", str(corpus), "--seq-len", "32", "--dim", "32", "--depth", "1", "--heads", "2", "--batch", "8",
+             "--eval-every", "10", "--checkpoint-every", "10", "--warmup", "5"]  # fmt: skip
+    out = tmp_path / "cmp"
+    command = [sys.executable, "-m", "subquad", "compare", "--out", str(out), "--minutes", "0.01", "--variants", "full",
+               "linear", "--", *flags]  # fmt: skip
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    budget = json.loads((out / "budget.json").read_text())
+    rows = {r["variant"]: r for r in json.loads((out / "compare.json").read_text())}
+    for variant in ("full", "linear"):
+        entry = budget[variant]
+        assert entry["minutes"] == 0.01 and entry["steps"] == max(1, round(0.6 / entry["probe_s_per_step"]))
+        assert rows[variant]["steps"] == entry["steps"]  # the run took exactly the budgeted steps
+        assert json.loads((out / variant / "config.json").read_text())["steps"] == entry["steps"]
+    assert not list(out.glob(".probe-*"))  # probe runs are thrown away
+    bad = subprocess.run([*command[:-len(flags)], *flags, "--steps", "5"], env=_env(), capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "--minutes sets each variant's steps" in bad.stderr
+    zero = subprocess.run([*command[:7], "0", *command[8:]], env=_env(), capture_output=True, text=True, timeout=120)
+    assert zero.returncode == 2 and "minutes must be > 0, got 0.0" in zero.stderr

@@ -95,6 +95,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("--out", required=True, help="the comparison folder: one run folder per variant")
     compare.add_argument("--variants", nargs="+", required=True, metavar="VARIANT", help="what to compare")
+    compare.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="an equal wall-clock budget: each variant's steps fill this many minutes of training, from its "
+        "speed in a short probe run (default: the same --steps for all)",
+    )
     compare.add_argument("train_flags", nargs=argparse.REMAINDER, help="after --: subquad train's flags for all")
     compare.set_defaults(run=_run_compare)
     return parser
@@ -110,7 +117,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         )
     _add_train_arguments(probe := argparse.ArgumentParser(prog="subquad compare (train flags)"))
     probe.parse_args(flags)  # bad training flags fail before any variant runs
-    rows = compare(args.variants, flags, args.out)
+    rows = compare(args.variants, flags, args.out, args.minutes)
     print(format_table(rows))
     print(f"wrote {args.out}/compare.json, compare.csv and compare.png")
     return 0

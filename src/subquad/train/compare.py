@@ -5,8 +5,14 @@ TOML file (``subquad train --config``: head splits, per-layer specs). Every vari
 ``subquad train`` process with the same training flags, into ``OUT/<variant>/``, so its peak memory
 is its own. ``OUT/compare.json`` and ``compare.csv`` are rewritten after each variant; running the
 same command again skips the variants that finished and resumes the one that was interrupted.
-The comparison table (final and best evaluation, s/step, tokens/s, peak memory) is printed and the
-validation curves of all variants drawn on ``compare.png``.
+The comparison table (final and best evaluation, steps, training minutes, s/step, tokens/s, peak
+memory) is printed and the validation curves of all variants drawn on ``compare.png``.
+
+The budget is equal steps (the training flags' ``--steps``), or equal wall-clock (``minutes``): each
+variant first trains a few steps in a throw-away probe run, and its step count is set to the budget
+divided by its median seconds per step (evaluations and checkpoints not counted). The chosen counts
+are saved in ``OUT/budget.json`` before training, so a resumed comparison keeps them; each run is
+then an ordinary, deterministic run of that many steps, with its whole warm-up and cosine schedule.
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ import csv
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["compare", "variant_arguments"]
+__all__ = ["compare", "format_table", "variant_arguments"]
+
+PROBE_STEPS = 12  # a budget's probe run: its steps after the third are timed
 
 
 def variant_arguments(variant: str) -> list[str]:
@@ -50,17 +59,19 @@ def _row(variant: str, folder: Path, peak_mb: float | None) -> dict[str, Any]:
     config = json.loads((folder / "config.json").read_text())
     rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
     tokens = statistics.median(rates)
+    window = config["batch"] * config["seq_len"]
     lower = metric.endswith("bpb")
     return {
         "variant": variant, "metric": metric, "final": values[-1], "best": min(values) if lower else max(values),
-        "s_per_step": config["batch"] * config["seq_len"] / tokens, "tokens_per_s": tokens, "peak_mb": peak_mb,
+        "steps": len(rates), "train_minutes": sum(window / r for r in rates) / 60, "s_per_step": window / tokens,
+        "tokens_per_s": tokens, "peak_mb": peak_mb,
     }  # fmt: skip
 
 
-def _train(variant: str, base: list[str], folder: Path) -> float | None:
+def _train(variant: str, flags: list[str], folder: Path, resume: bool) -> float | None:
     """Run (or resume) one variant in its own process; returns its peak resident memory in MB."""
-    command = [sys.executable, "-m", "subquad", "train", *base, *variant_arguments(variant), "--out", str(folder)]
-    if (folder / "config.json").exists():
+    command = [sys.executable, "-m", "subquad", "train", *flags, *variant_arguments(variant), "--out", str(folder)]
+    if resume:
         command.append("--resume")
     process = subprocess.Popen(command)
     _, status, usage = os.wait4(process.pid, 0)
@@ -70,9 +81,48 @@ def _train(variant: str, base: list[str], folder: Path) -> float | None:
     return usage.ru_maxrss / 1024  # KiB on Linux
 
 
-def compare(variants: list[str], base: list[str], out: str | Path) -> list[dict[str, Any]]:
-    """Train each variant with the flags ``base``; returns (and writes) one row per variant."""
+def _probe(variant: str, base: list[str], folder: Path) -> float:
+    """The median seconds per training step of ``variant``, from a short throw-away run in ``folder``."""
+    shutil.rmtree(folder, ignore_errors=True)
+    every = str(PROBE_STEPS)
+    flags = [*base, "--steps", every, "--eval-every", every, "--eval-windows", "1", "--checkpoint-every", every]
+    _train(variant, flags, folder, resume=False)
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
+    config = json.loads((folder / "config.json").read_text())
+    seconds = [config["batch"] * config["seq_len"] / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    shutil.rmtree(folder)
+    return statistics.median(seconds[3:])
+
+
+def _budget_steps(variant: str, base: list[str], out: Path, minutes: float) -> int:
+    """The steps that fill ``minutes`` of training for ``variant``: probed once, then read from ``budget.json``."""
+    path = out / "budget.json"
+    budget = json.loads(path.read_text()) if path.exists() else {}
+    entry = budget.get(variant)
+    if entry is None or entry["minutes"] != minutes:
+        s_per_step = _probe(variant, base, out / f".probe-{_slug(variant)}")
+        entry = {"minutes": minutes, "probe_s_per_step": s_per_step, "steps": max(1, round(minutes * 60 / s_per_step))}
+        budget[variant] = entry
+        tmp = path.with_name(f".budget.json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(budget, indent=2))
+        tmp.replace(path)
+        print(f"{variant}: {s_per_step:.3f} s/step in the probe, so {entry['steps']} steps fill {minutes:g} min",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return entry["steps"]
+
+
+def compare(
+    variants: list[str], base: list[str], out: str | Path, minutes: float | None = None
+) -> list[dict[str, Any]]:
+    """Train each variant with the flags ``base``; returns (and writes) one row per variant.
+
+    ``minutes``: an equal wall-clock budget instead of ``base``'s equal steps (see the module).
+    """
     out = Path(out)
+    if minutes is not None and not minutes > 0:
+        raise ValueError(f"minutes must be > 0, got {minutes}")
+    if minutes is not None and "--steps" in base:
+        raise ValueError("--minutes sets each variant's steps from its speed; drop --steps from the training flags")
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "compare.json"
     previous = {r["variant"]: r for r in json.loads(saved.read_text())} if saved.exists() else {}
@@ -81,8 +131,12 @@ def compare(variants: list[str], base: list[str], out: str | Path) -> list[dict[
         variant_arguments(variant)  # a bad spec fails before any training
     for variant in variants:
         folder = out / _slug(variant)
-        done = (folder / "summary.json").exists() and variant in previous
-        peak = previous[variant]["peak_mb"] if done else _train(variant, base, folder)
+        if (folder / "summary.json").exists() and variant in previous:
+            peak = previous[variant]["peak_mb"]
+        else:
+            resume = (folder / "config.json").exists()
+            steps = ["--steps", str(_budget_steps(variant, base, out, minutes))] if minutes is not None else []
+            peak = _train(variant, [*base, *steps], folder, resume)
         rows.append(_row(variant, folder, peak))
         _write(rows, out)
     _plot(rows, out)
@@ -101,11 +155,12 @@ def _write(rows: list[dict[str, Any]], out: Path) -> None:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The comparison as a markdown table."""
-    lines = ["| variant | final | best | s/step | tokens/s | peak MB |", "|---|---|---|---|---|---|"]
+    lines = ["| variant | final | best | steps | train min | s/step | tokens/s | peak MB |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         peak = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "-"
-        lines.append(f"| {r['variant']} | {r['final']:.4f} | {r['best']:.4f} | {r['s_per_step']:.3f} | "
-                     f"{r['tokens_per_s']:,.0f} | {peak} |")  # fmt: skip
+        lines.append(f"| {r['variant']} | {r['final']:.4f} | {r['best']:.4f} | {r['steps']} | "
+                     f"{r['train_minutes']:.2f} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {peak} |")  # fmt: skip
     return f"{rows[0]['metric']}:\n" + "\n".join(lines) if rows else "no variant"
 
 
