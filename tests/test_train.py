@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from subquad.train.loop import TrainConfig, train
+from subquad.train.tasks import make_task
 
 ROOT = Path(__file__).parent.parent
 SMALL = ["--seq-len", "32", "--dim", "32", "--depth", "2", "--heads", "2", "--batch", "4", "--warmup", "5",
@@ -96,6 +98,48 @@ def test_the_same_config_gives_the_same_numbers_and_learns(corpus, tmp_path):
 def test_bad_configs_are_refused(corpus, options, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**{"data": str(corpus), **options})
+
+
+def test_the_input_position_is_the_convolution_where_a_layer_is_agglomerative(corpus):
+    assert TrainConfig(data=str(corpus)).input_position() == "learned"
+    assert TrainConfig(data=str(corpus), attention="agglomerative").input_position() == "conv"
+    mix = ({"groups": [{"mechanism": "local", "heads": 2, "window": 8}, {"mechanism": "agglomerative", "heads": 2}]},)
+    assert TrainConfig(data=str(corpus), layers=mix).input_position() == "conv"
+    config = TrainConfig(data=str(corpus), attention="agglomerative", position="both", seq_len=16, dim=16, heads=1)
+    assert make_task(config).model().backbone.embed.position == "both"
+    with pytest.raises(ValueError, match="position must be one of learned, conv, both, got 'rope'"):
+        make_task(TrainConfig(data=str(corpus), position="rope", seq_len=16, dim=16, heads=1)).model()
+
+
+@pytest.mark.parametrize(
+    "device, match",
+    [("tpu", "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"), ("meta", "got 'meta'")]
+    + ([] if torch.cuda.is_available() else [("cuda", "--device cuda: this torch sees no CUDA device")]),
+)
+def test_bad_devices_are_refused_before_the_run_exists(corpus, tmp_path, device, match):
+    with pytest.raises(ValueError, match=match):
+        train(TrainConfig(data=str(corpus), out=str(tmp_path / "r"), device=device), progress=False)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+)
+def test_a_moved_run_that_lost_its_last_checkpoint_resumes_to_the_same_weights(corpus, tmp_path, device):
+    settings = dict(data=str(corpus), seq_len=32, dim=32, depth=2, heads=2, batch=4, warmup=2, eval_every=5, steps=10,
+                    eval_windows=4, checkpoint_every=5, dropout=0.1, attention="local", options=("window=8",),
+                    device=device)  # fmt: skip
+    whole = train(TrainConfig(out=str(tmp_path / "whole"), **settings), progress=False)
+    assert whole["best_val_bpb"] < 8
+    shutil.copytree(tmp_path / "whole", tmp_path / "moved")
+    shutil.rmtree(tmp_path / "moved" / "checkpoints" / "step-000000010")
+    train(TrainConfig(out=str(tmp_path / "moved"), **settings), resume=True, progress=False)
+    weights = [_final_weights(tmp_path / run) for run in ("whole", "moved")]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert json.loads((tmp_path / "moved" / "config.json").read_text())["out"] == str(tmp_path / "moved")
+    if device == "cuda":
+        bf16 = train(TrainConfig(out=str(tmp_path / "bf16"), bf16=True, **settings), progress=False)
+        assert 0 < bf16["best_val_bpb"] < 9
 
 
 def test_bad_runs_are_refused(corpus, tmp_path):

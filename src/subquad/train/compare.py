@@ -159,8 +159,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         peak = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "-"
-        lines.append(f"| {r['variant']} | {r['final']:.4f} | {r['best']:.4f} | {r['steps']} | "
-                     f"{r['train_minutes']:.2f} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {peak} |")  # fmt: skip
+        cells = [r["variant"], f"{r['final']:.4f}", f"{r['best']:.4f}", str(r["steps"]), f"{r['train_minutes']:.2f}",
+                 f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", peak]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return f"{rows[0]['metric']}:\n" + "\n".join(lines) if rows else "no variant"
 
 

@@ -75,6 +75,13 @@ class TrainConfig:
     checkpoint_every: int = setting(100, "steps between checkpoints")
     keep: int = setting(3, "checkpoints kept")
     seed: int = setting(0, "seeds the split, the batches, the weights and dropout")
+    position: str = setting(
+        "auto",
+        "how order enters: learned positions, a causal convolution (Spellings 2019) or both; "
+        "auto: the convolution where a layer is agglomerative, else learned",
+        choices=("auto", "learned", "conv", "both"),
+    )
+    device: str = setting("auto", "cpu, cuda or cuda:N; auto: cuda where available (torchrun: cuda:LOCAL_RANK)")
     bf16: bool = setting(False, "bf16 autocast", choices=_YES_NO)
     grad_checkpoint: bool = setting(False, "recompute block activations in the backward pass", choices=_YES_NO)
 
@@ -101,6 +108,13 @@ class TrainConfig:
             )
         for spec in self.attention_specs():  # an unknown mechanism, option or head split raises now
             resolve_head_groups(spec, self.heads, {})
+
+    def input_position(self) -> str:
+        """``position`` with ``auto`` resolved: the convolution input where any layer is agglomerative."""
+        if self.position != "auto":
+            return self.position
+        mechanisms = {self.attention} | {dict(g)["mechanism"] for layer in self.layers for g in layer}
+        return "conv" if "agglomerative" in mechanisms else "learned"
 
     def attention_specs(self) -> list:
         """The attention spec of each layer: ``layers``' head groups, else ``attention`` with its options."""
@@ -200,7 +214,8 @@ def _start(config: TrainConfig, resume: bool) -> None:
         if not resume:
             raise ValueError(f"{out} already holds a run; pass --resume to continue it, or choose another --out")
         before = json.loads(saved.read_text())
-        changed = {k: (before.get(k), v) for k, v in _jsonable(config).items() if before.get(k) != v and k != "steps"}
+        free = ("steps", "out", "device")  # a run may be extended, moved, or resumed on another device
+        changed = {k: (before.get(k), v) for k, v in _jsonable(config).items() if before.get(k) != v and k not in free}
         if changed:
             raise ValueError(f"--resume needs the run's config; these differ (run, now): {changed}")
     out.mkdir(parents=True, exist_ok=True)
@@ -235,12 +250,14 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     Under ``torchrun`` (``WORLD_SIZE`` > 1) it joins the process group (gloo on CPU, NCCL on GPU),
     each process computes its slice of every global batch under DDP, and only rank 0 writes.
     """
-    rank, world = _distributed()
+    device = _device(config.device)
+    rank, world = _distributed(device)
     if config.batch % (world * config.accumulate):
         raise ValueError(
             f"batch {config.batch} must split into {world} processes × accumulate={config.accumulate} equal parts"
         )
     task = make_task(config)  # bad data fails before the run exists
+    task.device = device
     out = Path(config.out)
     if rank == 0:
         _start(config, resume)
@@ -248,7 +265,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     last = checkpoint.latest(out / "checkpoints") if resume else None  # every rank, after rank 0 checked
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    model = task.model()
+    model = task.model().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
     step = 0
@@ -258,28 +275,29 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
         scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         step = state["step"]
-    runner = _Losses(model, task, world)
+    runner = _Losses(model, task, world, device)
     log = _Log(out / "metrics.jsonl", step) if rank == 0 else None
     sign = 1 if task.lower_is_better else -1
     before = [r[task.metric] * sign for r in (log.kept if log else []) if task.metric in r]
-    best, started, first = min(before, default=math.inf) * sign, time.perf_counter(), step
-    while step < config.steps:
-        loss, seconds = _step(runner, optimizer, scheduler, task, config, step, rank, world)
-        step += 1
-        record = [{"step": step, **task.train_metric(loss), "lr": scheduler.get_last_lr()[0],
-                   "tokens_per_s": config.batch * config.seq_len / seconds}]  # fmt: skip
-        if step % config.eval_every == 0 or step == config.steps:
-            val = _evaluate(model, task)  # every rank: the same numbers
-            best = min(best * sign, val * sign) * sign
-            record.append({"step": step, task.metric: val})
-        if rank == 0:
-            for r in record:
-                log.write(r)
-            if step % config.checkpoint_every == 0 or step == config.steps:
-                state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-                checkpoint.save(out / "checkpoints", step, model, {**state, "rng": checkpoint.rng_state()}, config.keep)
-            if progress:
-                _report(step, config, record[0], best, started, first)
+    best, started = min(before, default=math.inf) * sign, time.perf_counter()
+    with _Progress(config, step, progress and rank == 0) as bar:
+        while step < config.steps:
+            loss, seconds = _step(runner, optimizer, scheduler, task, config, step, rank, world)
+            step += 1
+            record = [{"step": step, **task.train_metric(loss), "lr": scheduler.get_last_lr()[0],
+                       "tokens_per_s": config.batch * config.seq_len / seconds}]  # fmt: skip
+            if step % config.eval_every == 0 or step == config.steps:
+                val = _evaluate(model, task)  # every rank: the same numbers
+                best = min(best * sign, val * sign) * sign
+                record.append({"step": step, task.metric: val})
+            if rank == 0:
+                for r in record:
+                    log.write(r)
+                if step % config.checkpoint_every == 0 or step == config.steps:
+                    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+                    state["rng"] = checkpoint.rng_state()
+                    checkpoint.save(out / "checkpoints", step, model, state, config.keep)
+            bar.update(step, record[0], best)
     summary = {"steps": step, "seconds": time.perf_counter() - started, f"best_{task.metric}": best, "processes": world}
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -290,14 +308,33 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     return summary
 
 
-def _distributed() -> tuple[int, int]:
+def _distributed(device: torch.device) -> tuple[int, int]:
     """This process's rank and the world size; joins the process group under torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), world
+
+
+def _device(name: str) -> torch.device:
+    """The device of ``--device``; under torchrun on GPUs each process takes ``cuda:LOCAL_RANK``."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}") from error
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this torch sees no CUDA device; pass --device cpu")
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    return device
 
 
 def _barrier(world: int) -> None:
@@ -319,8 +356,8 @@ class _LossForward(nn.Module):
 class _Losses:
     """Runs the loss of a batch, under DistributedDataParallel when there are several processes."""
 
-    def __init__(self, model: nn.Module, task: Any, world: int) -> None:
-        self.model, self.forward = model, _LossForward(model, task)
+    def __init__(self, model: nn.Module, task: Any, world: int, device: torch.device) -> None:
+        self.model, self.forward, self.device = model, _LossForward(model, task), device
         self.parallel = DistributedDataParallel(self.forward) if world > 1 else None
 
     def run(self, batch: Any, sync: bool) -> Tensor:
@@ -333,20 +370,46 @@ class _Losses:
             return self.parallel(batch)
 
 
-def _report(step: int, config: TrainConfig, record: dict, best: float, started: float, first: int) -> None:
-    """A progress line to stderr, about a hundred per run: the training metric, the best evaluation,
-    tokens/s and the ETA."""
-    if step % max(1, config.steps // 100) and step != config.steps:
-        return
-    elapsed = time.perf_counter() - started
-    rate = (step - first) / elapsed if elapsed > 0 else 0.0
-    eta = (config.steps - step) / rate if rate else 0.0
-    train = "  ".join(f"{k} {v:.3f}" for k, v in record.items() if k.startswith("loss"))
-    val = f"  best val {best:.3f}" if math.isfinite(best) else ""
-    tokens = rate * config.batch * config.seq_len
-    print(
-        f"step {step}/{config.steps}  {train}{val}  {tokens:,.0f} tok/s  ETA {eta:,.0f} s", file=sys.stderr, flush=True
-    )
+class _Progress:
+    """Progress on stderr: a rich bar (loss, best evaluation, tokens/s, ETA) on a terminal, else
+    about a hundred plain lines per run, which logs keep readably."""
+
+    def __init__(self, config: TrainConfig, first: int, enabled: bool) -> None:
+        self.config, self.first, self.started = config, first, time.perf_counter()
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            try:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            except ImportError:  # the train extra installs rich; plain lines without it
+                pass
+            else:
+                columns = (BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[text]}"), TimeRemainingColumn())
+                self.bar = Progress(*columns)
+                self.task = self.bar.add_task("train", total=config.steps, completed=first, text="")
+                self.bar.start()
+        self.enabled = enabled
+
+    def update(self, step: int, record: dict, best: float) -> None:
+        if not self.enabled:
+            return
+        c = self.config
+        elapsed = time.perf_counter() - self.started
+        rate = (step - self.first) / elapsed if elapsed > 0 else 0.0
+        train = "  ".join(f"{k} {v:.3f}" for k, v in record.items() if k.startswith("loss"))
+        val = f"  best val {best:.3f}" if math.isfinite(best) else ""
+        text = f"{train}{val}  {rate * c.batch * c.seq_len:,.0f} tok/s"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, text=text)
+        elif step % max(1, c.steps // 100) == 0 or step == c.steps:
+            eta = (c.steps - step) / rate if rate else 0.0
+            print(f"step {step}/{c.steps}  {text}  ETA {eta:,.0f} s", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def plot_curve(metrics: Path, png: Path, title: str = "") -> Path | None:
@@ -385,9 +448,10 @@ def _step(
     t = time.perf_counter()
     micros = task.split(task.batch(step, rank, world), config.accumulate)
     optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros(())
+    total = torch.zeros((), device=runner.device)
     for i, micro in enumerate(micros):
-        with hooks.auxiliary_losses() as aux, torch.autocast("cpu", torch.bfloat16, enabled=config.bf16):
+        autocast = torch.autocast(runner.device.type, torch.bfloat16, enabled=config.bf16)
+        with hooks.auxiliary_losses() as aux, autocast:
             loss = runner.run(micro, sync=i == len(micros) - 1)  # gradients meet once, on the last
             objective = loss + sum(aux) if aux else loss
         (objective / config.accumulate).backward()

@@ -9,6 +9,7 @@ evaluation metric.
 
 A task's training batch is a function of (seed, step), drawn whole on every process, each rank
 taking its slice: resuming needs only the step, and 1 and N processes see the same global batch.
+Batches are drawn on the CPU and moved to the task's ``device`` (``subquad train --device``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class TextTask:
     """Byte-level language modelling; the training metric is bits per byte too."""
 
     metric, lower_is_better = "val_bpb", True
+    device = torch.device("cpu")
 
     def __init__(self, config) -> None:
         self.config = config
@@ -48,12 +50,11 @@ class TextTask:
 
     def model(self) -> nn.Module:
         c = self.config
-        position = "conv" if c.attention == "agglomerative" else "learned"  # Spellings (2019)'s input
         return CausalLM(256, c.dim, c.depth, c.heads, attention=_spec(c), max_len=c.seq_len, dropout=c.dropout,
-                        seed=c.seed, position=position, checkpoint=c.grad_checkpoint)  # fmt: skip
+                        seed=c.seed, position=c.input_position(), checkpoint=c.grad_checkpoint)  # fmt: skip
 
     def batch(self, step: int, rank: int, world: int) -> Any:
-        return self.corpus.train_batch(step, self.config.batch, rank, world)
+        return self.corpus.train_batch(step, self.config.batch, rank, world).to(self.device)
 
     def split(self, batch: Any, parts: int) -> list:
         return list(batch.chunk(parts))
@@ -69,7 +70,7 @@ class TextTask:
         limit = self.config.eval_windows if limit == -1 else limit
         total = count = 0.0
         for tokens in self.corpus.eval_batches(split, self.config.batch, limit):
-            total += model.loss(tokens).item() * tokens.shape[0]
+            total += model.loss(tokens.to(self.device)).item() * tokens.shape[0]
             count += tokens.shape[0]
         return bits_per_byte(total / count)
 
@@ -79,6 +80,7 @@ class _Classification:
 
     metric, lower_is_better = "val_accuracy", False
     vocab, classes = 0, 0
+    device = torch.device("cpu")
     splits: dict[str, tuple[list[Tensor], Tensor]]
 
     def __init__(self, config) -> None:
@@ -87,12 +89,13 @@ class _Classification:
     def model(self) -> nn.Module:
         c = self.config
         return Encoder(self.vocab, c.dim, c.depth, c.heads, self.classes, attention=_spec(c), max_len=c.seq_len,
-                       dropout=c.dropout, seed=c.seed, checkpoint=c.grad_checkpoint)  # fmt: skip
+                       dropout=c.dropout, seed=c.seed, position=c.input_position(),
+                       checkpoint=c.grad_checkpoint)  # fmt: skip
 
     def _padded(self, split: str, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         sequences, labels = self.splits[split]
         ids, real = listops.pad_batch([sequences[i] for i in index.tolist()])
-        return ids, real, labels[index]
+        return ids.to(self.device), real.to(self.device), labels[index].to(self.device)
 
     def batch(self, step: int, rank: int, world: int) -> Any:
         count = len(self.splits["train"][1])
