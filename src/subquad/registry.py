@@ -192,6 +192,8 @@ class Mechanism:
         gqa: ``fn`` takes grouped-query inputs itself (k and v with H / G heads, and
             ``enable_gqa=True``) without copying them; otherwise the call repeats them.
         dropout: ``fn`` takes ``dropout_p`` (attention dropout on its weights).
+        scaled: whether ``scale`` means something (a softmax temperature): a bool, or a function of
+            the config where it depends on it. False: ``fn`` takes only ``scale=None``.
     """
 
     name: str
@@ -212,6 +214,7 @@ class Mechanism:
     uses_qk: bool = True
     gqa: bool = False
     dropout: bool = False
+    scaled: bool | Callable[[Config], bool] = True
     positions: typing.Mapping[str, str] = field(default_factory=dict, hash=False)
     examples: tuple[typing.Mapping[str, Any], ...] = field(default=({},), hash=False)
 
@@ -224,6 +227,10 @@ class Mechanism:
                     f"{self.name}: positions must map names of tensor_args {list(self.tensor_args)} to "
                     f"{QUERY!r} or {KEY!r}, got {name!r}: {side!r}"
                 )
+
+    def takes_scale(self, config: Config) -> bool:
+        """Whether ``scale`` applies under ``config`` (see ``scaled``)."""
+        return bool(self.scaled(config) if callable(self.scaled) else self.scaled)
 
     @property
     def recurrent(self) -> bool:

@@ -112,3 +112,18 @@ def test_the_decoder_equals_the_parallel_causal_form(case, data, seed):
         outputs.append(decoder.step(step.q, step.k, step.v, **step.extras))
         start = end
     torch.testing.assert_close(torch.cat(outputs, dim=2), parallel, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_scale_is_used_where_the_mechanism_says_it_applies_and_refused_elsewhere(case):
+    """``Mechanism.takes_scale``: a softmax temperature changes the output; without one, any scale raises."""
+    x = make_inputs(case, B=1, H=2, L=256, S=256, D=8, Dv=8, dtype=torch.float64, seed=3)  # several keys a tile
+    tensors = dict(x.extras)
+    if case.mech.takes_scale(case.config):
+        default = case.mech(x.q, x.k, x.v, config=case.config, **tensors)
+        assert torch.equal(default, case.mech(x.q, x.k, x.v, config=case.config, scale=8**-0.5, **tensors))
+        hotter = case.mech(x.q, x.k, x.v, config=case.config, scale=2.0, **tensors)
+        assert not torch.allclose(default, hotter)
+    else:
+        with pytest.raises(ValueError, match=r"scale"):
+            case.mech(x.q, x.k, x.v, config=case.config, scale=8**-0.5, **tensors)

@@ -295,4 +295,5 @@ MECHANISM = Mechanism(
     example_tensors=_example_logits,
     decoder=AgglomerativeDecoder,
     uses_qk=False,
+    scaled=False,
 )

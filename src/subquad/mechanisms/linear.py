@@ -143,4 +143,5 @@ MECHANISM = Mechanism(
     cross=True,
     decoder=LinearDecoder,
     examples=({"chunk": 5}, {"feature_map": "relu", "chunk": 3}, {}),
+    scaled=False,
 )

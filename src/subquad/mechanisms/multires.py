@@ -386,4 +386,5 @@ MECHANISM = Mechanism(
     inputs=MultiresInputs,
     example_tensors=_example_logits,
     decoder=KVCache,
+    scaled=lambda config: config.similarity == "softmax",
 )

@@ -1,0 +1,267 @@
+"""subquad inside pretrained Hugging Face models (transformers >= 5): every mechanism as an attention
+implementation.
+
+``register()`` adds, to transformers' ``AttentionInterface`` and to its mask interface:
+
+- ``"subquad:<mechanism>"`` for every registered mechanism, at its default options, so that
+  ``AutoModel.from_pretrained(path, attn_implementation="subquad:local")`` and
+  ``model.set_attn_implementation("subquad:local")`` work;
+- ``"subquad"``, which runs in each attention module what ``use`` set there (layers it did not
+  set run exact attention), so layers may differ.
+
+``use(model, "improved-clustered", clusters=25, layers=range(3))`` registers, sets the mechanism
+and options of the chosen layers (all by default; ``layers`` are the modules' ``layer_idx``) and
+switches the model to ``"subquad"``. ``restore(model)`` undoes it.
+
+What the model hands over is translated exactly or refused:
+
+- **Masks.** The registered mask function reduces transformers' mask to a key padding mask,
+  ``(B, 1, 1, S)`` bool (True = real), or None; causality comes from the module (``is_causal``).
+  Without a registered mask function transformers would pass no mask at all and padding would be
+  silently ignored. A mask that is not causal-or-bidirectional plus padding (a sliding window,
+  packed sequences, image overlays, any other 4-D mask) raises, naming what was found.
+- **Generation caches.** New queries are aligned to the last keys (the core's causal contract),
+  so a token decoded with transformers' cache meets the cached keys as in the parallel pass.
+- **Grouped-query models** (Llama, SmolLM2, Qwen) pass K/V with fewer heads; they go to the core
+  with ``enable_gqa`` (read in place where the mechanism can, repeated otherwise).
+- **Scale and dropout.** The model's ``scaling`` is the softmax scale; mechanisms without a softmax
+  (linear, agglomerative, kernel multires) accept only the default 1/√D, which they drop. Attention
+  dropout in training goes to mechanisms that have it; for the others it raises (``model.eval()``,
+  or set the model's attention dropout to 0).
+- **State.** Mechanisms with persistent state (routing's centroids) get one per layer, seeded by
+  the layer index, kept on the attention module as ``subquad_state`` (it follows ``.to()`` and is
+  saved with the model).
+- Mechanisms whose inputs come from learned projections the model lacks (agglomerative's class
+  logits, multires' router) are refused with that reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from subquad.registry import Config, Mechanism, attention, get_mechanism, make_config, mechanism_names
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        bidirectional_mask_function,
+        causal_mask_function,
+        prepare_padding_mask,
+    )
+except ImportError as error:  # pragma: no cover - the hf extra installs it
+    raise ImportError("subquad.hf needs transformers >= 5: pip install 'subquad[hf]'") from error
+
+__all__ = ["NAME", "LayerAttention", "attention_modules", "register", "restore", "use"]
+
+NAME = "subquad"
+
+
+@dataclass
+class LayerAttention:
+    """What one attention module of a Hugging Face model computes: a mechanism and its config."""
+
+    mechanism: Mechanism
+    config: Config
+
+    @classmethod
+    def build(cls, mechanism: str, **options: Any) -> LayerAttention:
+        mech = get_mechanism(mechanism)
+        if mech.inputs is not None:
+            raise ValueError(
+                f"{mech.name} needs inputs from learned projections a pretrained model does not have "
+                f"({', '.join(a for a in mech.tensor_args if a != 'query_padding_mask')}); it cannot be swapped in "
+                "without converting and training them"
+            )
+        return cls(mech, make_config(mech, **options))
+
+
+_FULL = None  # LayerAttention of exact attention, built on first use
+
+
+def register() -> None:
+    """Add ``"subquad"`` and ``"subquad:<mechanism>"`` for every registered mechanism to
+    transformers' attention and mask interfaces (again after new mechanisms are registered)."""
+    AttentionInterface.register(NAME, _forward)
+    AttentionMaskInterface.register(NAME, _mask)
+    for name in mechanism_names():
+        AttentionInterface.register(f"{NAME}:{name}", _named_forward(name))
+        AttentionMaskInterface.register(f"{NAME}:{name}", _mask)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that call transformers' attention interface (those with a
+    ``layer_idx`` and an ``is_causal``), in order."""
+    found = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules that transformers' attention interface drives "
+            "(modules with layer_idx and is_causal); subquad.hf supports models with _supports_attention_backend"
+        )
+    return found
+
+
+def use(model: nn.Module, mechanism: str, *, layers: Iterable[int] | None = None, **options: Any) -> nn.Module:
+    """Compute the attention of ``layers`` (their ``layer_idx``; all by default) with ``mechanism``
+    and ``options``, and switch ``model`` to ``"subquad"``; returns ``model``. Calls for different
+    layers combine; layers never set run exact attention."""
+    register()
+    spec = LayerAttention.build(mechanism, **options)
+    modules = attention_modules(model)
+    indices = sorted({m.layer_idx for m in modules})
+    chosen = set(indices) if layers is None else set(layers)
+    unknown = sorted(chosen - set(indices))
+    if unknown:
+        raise ValueError(f"{type(model).__name__} has no layer {unknown}; its layers are {indices[0]}..{indices[-1]}")
+    for module in modules:
+        if module.layer_idx in chosen:
+            module.subquad_attention = spec
+            if hasattr(module, "subquad_state"):
+                del module.subquad_state  # a new mechanism starts from a new state
+    model.set_attn_implementation(NAME)
+    return model
+
+
+def restore(model: nn.Module, implementation: str = "sdpa") -> nn.Module:
+    """Remove what ``use`` set and switch ``model`` back to ``implementation``."""
+    for module in attention_modules(model):
+        for name in ("subquad_attention", "subquad_state"):
+            if hasattr(module, name):
+                delattr(module, name)
+    model.set_attn_implementation(implementation)
+    return model
+
+
+def _named_forward(name: str):
+    def forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, **kwargs: Any):
+        spec = getattr(module, "subquad_attention", None)
+        if spec is None or spec.mechanism.name != name:
+            module.subquad_attention = LayerAttention.build(name)
+            if hasattr(module, "subquad_state"):
+                del module.subquad_state
+        return _forward(module, query, key, value, attention_mask, **kwargs)
+
+    forward.__name__ = f"subquad_{name.replace('-', '_')}_forward"
+    return forward
+
+
+def _mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = causal_mask_function,
+    attention_mask: Tensor | None = None,
+    local_size: int | None = None,
+    **kwargs: Any,
+) -> Tensor | None:
+    """transformers' mask for subquad: the key padding mask as ``(B, 1, 1, S)`` bool, or None."""
+    if local_size is not None or mask_function not in (causal_mask_function, bidirectional_mask_function):
+        what = getattr(mask_function, "__name__", "?") if local_size is None else f"a sliding window of {local_size}"
+        raise ValueError(
+            f"this model asks for a mask subquad cannot express ({what}); subquad takes causal or bidirectional "
+            "attention with padding: swap in a mechanism only for models (and inputs) without sliding windows, "
+            "packed sequences or image overlays"
+        )
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if padding is None or bool(padding.all()):
+        return None
+    return padding[:, None, None, :]
+
+
+def _key_padding(mask: Any, queries: int, keys: int, causal: bool) -> Tensor | None:
+    """The key padding mask ``(B, S)`` a 4-D mask stands for; raises where it stands for more."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or mask.dim() != 4 or mask.shape[-1] != keys:
+        shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"subquad.hf needs a (B, 1, L, {keys}) attention mask, got {shape}")
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:  # additive: 0 where allowed, -inf (or the dtype's minimum) where not
+        allowed = mask == 0
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool((allowed | blocked).all()):
+            raise ValueError("subquad.hf cannot take an additive attention bias (values other than 0 and -inf)")
+    keep = allowed[:, 0, -1, :]  # the last query: under causality too, it may see every real key
+    expected = keep[:, None, None, :]
+    if causal and allowed.shape[-2] > 1:
+        offset = keys - queries
+        rows = torch.arange(queries, device=mask.device)[:, None] + offset
+        expected = expected & (torch.arange(keys, device=mask.device) <= rows)
+    if not bool((allowed == expected).all()):
+        raise ValueError(
+            "this attention mask is not a padding mask over "
+            f"{'causal' if causal else 'bidirectional'} attention; subquad cannot express it"
+        )
+    return None if bool(keep.all()) else keep
+
+
+def _scale(spec: LayerAttention, scaling: float | None, head_dim: int) -> float | None:
+    if spec.mechanism.takes_scale(spec.config):
+        return scaling
+    if scaling is not None and abs(scaling - head_dim**-0.5) > 1e-6 * head_dim**-0.5:
+        raise ValueError(
+            f"{spec.mechanism.name} has no softmax to scale, but this model scales its attention by {scaling:g} "
+            f"(not 1/sqrt({head_dim})); its attention cannot be swapped for {spec.mechanism.name} as it is"
+        )
+    return None
+
+
+def _state(module: nn.Module, spec: LayerAttention, query: Tensor) -> nn.Module | None:
+    """The mechanism's state of this layer, made on first use, seeded by the layer index."""
+    if spec.mechanism.state is None:
+        return None
+    state = getattr(module, "subquad_state", None)
+    if state is None:
+        seed = int(getattr(module, "layer_idx", 0) or 0)
+        state = spec.mechanism.state(spec.config, query.shape[1], query.shape[-1], seed)
+        module.subquad_state = state.to(query.device).train(module.training)  # EMA updates only in training
+    return module.subquad_state
+
+
+def _forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention call: ``(B, H, L, D)`` in, ``(B, L, H, D)`` and no weights out."""
+    global _FULL
+    for name in ("position_bias", "softcap", "sliding_window", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"subquad.hf cannot take this model's {name}={kwargs[name]!r}")
+    spec = getattr(module, "subquad_attention", None)
+    if spec is None:
+        spec = _FULL = _FULL or LayerAttention.build("full")
+    if dropout and not spec.mechanism.dropout:
+        raise ValueError(
+            f"{spec.mechanism.name} has no attention dropout, but this model applies {dropout} in training: call "
+            "model.eval(), or set the model's attention dropout to 0 (e.g. attention_probs_dropout_prob, "
+            "attention_dropout or attn_pdrop in its config) before training"
+        )
+    causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
+    queries, keys = query.shape[2], key.shape[2]
+    key_padding_mask = _key_padding(attention_mask, queries, keys, causal)
+    tensors = {}
+    if "query_padding_mask" in spec.mechanism.tensor_args and key_padding_mask is not None:
+        # self-attention (with or without a cache): the queries are the last keys
+        real = key_padding_mask[:, -queries:] if queries <= keys else None
+        tensors["query_padding_mask"] = real if real is not None else torch.ones_like(query[:, 0, :, 0], dtype=bool)
+    out = attention(
+        query, key, value, None, dropout, causal, _scale(spec, scaling, query.shape[-1]),
+        enable_gqa=key.shape[1] != query.shape[1], mechanism=spec.mechanism.name, key_padding_mask=key_padding_mask,
+        config=spec.config, state=_state(module, spec, query), **tensors,
+    )  # fmt: skip
+    return out.transpose(1, 2), None
