@@ -104,7 +104,43 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("train_flags", nargs=argparse.REMAINDER, help="after --: subquad train's flags for all")
     compare.set_defaults(run=_run_compare)
+
+    approx = commands.add_parser(
+        "approx",
+        help="swap mechanisms into a pretrained Hugging Face model and measure how closely they reproduce it",
+        description="Run a local Hugging Face model (a folder, or a .gguf file) on real text, then each mechanism "
+        "swapped in, and report embedding cosine, Spearman and a probe's accuracy (encoders) or perplexity and "
+        "top-1 agreement (decoders), with the attention's time and memory at the model's longest context. "
+        "Example: subquad approx MODEL --data passages.jsonl --mechanisms improved-clustered:clusters=25 "
+        "local:window=64 --out runs/approx",
+    )
+    approx.add_argument("model", help="a local Hugging Face model folder or .gguf file")
+    approx.add_argument("--data", required=True, help="a .jsonl file (text, label), a text file or a folder of .txt")
+    approx.add_argument("--mechanisms", nargs="+", required=True, metavar="SPEC",
+                        help="NAME or NAME:option=value,... (tuple values as a|b)")  # fmt: skip
+    approx.add_argument("--out", required=True, help="folder for approx.json and approx.png")
+    approx.add_argument("--tokens", type=int, default=256, help="tokens per window (default: %(default)s)")
+    approx.add_argument("--samples", type=int, default=300, help="windows measured (default: %(default)s)")
+    approx.add_argument("--batch", type=int, default=8, help="windows per forward (default: %(default)s)")
+    approx.add_argument("--context", type=int, default=None,
+                        help="length of the speed measurement (default: the model's longest context)")  # fmt: skip
+    approx.add_argument("--no-speed", dest="speed", action="store_false", help="skip the speed measurement")
+    approx.add_argument("--seed", type=int, default=0, help="window order and probe split (default: %(default)s)")
+    approx.set_defaults(run=_run_approx)
     return parser
+
+
+def _run_approx(args: argparse.Namespace) -> int:
+    from subquad.approx import approx, format_table
+
+    for name in ("tokens", "samples", "batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    rows = approx(args.model, args.data, args.mechanisms, args.out, tokens=args.tokens, samples=args.samples,
+                  batch=args.batch, context=args.context, speed=args.speed, seed=args.seed)  # fmt: skip
+    print(format_table(rows))
+    print(f"wrote {args.out}/approx.json and approx.png")
+    return 0
 
 
 def _run_compare(args: argparse.Namespace) -> int:

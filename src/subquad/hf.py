@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from subquad.mechanisms.routing import RoutingState
 from subquad.registry import Config, Mechanism, attention, get_mechanism, make_config, mechanism_names
 
 try:
@@ -57,7 +58,7 @@ try:
 except ImportError as error:  # pragma: no cover - the hf extra installs it
     raise ImportError("subquad.hf needs transformers >= 5: pip install 'subquad[hf]'") from error
 
-__all__ = ["NAME", "LayerAttention", "attention_modules", "register", "restore", "use"]
+__all__ = ["NAME", "LayerAttention", "attention_modules", "calibratable", "calibrate", "register", "restore", "use"]
 
 NAME = "subquad"
 
@@ -82,6 +83,7 @@ class LayerAttention:
 
 
 _FULL = None  # LayerAttention of exact attention, built on first use
+_CAPTURE: dict[nn.Module, list[Tensor]] | None = None  # calibrate(): each routing layer's query and key directions
 
 
 def register() -> None:
@@ -259,9 +261,71 @@ def _forward(
         # self-attention (with or without a cache): the queries are the last keys
         real = key_padding_mask[:, -queries:] if queries <= keys else None
         tensors["query_padding_mask"] = real if real is not None else torch.ones_like(query[:, 0, :, 0], dtype=bool)
+    if _CAPTURE is not None and module in _CAPTURE:
+        _capture(module, query, key, key_padding_mask)
     out = attention(
         query, key, value, None, dropout, causal, _scale(spec, scaling, query.shape[-1]),
         enable_gqa=key.shape[1] != query.shape[1], mechanism=spec.mechanism.name, key_padding_mask=key_padding_mask,
         config=spec.config, state=_state(module, spec, query), **tensors,
     )  # fmt: skip
     return out.transpose(1, 2), None
+
+
+def _capture(module: nn.Module, query: Tensor, key: Tensor, key_padding_mask: Tensor | None) -> None:
+    """Keep the directions ``(H, n, D)`` of one call's real queries and keys for ``calibrate``."""
+    key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    for x in (query, key):
+        x = nn.functional.normalize(x.detach().float(), dim=-1).transpose(0, 1)  # (H, B, N, D)
+        if key_padding_mask is not None:
+            x = x[:, key_padding_mask[:, -x.shape[2] :]]  # (H, n, D): the real tokens
+        _CAPTURE[module].append(x.reshape(x.shape[0], -1, x.shape[-1]))
+
+
+def calibratable(spec: LayerAttention | str | None) -> bool:
+    """Whether ``calibrate`` fits this mechanism (its state holds routing centroids)."""
+    if spec is None:
+        return False
+    mech = get_mechanism(spec) if isinstance(spec, str) else spec.mechanism
+    return mech.state is not None and issubclass(mech.state, RoutingState)
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]], iterations: int = 20, seed: int = 0) -> int:
+    """Fit the centroids of every routing layer by spherical k-means on the directions of the
+    model's own queries and keys over ``batches`` (keyword arguments of the model's forward);
+    returns the number of layers fitted. Routing's centroids start random otherwise, and a
+    pretrained model's queries and keys do not lie where random directions cut them."""
+    global _CAPTURE
+    routed = [m for m in attention_modules(model) if calibratable(getattr(m, "subquad_attention", None))]
+    if not routed:
+        raise ValueError("no layer of this model has a mechanism with centroids; subquad.hf.use(model, 'routing')")
+    _CAPTURE = {m: [] for m in routed}
+    try:
+        for batch in batches:
+            model(**batch)
+    finally:
+        captured, _CAPTURE = _CAPTURE, None
+    for module in routed:
+        if not captured[module]:
+            raise ValueError("calibrate saw no batch; pass at least one")
+        centroids = module.subquad_state.centroids
+        points = torch.cat(captured[module], dim=1)
+        centroids.copy_(spherical_kmeans(points, centroids.shape[1], iterations, seed + module.layer_idx))
+    return len(routed)
+
+
+def spherical_kmeans(points: Tensor, clusters: int, iterations: int, seed: int) -> Tensor:
+    """Unit centroids ``(H, C, D)`` of unit ``points`` ``(H, n, D)``: Lloyd's iterations with the dot
+    product, from C distinct seeded points; a cluster left empty keeps its centroid."""
+    H, n, D = points.shape
+    if n < clusters:
+        raise ValueError(f"calibration saw {n} tokens per head, fewer than clusters={clusters}; pass more batches")
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.stack([torch.randperm(n, generator=generator)[:clusters] for _ in range(H)]).to(points.device)
+    centroids = torch.gather(points, 1, start[..., None].expand(-1, -1, D))
+    for _ in range(iterations):
+        assign = torch.bmm(points, centroids.transpose(1, 2)).argmax(-1)  # (H, n)
+        sums = torch.zeros_like(centroids).scatter_add_(1, assign[..., None].expand(-1, -1, D), points)
+        filled = sums.norm(dim=-1, keepdim=True) > 0
+        centroids = torch.where(filled, nn.functional.normalize(sums, dim=-1), centroids)
+    return centroids

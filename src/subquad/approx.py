@@ -1,0 +1,341 @@
+"""``subquad approx``: how closely each mechanism, swapped into a pretrained Hugging Face model,
+reproduces the model's own outputs on real text.
+
+The text is cut into windows of exactly ``tokens`` tokens (passages packed one after another, within
+a label where the data has labels). The original model runs once; then each mechanism in turn
+(``subquad.hf.use``; routing's centroids calibrated first on the model's own queries and keys).
+
+- Encoders: mean-pooled embeddings; their cosine to the original's (mean and 5th percentile),
+  Spearman's correlation of all pairwise similarities, and, where the data has labels, the accuracy
+  of a logistic-regression probe trained on one half of the windows and tested on the other (for
+  the original and for the swapped embeddings).
+- Decoders: perplexity of the windows' next tokens, and top-1 next-token agreement with the original.
+- Both: time and peak memory of the attention alone at the model's longest context, against the
+  original's (``subquad bench``'s measurement, at the model's heads and head size).
+
+``approx.json`` is rewritten after each mechanism (a rerun skips those done), the table printed, and
+``approx.png`` plots quality against speed.
+
+Data: a ``.jsonl`` file of ``{"text": ..., "label": ...}`` lines (label optional), a text file of
+passages separated by blank lines, or a folder of ``.txt`` files (labelled by their subfolder).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Windows", "approx", "format_table", "load_model", "parse_spec", "read_passages", "token_windows"]
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME`` or ``NAME:option=value,option=value`` (tuples as ``a|b``) as (name, options)."""
+    name, _, text = spec.partition(":")
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"a mechanism spec is NAME or NAME:option=value,..., got {spec!r}")
+        options[key] = tuple(_value(v) for v in value.split("|")) if "|" in value else _value(value)
+    if not name:
+        raise ValueError(f"a mechanism spec is NAME or NAME:option=value,..., got {spec!r}")
+    return name, options
+
+
+def _value(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_passages(path: str | Path) -> tuple[list[str], list[str] | None]:
+    """The passages of ``path`` and their labels (None where the data has none)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.rglob("*.txt"))
+        if not files:
+            raise ValueError(f"{path} holds no .txt files")
+        texts = [f.read_text(errors="replace") for f in files]
+        nested = all(f.parent != path for f in files)
+        return texts, [str(f.parent.relative_to(path)) for f in files] if nested else None
+    if not path.is_file():
+        raise FileNotFoundError(f"no text data at {path}: pass a .jsonl file, a text file or a folder of .txt files")
+    if path.suffix == ".jsonl":
+        texts, labels = [], []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                texts.append(str(record["text"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise ValueError(f"{path}:{number}: each line must be a JSON object with a text field") from error
+            labels.append(record.get("label"))
+        has = [label is not None for label in labels]
+        if any(has) and not all(has):
+            raise ValueError(f"{path}: some lines have a label and some do not; label all or none")
+        return texts, [str(label) for label in labels] if all(has) and labels else None
+    return [p.strip() for p in path.read_text(errors="replace").split("\n\n") if p.strip()], None
+
+
+@dataclass
+class Windows:
+    """Token windows ``(n, tokens)`` and their labels."""
+
+    ids: Tensor
+    labels: list[str] | None
+
+
+def token_windows(tokenizer: Any, texts: list[str], labels: list[str] | None, tokens: int, limit: int,
+                  seed: int = 0) -> Windows:  # fmt: skip
+    """Windows of exactly ``tokens`` tokens (special tokens included), packed from consecutive
+    passages of one label, shuffled with ``seed``; at most ``limit``."""
+    prefix, suffix = _special_tokens(tokenizer)
+    room = tokens - len(prefix) - len(suffix)
+    if room < 1:
+        raise ValueError(f"tokens={tokens} leaves no room beside the tokenizer's {tokens - room} special tokens")
+    groups: dict[str | None, list[int]] = {}
+    windows: list[tuple[list[int], str | None]] = []
+    for text, label in zip(texts, labels or [None] * len(texts)):
+        run = groups.setdefault(label, [])
+        run.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if tokenizer.eos_token_id is not None and tokenizer.cls_token_id is None:
+            run.append(tokenizer.eos_token_id)
+        while len(run) >= room:
+            windows.append((prefix + run[:room] + suffix, label))
+            del run[:room]
+    if not windows:
+        raise ValueError(f"the text holds no window of {tokens} tokens; pass more text or fewer --tokens")
+    random.Random(seed).shuffle(windows)
+    windows = windows[:limit]
+    ids = torch.tensor([w for w, _ in windows])
+    return Windows(ids, [label for _, label in windows] if labels is not None else None)
+
+
+def _special_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The tokens the tokenizer puts before and after a text (e.g. BERT's [CLS] and [SEP])."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    wrapped = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(wrapped) - len(plain) + 1):
+        if wrapped[start : start + len(plain)] == plain:
+            return wrapped[:start], wrapped[start + len(plain) :]
+    return [], []
+
+
+def load_model(path: str | Path) -> tuple[nn.Module, Any, bool]:
+    """A local model folder (or a ``.gguf`` file) as (model in eval mode, tokenizer, is_decoder)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path}: pass a local Hugging Face model folder or a .gguf file")
+    where = {"pretrained_model_name_or_path": str(path), "local_files_only": True}
+    if path.suffix == ".gguf":
+        where = {**where, "pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    config = AutoConfig.from_pretrained(**where)
+    decoder = bool(getattr(config, "is_decoder", False)) or any(
+        a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or []
+    )
+    model = (AutoModelForCausalLM if decoder else AutoModel).from_pretrained(**where, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(**where), decoder
+
+
+@torch.no_grad()
+def _outputs(model: nn.Module, windows: Windows, batch: int, decoder: bool) -> dict[str, Tensor]:
+    """Encoders: unit mean-pooled embeddings ``(n, E)``. Decoders: next-token log-losses ``(n, T-1)``
+    and predictions ``(n, T-1)``."""
+    parts: dict[str, list[Tensor]] = {}
+    for start in range(0, len(windows.ids), batch):
+        ids = windows.ids[start : start + batch]
+        if decoder:
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            loss = nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+            parts.setdefault("loss", []).append(loss)
+            parts.setdefault("top1", []).append(logits.argmax(-1))
+        else:
+            hidden = model(input_ids=ids).last_hidden_state.float().mean(1)
+            parts.setdefault("embedding", []).append(nn.functional.normalize(hidden, dim=-1))
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def _ranks(x: Tensor) -> Tensor:
+    return torch.empty_like(x).scatter_(0, x.argsort(), torch.arange(len(x), dtype=x.dtype))
+
+
+def spearman(a: Tensor, b: Tensor) -> float:
+    """Spearman's rank correlation of two 1-D tensors."""
+    ra, rb = _ranks(a.double()), _ranks(b.double())
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def probe_accuracy(embeddings: Tensor, labels: list[str], seed: int = 0) -> float:
+    """Test accuracy of a multinomial logistic regression (L2, LBFGS) trained on a seeded half."""
+    names = sorted(set(labels))
+    y = torch.tensor([names.index(label) for label in labels])
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    train, test = order[: len(y) // 2], order[len(y) // 2 :]
+    x = embeddings.double()
+    mean, std = x[train].mean(0), x[train].std(0).clamp_min(1e-6)
+    x = (x - mean) / std
+    weight = torch.zeros(x.shape[1], len(names), dtype=x.dtype, requires_grad=True)
+    bias = torch.zeros(len(names), dtype=x.dtype, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weight, bias], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(x[train] @ weight + bias, y[train]) + 1e-3 * weight.square().sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        optimizer.step(closure)
+    return float(((x[test] @ weight + bias).argmax(-1) == y[test]).double().mean())
+
+
+def _quality(original: dict[str, Tensor], swapped: dict[str, Tensor], labels: list[str] | None) -> dict[str, Any]:
+    if "loss" in original:
+        return {
+            "perplexity": math.exp(float(swapped["loss"].mean())),
+            "top1_agreement": float((swapped["top1"] == original["top1"]).double().mean()),
+        }
+    a, b = original["embedding"], swapped["embedding"]
+    cosine = (a * b).sum(-1)
+    upper = torch.triu_indices(len(a), len(a), 1)
+    pairs = lambda e: (e @ e.T)[upper[0], upper[1]]  # noqa: E731
+    row = {"cosine": float(cosine.mean()), "cosine_p5": float(cosine.quantile(0.05)),
+           "spearman": spearman(pairs(a), pairs(b))}  # fmt: skip
+    if labels is not None:
+        row["probe_accuracy"] = probe_accuracy(b, labels)
+    return row
+
+
+def _speed(model: nn.Module, specs: list[str], context: int, causal: bool) -> dict[str, dict[str, Any]]:
+    """Time and peak memory of each mechanism's attention at ``context``, with the model's heads."""
+    from subquad.bench.runner import BenchSettings, Variant, run_bench
+
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    variants = [Variant(name, tuple(sorted(options.items()))) for name, options in map(parse_spec, specs)]
+    settings = BenchSettings(variants=variants, lengths=(context,), heads=heads, head_dim=head_dim, causal=(causal,),
+                             backward=(False,), repeats=5, warmup_seconds=1.0, max_seconds=3.0)  # fmt: skip
+    rows = {r["mechanism"]: r for r in run_bench(settings)}
+    labels = {"original": "full", **{spec: variant.label for spec, variant in zip(specs, variants)}}
+    out = {}
+    for spec, label in labels.items():
+        row = rows.get(label, {})
+        peak = row["peak_bytes"] / 2**20 if row.get("peak_bytes") else None
+        ratio = 1.0 if spec == "original" else row.get("ratio")
+        out[spec] = {"time_ms": row.get("time_s", math.nan) * 1e3, "ratio": ratio, "peak_mb": peak}
+    return out
+
+
+def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str | Path, *, tokens: int = 256,
+           samples: int = 300, batch: int = 8, context: int | None = None, calibration: int = 16,
+           speed: bool = True, seed: int = 0) -> list[dict[str, Any]]:  # fmt: skip
+    """Measure each mechanism spec against the original model; returns (and writes) the rows."""
+    from subquad import hf
+
+    for spec in specs:
+        name, options = parse_spec(spec)
+        hf.LayerAttention.build(name, **options)  # a bad spec fails before the model loads
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer, decoder = load_model(model_path)
+    texts, labels = read_passages(data)
+    windows = token_windows(tokenizer, texts, labels, tokens, samples + calibration, seed)
+    calib = Windows(windows.ids[samples:], None)
+    windows = Windows(windows.ids[:samples], windows.labels[:samples] if windows.labels else None)
+    if len(windows.ids) < 2:
+        raise ValueError(f"the text gives {len(windows.ids)} window(s) of {tokens} tokens; pass more text")
+    settings = {"model": str(model_path), "data": str(data), "tokens": tokens, "samples": len(windows.ids),
+                "decoder": decoder, "seed": seed}  # fmt: skip
+    saved = out / "approx.json"
+    previous = json.loads(saved.read_text()) if saved.exists() else {}
+    done = {r["spec"]: r for r in previous.get("rows", [])} if previous.get("settings") == settings else {}
+    original = _outputs(model, windows, batch, decoder)
+    rows = [done.get("original") or {"spec": "original", **_quality(original, original, windows.labels)}]
+    for spec in specs:
+        if spec in done:
+            rows.append(done[spec])
+            continue
+        name, options = parse_spec(spec)
+        hf.use(model, name, **options)
+        if hf.calibratable(name):
+            hf.calibrate(model, [{"input_ids": calib.ids[i : i + batch]} for i in range(0, len(calib.ids), batch)])
+        rows.append({"spec": spec, **_quality(original, _outputs(model, windows, batch, decoder), windows.labels)})
+        hf.restore(model)
+        _write(saved, settings, rows)
+        print(format_table(rows[-1:], header=False), flush=True)
+    if speed and not all("time_ms" in r for r in rows):
+        longest = context or int(getattr(model.config, "max_position_embeddings", tokens))
+        timing = _speed(model, specs, longest, decoder)
+        for r in rows:
+            r.update(timing.get(r["spec"], {}), context=longest)
+    _write(saved, settings, rows)
+    _plot(rows, out / "approx.png", decoder)
+    return rows
+
+
+def _write(path: Path, settings: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
+    tmp.replace(path)
+
+
+_COLUMNS = {
+    "cosine": ("cosine", "{:.4f}"), "cosine_p5": ("cosine p5", "{:.4f}"), "spearman": ("Spearman", "{:.4f}"),
+    "probe_accuracy": ("probe acc", "{:.3f}"), "perplexity": ("perplexity", "{:.2f}"),
+    "top1_agreement": ("top-1 agree", "{:.3f}"), "time_ms": ("attn ms", "{:.1f}"), "ratio": ("÷ original", "{:.2f}"),
+    "peak_mb": ("peak MB", "{:.0f}"),
+}  # fmt: skip
+
+
+def format_table(rows: list[dict[str, Any]], header: bool = True) -> str:
+    """The rows as a markdown table."""
+    keys = [k for k in _COLUMNS if any(k in r for r in rows)]
+    lines = []
+    if header:
+        lines = ["| spec | " + " | ".join(_COLUMNS[k][0] for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for r in rows:
+        cells = [_COLUMNS[k][1].format(r[k]) if isinstance(r.get(k), (int, float)) else "-" for k in keys]
+        lines.append(f"| {r['spec']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, decoder: bool) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    key = "perplexity" if decoder else "cosine"
+    points = [(r.get("ratio"), r[key], r["spec"]) for r in rows if r.get("ratio") is not None and key in r]
+    if not points:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for x, y, label in points:
+        ax.scatter(x, y)
+        ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set(xlabel="attention time ÷ original (lower is faster)", ylabel=key, title="subquad approx")
+    if decoder:
+        ax.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,150 @@
+"""subquad approx and subquad.hf.calibrate on tiny models saved to disk with a word-level tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5")
+
+from transformers import BertConfig, BertModel, BertTokenizerFast, GPT2Config, GPT2LMHeadModel
+
+from subquad import approx as ap
+from subquad import hf
+
+WORDS = "the a of and to in is was for on as with by at from it an be this that which or are his her".split()
+TOPICS = {"cats": "cat purr whisker mouse fur paw".split(), "ships": "ship sail harbour mast keel deck".split()}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("approx")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *(w for ws in TOPICS.values() for w in ws)]
+    (folder / "vocab.txt").write_text("\n".join(vocab))
+    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(60):
+        label = list(TOPICS)[i % 2]
+        pool = WORDS + TOPICS[label] * 3
+        words = [pool[j] for j in torch.randint(0, len(pool), (40,), generator=g).tolist()]
+        lines.append(json.dumps({"text": " ".join(words), "label": label}))
+    (folder / "passages.jsonl").write_text("\n".join(lines) + "\n")
+    torch.manual_seed(0)
+    encoder = BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=64, max_position_embeddings=64, initializer_range=0.5),
+                      add_pooling_layer=False)  # fmt: skip
+    encoder.save_pretrained(folder / "encoder")
+    tokenizer.save_pretrained(folder / "encoder")
+    decoder = GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                          initializer_range=0.5))  # attention that matters
+    decoder.save_pretrained(folder / "decoder")
+    tokenizer.save_pretrained(folder / "decoder")
+    return folder
+
+
+def test_an_encoder_s_full_attention_reproduces_it_and_others_are_scored(data, tmp_path):
+    rows = ap.approx(data / "encoder", data / "passages.jsonl", ["full", "local:window=4", "routing:clusters=2"],
+                     tmp_path, tokens=32, samples=20, batch=4, calibration=4, speed=False)  # fmt: skip
+    by = {r["spec"]: r for r in rows}
+    assert by["original"]["cosine"] == pytest.approx(1.0) and by["original"]["spearman"] == pytest.approx(1.0)
+    assert by["full"]["cosine"] == pytest.approx(1.0, abs=1e-6) and by["full"]["spearman"] == pytest.approx(1.0)
+    assert by["full"]["probe_accuracy"] == by["original"]["probe_accuracy"]
+    assert 0 < by["local:window=4"]["cosine"] < 1 - 1e-4 and by["local:window=4"]["cosine_p5"] <= by["local:window=4"][
+        "cosine"]  # fmt: skip
+    assert -1 <= by["routing:clusters=2"]["spearman"] <= 1
+    saved = json.loads((tmp_path / "approx.json").read_text())
+    assert [r["spec"] for r in saved["rows"]] == ["original", "full", "local:window=4", "routing:clusters=2"]
+    assert saved["settings"]["samples"] == 20 and not saved["settings"]["decoder"]
+
+
+def test_a_decoder_s_perplexity_and_agreement_and_the_speed_columns(data, tmp_path):
+    rows = ap.approx(data / "decoder", data / "passages.jsonl", ["full", "local:window=3"], tmp_path, tokens=32,
+                     samples=8, batch=4, context=32)  # fmt: skip
+    by = {r["spec"]: r for r in rows}
+    assert by["full"]["perplexity"] == pytest.approx(by["original"]["perplexity"], rel=1e-5)
+    assert by["full"]["top1_agreement"] == 1.0 and by["original"]["top1_agreement"] == 1.0
+    assert by["local:window=3"]["top1_agreement"] < 1.0
+    assert all(r["time_ms"] > 0 and r["context"] == 32 and r["ratio"] > 0 for r in rows)
+    assert (tmp_path / "approx.png").stat().st_size > 0
+    table = ap.format_table(rows)
+    assert "| local:window=3 |" in table and "perplexity" in table and "÷ original" in table
+
+
+def test_a_rerun_keeps_the_mechanisms_it_measured(data, tmp_path):
+    settings = dict(tokens=32, samples=10, batch=5, speed=False)
+    first = ap.approx(data / "encoder", data / "passages.jsonl", ["local:window=4"], tmp_path, **settings)
+    stamp = (tmp_path / "approx.json").read_text()
+    rows = ap.approx(data / "encoder", data / "passages.jsonl", ["local:window=4", "linear"], tmp_path, **settings)
+    assert rows[:2] == first and [r["spec"] for r in rows] == ["original", "local:window=4", "linear"]
+    assert json.loads(stamp)["rows"] == first
+
+
+def test_calibration_fits_routing_centroids_to_the_model_s_queries_and_keys(data):
+    model = hf.use(BertModel.from_pretrained(data / "encoder").eval(), "routing", clusters=3)
+    ids = torch.randint(5, 30, (4, 32), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids)
+    before = [m.subquad_state.centroids.clone() for m in hf.attention_modules(model)]
+    captured = {}
+    hf._CAPTURE = {m: [] for m in hf.attention_modules(model)}
+    try:
+        model(input_ids=ids)
+        captured = hf._CAPTURE
+    finally:
+        hf._CAPTURE = None
+    assert hf.calibrate(model, [{"input_ids": ids}]) == 2
+    for module, old in zip(hf.attention_modules(model), before):
+        points = torch.cat(captured[module], dim=1)
+        new = module.subquad_state.centroids
+        fit_new, fit_old = (torch.bmm(points, c.transpose(1, 2)).amax(-1).mean() for c in (new, old))
+        assert torch.allclose(new.norm(dim=-1), torch.ones(()), atol=1e-5) and fit_new > fit_old
+    with pytest.raises(ValueError, match="no layer of this model has a mechanism with centroids"):
+        hf.calibrate(hf.use(model, "local", window=4), [{"input_ids": ids}])
+
+
+def test_spearman_and_the_probe_on_known_answers():
+    x = torch.arange(10.0)
+    assert ap.spearman(x, x**3) == pytest.approx(1.0) and ap.spearman(x, -x) == pytest.approx(-1.0)
+    g = torch.Generator().manual_seed(0)
+    labels = ["a", "b"] * 40
+    separable = torch.randn(80, 4, generator=g) + torch.tensor([[3.0, 0, 0, 0], [-3.0, 0, 0, 0]]).repeat(40, 1)
+    assert ap.probe_accuracy(separable, labels) == 1.0
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"text": "a"}\n{"label": "x"}\n', r"passages.jsonl:2: each line must be a JSON object with a text field"),
+        ('{"text": "a", "label": "x"}\n{"text": "b"}\n', "some lines have a label and some do not"),
+    ],
+)
+def test_malformed_data_is_named(tmp_path, text, match):
+    (tmp_path / "passages.jsonl").write_text(text)
+    with pytest.raises(ValueError, match=match):
+        ap.read_passages(tmp_path / "passages.jsonl")
+
+
+def test_bad_inputs_are_refused(data, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no text data at .*missing.jsonl"):
+        ap.read_passages(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="holds no .txt files"):
+        ap.read_passages(tmp_path)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.txt").write_text("one")
+    assert ap.read_passages(tmp_path) == (["one"], ["a"])
+    with pytest.raises(ValueError, match="a mechanism spec is NAME or NAME:option=value"):
+        ap.parse_spec("local:window")
+    assert ap.parse_spec("multires:rates=0.5|0.25,similarity=softmax") == (
+        "multires", {"rates": (0.5, 0.25), "similarity": "softmax"})  # fmt: skip
+    with pytest.raises(ValueError, match="agglomerative needs inputs from learned projections"):
+        ap.approx(data / "encoder", data / "passages.jsonl", ["agglomerative"], tmp_path / "o")
+    with pytest.raises(ValueError, match="holds no window of 4096 tokens"):
+        ap.approx(data / "encoder", data / "passages.jsonl", ["local"], tmp_path / "o", tokens=4096, speed=False)
+    cli = [sys.executable, "-m", "subquad", "approx", str(tmp_path / "none"), "--data", str(data / "passages.jsonl"),
+           "--mechanisms", "local", "--out", str(tmp_path / "o")]  # fmt: skip
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no model at" in done.stderr and "Traceback" not in done.stderr
