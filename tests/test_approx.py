@@ -40,8 +40,9 @@ def data(tmp_path_factory):
                       add_pooling_layer=False)  # fmt: skip
     encoder.save_pretrained(folder / "encoder")
     tokenizer.save_pretrained(folder / "encoder")
-    decoder = GPT2LMHeadModel(GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                          initializer_range=0.5))  # attention that matters
+    decoder = GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(vocab), n_embd=32, n_layer=2, n_head=4, n_positions=64, initializer_range=0.5)
+    )  # attention that matters
     decoder.save_pretrained(folder / "decoder")
     tokenizer.save_pretrained(folder / "decoder")
     return folder
