@@ -43,6 +43,36 @@ def test_local_equals_full_under_the_dense_band_mask(B, H, L, S, window, is_caus
     assert (out - dense_local(q, k, v, kpm, is_causal, window)).abs().max() <= 1e-10
 
 
+def sink_mask(L, S, sinks, is_causal):
+    """The first ``sinks`` keys for every query (causal: those up to its position)."""
+    i = torch.arange(L)[:, None] + (S - L)
+    j = torch.arange(S)[None, :]
+    return (j < sinks) & (j <= i) if is_causal else (j < sinks).expand(L, S)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    L=st.integers(1, 130), S=st.integers(1, 130), window=st.sampled_from([1, 3, 17, 64]),
+    sinks=st.sampled_from([1, 2, 4, 40]), is_causal=st.booleans(), pad=st.booleans(), Dv=st.sampled_from([5, 8]),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_sinks_equal_full_under_the_dense_band_and_sink_mask(L, S, window, sinks, is_causal, pad, Dv, seed):
+    q, k, v = qkv(2, 2, L, S, 8, Dv, seed=seed)
+    kpm = padding(2, S, seed) if pad else None
+    config = LocalConfig(window=window, sinks=sinks)
+    out = local_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config)
+    mask = band_mask(L, S, window, is_causal) | sink_mask(L, S, sinks, is_causal)
+    assert (out - full_attention(q, k, v, key_padding_mask=kpm, attn_mask=mask)).abs().max() <= 1e-10
+
+
+def test_sinks_change_only_the_queries_whose_window_leaves_them_out():
+    q, k, v = qkv(1, 2, 60, 60, 8)
+    plain = local_attention(q, k, v, is_causal=True, config=LocalConfig(window=10))
+    sunk = local_attention(q, k, v, is_causal=True, config=LocalConfig(window=10, sinks=2))
+    assert torch.equal(sunk[:, :, :10], plain[:, :, :10])  # positions < 10 see keys 0 and 1 already
+    assert ((sunk[:, :, 11:] - plain[:, :, 11:]).abs().amax(-1) > 0).all()
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_a_window_covering_the_sequence_is_full_attention(is_causal):
     q, k, v = qkv(2, 2, 90, 90, 8)
@@ -245,6 +275,19 @@ def test_window_cache_equals_parallel_token_by_token():
     steps = [cache.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(30, 120)]
     assert (torch.cat([first, *steps], dim=2) - parallel).abs().max() <= 1e-12
     assert cache.keys.shape[2] == 15, "the cache holds window - 1 keys, whatever the prefix"
+
+
+@pytest.mark.parametrize("window, sinks", [(16, 4), (1, 2), (8, 30)])
+def test_window_cache_with_sinks_keeps_them_and_equals_parallel(window, sinks):
+    q, k, v = qkv(2, 3, 100, 100, 8)
+    config = LocalConfig(window=window, sinks=sinks)
+    parallel = local_attention(q, k, v, is_causal=True, config=config)
+    cache = WindowCache(get_mechanism("local"), config, None)
+    first = cache.step(q[:, :, :30], k[:, :, :30], v[:, :, :30])
+    steps = [cache.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(30, 100)]
+    assert (torch.cat([first, *steps], dim=2) - parallel).abs().max() <= 1e-12
+    assert cache.keys.shape[2] == sinks + window - 1
+    assert torch.equal(cache.keys[:, :, :sinks], k[:, :, :sinks])
 
 
 def test_window_cache_rejects_bad_steps():

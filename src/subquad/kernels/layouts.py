@@ -33,7 +33,10 @@ from torch import Tensor
 
 from subquad.masks import MaskMod
 
-__all__ = ["Group", "MaskFacts", "Views", "band_groups", "query_slots", "segment_groups", "strided_view"]
+__all__ = [
+    "Group", "MaskFacts", "Views", "band_groups", "query_slots", "segment_groups", "sink_groups", "sink_mask",
+    "strided_view",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,35 @@ def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod
             facts = MaskFacts()
         groups.append(Group(rows, cols.unsqueeze(0), allowed, facts, views))
     return groups
+
+
+def sink_mask(sinks: int, covered: MaskMod, is_causal: bool, offset: int) -> MaskMod:
+    """The first ``sinks`` keys that ``covered`` (the rest of the pattern) leaves out: the sink part,
+    disjoint from the pattern; causal: only keys up to the query's position ``q_idx + offset``."""
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        sink = (kv_idx < sinks) & ~covered(b, h, q_idx, kv_idx)
+        return sink & (kv_idx <= q_idx + offset) if is_causal else sink
+
+    return mask_mod
+
+
+def sink_groups(L: int, sinks: int, block: int, heads: int, mask_mod: MaskMod, device) -> list[Group]:
+    """Blocks of ``block`` consecutive queries against the first ``sinks`` keys (StreamingLLM's
+    attention sinks), under ``mask_mod`` (``sink_mask``), evaluated per head where it depends on
+    the head. ``sinks`` must not exceed the number of keys."""
+    n = -(-L // block)
+    queries = torch.arange(n * block, device=device).view(n, block)
+    queries = queries.masked_fill(queries >= L, L)
+    keys = torch.arange(sinks, device=device).expand(1, n, sinks)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    head = torch.arange(heads, device=device).view(heads, 1, 1, 1)
+
+    def allowed(start: int, stop: int) -> Tensor:
+        rows, cols = queries[start:stop, :, None], keys[0, start:stop, None, :]
+        return mask_mod(zero, head, rows, cols) & (rows < L)  # (H, n, bq, W)
+
+    return [Group(queries, keys, allowed, MaskFacts(in_range=True))]
 
 
 def _edge_source(begin: int, length: int, S: int) -> Callable[[Tensor, int], Tensor]:

@@ -26,8 +26,13 @@ backward scatters, which makes forward+backward slower (docs/performance.md). Th
 differ only in rounding, so a reentrant checkpoint (whose first forward runs without gradients)
 recomputes slightly different values than it first returned.
 
-**Decoding.** ``WindowCache`` keeps the last ``window - 1`` keys and values: each new token attends
-to them and itself, so decoding cost and memory do not grow with the prompt.
+**Sinks.** ``sinks = s`` keeps the first s keys visible to every query (causal: those before it),
+besides its window: StreamingLLM's attention sinks (Xiao et al. 2024), which pretrained decoders
+lean on. They are a second, disjoint part of the block-sparse engine (``kernels.layouts.sink_groups``):
+each query block against the first s keys its window leaves out.
+
+**Decoding.** ``WindowCache`` keeps the sinks and the last ``window - 1`` keys and values: each new
+token attends to them and itself, so decoding cost and memory do not grow with the prompt.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
 from subquad.kernels import native as _native
 from subquad.kernels.blocksparse import block_sparse_attention
-from subquad.kernels.layouts import band_groups
+from subquad.kernels.layouts import band_groups, sink_groups, sink_mask
 from subquad.kernels.softmax import fused_available
 from subquad.kernels.tuning import TUNING
 from subquad.masks import MaskMod
@@ -59,6 +64,7 @@ __all__ = ["LocalConfig", "WindowCache", "local_attention", "window_mask"]
 class LocalConfig(Config):
     mechanism = "local"
     window: int = option(256, "w: keys with |p − j| < w (causal: the last w, itself included)", ge=1)
+    sinks: int = option(0, "the first s keys are visible to every query as well (StreamingLLM's attention sinks)", ge=0)
     kernel: str = kernel_option()
 
 
@@ -109,16 +115,22 @@ def local_attention(
     fused = config.kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
     native = config.kernel == "native" and _native.supports(q, k, v) is None  # runs Dv != D too
     block = TUNING.local_inference_block if (fused or native) and not needs_grad else TUNING.local_block
-    groups = band_groups(L, offset, left, right, min(block, L), window_mask(w, is_causal, offset), q.device)
-    return block_sparse_attention(q, k, v, [groups], key_padding_mask, shape.scale, config.kernel)
+    window = window_mask(w, is_causal, offset)
+    parts = [band_groups(L, offset, left, right, min(block, L), window, q.device)]
+    sinks = min(config.sinks, S)
+    # the part is needed where some query's window leaves out a sink: the last query misses key 0,
+    # or (non-causal, L > S) the first query, before the keys, misses the last sink
+    if sinks and (offset + L - 1 >= w or (not is_causal and sinks - 1 - offset >= w)):
+        parts.append(sink_groups(L, sinks, min(block, L), 1, sink_mask(sinks, window, is_causal, offset), q.device))
+    return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel)
 
 
 class WindowCache(Decoder):
-    """Decoding cache of the last ``window - 1`` keys and values: each step attends the new tokens
-    to them and to each other, so its cost is independent of the prompt length."""
+    """Decoding cache of the first ``sinks`` and the last ``window - 1`` keys and values: each step
+    attends the new tokens to them and to each other, so its cost is independent of the prompt length."""
 
     recurrent = True
-    description = "window cache (the last window - 1 keys and values: O(window) per head)"
+    description = "window cache (the sinks and the last window - 1 keys and values: O(window) per head)"
     holds = "keys"
 
     def __init__(self, mechanism: Mechanism, config: LocalConfig, state: nn.Module | None) -> None:
@@ -127,12 +139,17 @@ class WindowCache(Decoder):
         self.values: Tensor | None = None
 
     def _step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the window and the new keys."""
+        """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the sinks, the window and the new keys.
+        Past keys between the sinks and the window are dropped: the sinks stay the first positions
+        and the window the last, so the kept sequence gives each new query the keys of the whole."""
         keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
         values = v if self.values is None else torch.cat([self.values, v], dim=2)
         out = local_attention(q, keys, values, is_causal=True, config=self.config)
-        drop = max(0, keys.shape[2] - (self.config.window - 1))
-        self.keys, self.values = keys[:, :, drop:], values[:, :, drop:]
+        sinks, recent = self.config.sinks, self.config.window - 1
+        if keys.shape[2] > sinks + recent:
+            keep = lambda x: torch.cat([x[:, :, :sinks], x[:, :, x.shape[2] - recent :]], dim=2)  # noqa: E731
+            keys, values = keep(keys), keep(values)
+        self.keys, self.values = keys, values
         return out
 
 
@@ -146,5 +163,12 @@ MECHANISM = Mechanism(
     cross=True,
     decoder=WindowCache,
     gqa=True,
-    examples=({}, {"window": 5}, {"window": 3, "kernel": "eager"}, {"window": 9, "kernel": "native"}),
+    examples=(
+        {},
+        {"window": 5},
+        {"window": 3, "kernel": "eager"},
+        {"window": 9, "kernel": "native"},
+        {"window": 4, "sinks": 3},
+        {"window": 1, "sinks": 1, "kernel": "eager"},
+    ),
 )
