@@ -256,6 +256,12 @@ def _forward(
     causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
     queries, keys = query.shape[2], key.shape[2]
     key_padding_mask = _key_padding(attention_mask, queries, keys, causal)
+    sinks = getattr(spec.config, "sinks", 0) or getattr(spec.config, "global_tokens", 0)  # pattern's globals too
+    if sinks and key_padding_mask is not None and not bool(key_padding_mask[:, : min(sinks, keys)].all()):
+        raise ValueError(
+            f"{spec.mechanism.name}'s sinks are the first {sinks} positions, but padding falls there (left "
+            "padding?): pad on the right (tokenizer.padding_side = 'right'), or run such sequences one by one"
+        )
     tensors = {}
     if "query_padding_mask" in spec.mechanism.tensor_args and key_padding_mask is not None:
         # self-attention (with or without a cache): the queries are the last keys

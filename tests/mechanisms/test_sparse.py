@@ -102,6 +102,23 @@ def test_sparse_equals_full_attention_under_its_dense_mask(pattern, step, groups
 
 
 @pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("pattern", "step", "groups"), [("strided", "merged", 1), ("strided", "column", 1),
+                                                         ("fixed", "merged", 2)])  # fmt: skip
+@pytest.mark.parametrize("sinks", [1, 3, 60])
+def test_sinks_add_the_first_keys_to_every_query_s_pattern(pattern, step, groups, causal, sinks):
+    L = S = 45
+    config = SparseConfig(pattern=pattern, step=step, stride=8, summary=2, groups=groups, block=5, sinks=sinks)
+    mask = dense_mask(sparse_mask_mod(config, L, S, causal), 1, 4, L, S)[0]
+    for h, i, j in [(h, i, j) for h in range(4) for i in range(L) for j in range(S)][::7]:
+        expected = reference(pattern, step, 8, 2, groups, causal, h, i, j) or (j < sinks and (j <= i or not causal))
+        assert bool(mask[h, i, j]) == expected, (h, i, j)
+    q, k, v = qkv(2, 4, L, S, 6, 5)
+    kpm = padding(2, S, seed=sinks)
+    out = sparse_attention(q, k, v, key_padding_mask=kpm, is_causal=causal, config=config)
+    assert (out - oracle(q, k, v, config, causal, kpm)).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("causal", [True, False])
 def test_scale_and_the_default_options(causal):
     q, k, v = qkv(1, 2, 300, 300, 8)
     for config in (SparseConfig(), SparseConfig(pattern="fixed")):  # l = 128, N not a multiple

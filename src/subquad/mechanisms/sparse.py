@@ -59,7 +59,16 @@ from subquad._validate import AttentionShape, check_grouped_inputs
 from subquad.decoding import KVCache
 from subquad.kernels import native as _native
 from subquad.kernels.blocksparse import block_sparse_attention, native_runs
-from subquad.kernels.layouts import Group, MaskFacts, Views, band_groups, query_slots, segment_groups
+from subquad.kernels.layouts import (
+    Group,
+    MaskFacts,
+    Views,
+    band_groups,
+    query_slots,
+    segment_groups,
+    sink_groups,
+    sink_mask,
+)
 from subquad.kernels.softmax import fused_available
 from subquad.kernels.tuning import TUNING, block_elements
 from subquad.masks import MaskMod, and_masks, or_masks
@@ -95,6 +104,7 @@ class SparseConfig(Config):
     stride: int = option(128, "l: the stride of strided, the block length of fixed", ge=1, le=1 << 20)
     summary: int = option(8, "fixed: c, summary positions at the end of each block", ge=1)
     groups: int = option(1, "fixed: nv distinct summary groups; layer head h uses group h mod nv", ge=1)
+    sinks: int = option(0, "the first s keys are visible to every query as well (StreamingLLM's attention sinks)", ge=0)
     head_offset: int = head_offset_option()
     block: int = option(32, "queries per block of compute (speed only)", ge=1, le=4096)
     kernel: str = kernel_option()
@@ -152,7 +162,15 @@ def fixed_mask(stride: int, summary: int, groups: int, causal: bool, offset: int
 
 
 def sparse_mask_mod(config: SparseConfig, num_queries: int, num_keys: int, is_causal: bool) -> MaskMod:
-    """The whole pattern of ``config`` for L queries and S keys: the dense oracle of ``sparse``."""
+    """The whole pattern of ``config`` for L queries and S keys, sinks included: the dense oracle of
+    ``sparse``."""
+    pattern = _pattern_mask(config, num_queries, num_keys, is_causal)
+    if not config.sinks:
+        return pattern
+    return or_masks(pattern, sink_mask(config.sinks, pattern, is_causal, num_keys - num_queries))
+
+
+def _pattern_mask(config: SparseConfig, num_queries: int, num_keys: int, is_causal: bool) -> MaskMod:
     offset = num_keys - num_queries
     if config.pattern == "fixed":
         return fixed_mask(config.stride, config.summary, config.groups, is_causal, offset, config.head_offset)
@@ -251,6 +269,11 @@ def _sparse_parts(
     # scores at once) runs: fewer, larger calls. Causal columns keep their row blocks, which see
     # only the rows up to their own, unless the native kernel runs them.
     whole = config.kernel != "eager" and fused_available(torch.device(device))
+    parts = []
+    if config.sinks:  # the first keys the pattern leaves out, as a disjoint part
+        heads = shape.heads if config.pattern == "fixed" and config.groups > 1 else 1
+        sinks = sink_mask(min(config.sinks, S), _pattern_mask(config, L, S, causal), causal, offset)
+        parts.append(sink_groups(L, min(config.sinks, S), min(block, L), heads, sinks, device))
     if config.pattern == "fixed":
         blocks = -(-S // l)
         own = torch.arange(blocks * l, device=device).view(blocks, l)
@@ -258,8 +281,8 @@ def _sparse_parts(
         return [
             segment_groups(own, L, offset, block, causal, same_block, (l, 1), whole),
             _summary_groups(config, shape, causal, device),
+            *parts,
         ]
-    parts = []
     local = strided_local_mask(l, causal, offset)
     column = strided_column_mask(l, causal, offset)
     if config.step in ("local", "merged"):
@@ -343,5 +366,7 @@ MECHANISM = Mechanism(
         {"stride": 5, "step": "column", "block": 3, "kernel": "eager"},
         {"pattern": "fixed", "stride": 6, "summary": 2, "groups": 2, "block": 4},
         {"stride": 4, "block": 4, "kernel": "native"},
+        {"stride": 5, "block": 4, "sinks": 3},
+        {"pattern": "fixed", "stride": 6, "summary": 2, "groups": 2, "block": 4, "sinks": 4},
     ),
 )
