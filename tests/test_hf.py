@@ -186,6 +186,9 @@ def test_layers_may_differ_and_restore_brings_back_sdpa():
     hf.restore(model)
     assert model.config._attn_implementation == "sdpa" and not hasattr(modules[0], "subquad_attention")
     torch.testing.assert_close(outputs(model, ids), reference, rtol=0, atol=0)
+    model.set_attn_implementation("eager")
+    hf.restore(hf.use(model, "local", window=4))
+    assert model.config._attn_implementation == "eager"  # what it had before use
 
 
 def test_registered_names_load_with_from_pretrained_and_set_attn_implementation(tmp_path):

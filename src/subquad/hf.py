@@ -125,17 +125,21 @@ def use(model: nn.Module, mechanism: str, *, layers: Iterable[int] | None = None
             module.subquad_attention = spec
             if hasattr(module, "subquad_state"):
                 del module.subquad_state  # a new mechanism starts from a new state
+    if not hasattr(model, "subquad_previous"):
+        model.subquad_previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
     return model
 
 
-def restore(model: nn.Module, implementation: str = "sdpa") -> nn.Module:
-    """Remove what ``use`` set and switch ``model`` back to ``implementation``."""
+def restore(model: nn.Module, implementation: str | None = None) -> nn.Module:
+    """Remove what ``use`` set and switch ``model`` back to ``implementation`` (by default the one
+    it had before the first ``use``)."""
     for module in attention_modules(model):
         for name in ("subquad_attention", "subquad_state"):
             if hasattr(module, name):
                 delattr(module, name)
-    model.set_attn_implementation(implementation)
+    previous = model.__dict__.pop("subquad_previous", None) or "sdpa"
+    model.set_attn_implementation(implementation or previous)
     return model
 
 
