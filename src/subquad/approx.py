@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from subquad.registry import parse_value
+
 __all__ = ["Windows", "approx", "format_table", "load_model", "parse_spec", "read_passages", "token_windows"]
 
 
@@ -44,21 +46,10 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"a mechanism spec is NAME or NAME:option=value,..., got {spec!r}")
-        options[key] = tuple(_value(v) for v in value.split("|")) if "|" in value else _value(value)
+        options[key] = parse_value(value, tuples="|")
     if not name:
         raise ValueError(f"a mechanism spec is NAME or NAME:option=value,..., got {spec!r}")
     return name, options
-
-
-def _value(text: str) -> Any:
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def read_passages(path: str | Path) -> tuple[list[str], list[str] | None]:

@@ -46,6 +46,7 @@ __all__ = [
     "mechanism_names",
     "no_causal_form",
     "option",
+    "parse_value",
     "register",
 ]
 
@@ -364,6 +365,21 @@ def register(mechanism: Mechanism, *, replace: bool = False) -> Mechanism:
         raise ValueError(f"a mechanism named {mechanism.name!r} exists; pass replace=True to override it")
     _REGISTRY[mechanism.name] = mechanism
     return mechanism
+
+
+def parse_value(text: str, tuples: str = ",") -> Any:
+    """An option's value written as text (command lines, specs): true/false, an int, a float, a
+    tuple of those where ``tuples`` separates items, else the string itself."""
+    if tuples and tuples in text:
+        return tuple(parse_value(item, "") for item in text.split(tuples))
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def mechanism_names() -> list[str]:

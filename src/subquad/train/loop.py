@@ -30,6 +30,7 @@ from subquad import hooks
 from subquad.bench.runner import setting
 from subquad.nn import HeadGroup
 from subquad.nn.attention import resolve_head_groups
+from subquad.registry import parse_value
 from subquad.train import checkpoint
 from subquad.train.tasks import make_task
 
@@ -130,7 +131,7 @@ class TrainConfig:
             name, sep, text = item.partition("=")
             if not sep or not name:
                 raise ValueError(f"an attention option is name=value, got {item!r}")
-            parsed[name] = _value(text)
+            parsed[name] = parse_value(text)
         return parsed
 
 
@@ -174,17 +175,6 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"{path}: unknown setting(s) {unknown}; known: {', '.join(sorted(known))}")
     return values
-
-
-def _value(text: str) -> Any:
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return tuple(_value(t) for t in text.split(",")) if "," in text else text
 
 
 def _schedule(config: TrainConfig):
