@@ -48,6 +48,11 @@ def variant_arguments(variant: str) -> list[str]:
     return flags
 
 
+def _label(variant: str) -> str:
+    """How tables and plots name a variant: a config file by its file name."""
+    return Path(variant).name if variant.endswith(".toml") else variant
+
+
 def _slug(variant: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", Path(variant).stem if variant.endswith(".toml") else variant)
 
@@ -159,8 +164,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         peak = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "-"
-        cells = [r["variant"], f"{r['final']:.4f}", f"{r['best']:.4f}", str(r["steps"]), f"{r['train_minutes']:.2f}",
-                 f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", peak]  # fmt: skip
+        cells = [_label(r["variant"]), f"{r['final']:.4f}", f"{r['best']:.4f}", str(r["steps"]),
+                 f"{r['train_minutes']:.2f}", f"{r['s_per_step']:.3f}", f"{r['tokens_per_s']:,.0f}", peak]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return f"{rows[0]['metric']}:\n" + "\n".join(lines) if rows else "no variant"
 
@@ -173,13 +178,13 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
     for r in rows:
         records = [json.loads(line) for line in (out / _slug(r["variant"]) / "metrics.jsonl").read_text().splitlines()]
         points = [(x["step"], x[r["metric"]]) for x in records if r["metric"] in x]
-        ax.plot(*zip(*points), "o-", ms=3, label=r["variant"])
+        ax.plot(*zip(*points), "o-", ms=3, label=_label(r["variant"]))
     ax.set(xlabel="step", ylabel=rows[0]["metric"] if rows else "", title="subquad compare")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out / "compare.png", dpi=100)
     plt.close(fig)
