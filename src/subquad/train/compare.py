@@ -178,12 +178,19 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    clock = (out / "budget.json").exists()  # an equal wall-clock budget: curves against training time
     fig, ax = plt.subplots(figsize=(9.5, 4.5))
     for r in rows:
-        records = [json.loads(line) for line in (out / _slug(r["variant"]) / "metrics.jsonl").read_text().splitlines()]
-        points = [(x["step"], x[r["metric"]]) for x in records if r["metric"] in x]
+        folder = out / _slug(r["variant"])
+        window = (lambda c: c["batch"] * c["seq_len"])(json.loads((folder / "config.json").read_text()))
+        elapsed, points = 0.0, []
+        for x in (json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line):
+            elapsed += window / x["tokens_per_s"] / 60 if "tokens_per_s" in x else 0.0
+            if r["metric"] in x:
+                points.append((elapsed if clock else x["step"], x[r["metric"]]))
         ax.plot(*zip(*points), "o-", ms=3, label=_label(r["variant"]))
-    ax.set(xlabel="step", ylabel=rows[0]["metric"] if rows else "", title="subquad compare")
+    xlabel = "training minutes (evaluations not counted)" if clock else "step"
+    ax.set(xlabel=xlabel, ylabel=rows[0]["metric"] if rows else "", title="subquad compare")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(out / "compare.png", dpi=100)
