@@ -5,6 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 import subquad
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +35,28 @@ def test_ruff_is_clean():
     assert done.returncode == 0, done.stdout
 
 
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.+?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
 def test_readme_quick_start_runs():
-    (example,) = re.findall(r"```python\n(.+?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+    example = _python_blocks()[0]
     namespace: dict = {}
     exec(compile(example, "README.md", "exec"), namespace)
     assert namespace["out"].shape == (2, 8, 1024, 64)
     assert namespace["y"].shape == (2, 100, 512)
     assert namespace["tokens"].shape == (1, 66)
+
+
+def test_readme_hugging_face_example_runs(tmp_path):
+    """The README's subquad.hf block, with ``path`` a tiny BERT saved from a config."""
+    transformers = pytest.importorskip("transformers", minversion="5")
+    (example,) = [block for block in _python_blocks() if "subquad.hf" in block]
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64)  # fmt: skip
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    namespace: dict = {"path": str(tmp_path)}
+    exec(compile(example, "README.md", "exec"), namespace)
+    model = namespace["model"]
+    assert model.config._attn_implementation == "sdpa"  # restore() at the end
+    assert model(input_ids=torch.arange(1, 20)[None]).last_hidden_state.shape == (1, 19, 32)
