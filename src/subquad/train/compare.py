@@ -182,7 +182,8 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(9.5, 4.5))
     for r in rows:
         folder = out / _slug(r["variant"])
-        window = (lambda c: c["batch"] * c["seq_len"])(json.loads((folder / "config.json").read_text()))
+        config = json.loads((folder / "config.json").read_text())
+        window = config["batch"] * config["seq_len"]
         elapsed, points = 0.0, []
         for x in (json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line):
             elapsed += window / x["tokens_per_s"] / 60 if "tokens_per_s" in x else 0.0
