@@ -54,15 +54,11 @@ def test_bench_runs_a_small_grid_and_writes_its_files(tmp_path, capsys):
 def test_an_interrupted_bench_keeps_and_prints_the_cells_it_finished(tmp_path, capsys, monkeypatch):
     from subquad.bench import runner
 
-    results = iter([{"time_s": 0.002, "peak_bytes": 2**20, "times_s": [0.002]}])
+    def run_cells(settings, cells):
+        yield {"time_s": 0.002, "peak_bytes": 2**20, "times_s": [0.002]}
+        raise KeyboardInterrupt
 
-    def run_cell(*args):
-        result = next(results, None)
-        if result is None:
-            raise KeyboardInterrupt
-        return result
-
-    monkeypatch.setattr(runner, "_run_cell", run_cell)
+    monkeypatch.setattr(runner, "_run_cells", run_cells)
     argv = ["bench", "--mechanisms", "full", "--lengths", "32", "--backward", "no", "--out", str(tmp_path)]
     assert main(argv) == 130
     captured = capsys.readouterr()
@@ -147,3 +143,17 @@ def test_python_m_subquad_runs_the_command():
     bench_help = run("bench", "--help")
     assert bench_help.returncode == 0, bench_help.stderr
     assert "--warmup-seconds" in bench_help.stdout
+
+
+def test_the_grid_gives_lengths_and_warm_ups_that_are_not_set():
+    from subquad.bench.runner import GRIDS
+    from subquad.cli import _build_parser
+
+    parse = lambda *argv: _bench_settings(_build_parser().parse_args(["bench", *argv]))
+    default, full = parse(), parse("--grid", "full")
+    assert tuple(default.lengths) == GRIDS["default"]["lengths"] and default.warmup_seconds == 0.5
+    assert tuple(full.lengths) == GRIDS["full"]["lengths"] and full.warmup_seconds == 2.0 and full.repeats == 20
+    mixed = parse("--grid", "full", "--lengths", "64", "--warmup-seconds", "0")
+    assert tuple(mixed.lengths) == (64,) and mixed.warmup_seconds == 0 and mixed.max_seconds == 2.0
+    with pytest.raises(SystemExit):
+        parse("--grid", "huge")

@@ -53,9 +53,9 @@ def _build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="time, memory and error of mechanisms against full attention",
-        description="Benchmark mechanisms against full attention over sequence lengths. Each cell runs in a "
-        "fresh process; time is the median of repeats after a warm-up; memory is the peak above the inputs; "
-        "error is relative to full attention on iid and clustered inputs.",
+        description="Benchmark mechanisms against full attention over sequence lengths. The cells of each length "
+        "run in a worker process of their own; time is the median of repeats after a warm-up; memory is the peak "
+        "above the inputs; error is relative to full attention on iid and clustered inputs.",
     )
     _add_bench_arguments(bench)
     bench.set_defaults(run=_run_bench)
@@ -280,7 +280,7 @@ def _run_list(args: argparse.Namespace) -> int:
 
 def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """A flag per `BenchSettings` field, then ``--out``, ``--no-plots`` and each mechanism's options."""
-    from subquad.bench.runner import BenchSettings
+    from subquad.bench.runner import GRIDS, BenchSettings
 
     names = mechanism_names()
     hints = typing.get_type_hints(BenchSettings)
@@ -290,8 +290,20 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                 "--mechanisms", nargs="+", default=names, metavar="NAME",
                 help=f"mechanisms to run (default: all: {' '.join(names)}); full always runs as baseline",
             )  # fmt: skip
+        elif f.name in GRIDS["default"]:  # unset, it comes from --grid
+            flag = _setting_flag(f, hints[f.name])
+            shown = "; ".join(f"{grid}: {_shown(values[f.name])}" for grid, values in GRIDS.items())
+            flag["help"] = f"{f.metadata['help']} (default: from --grid, {shown})"
+            parser.add_argument(f"--{f.name.replace('_', '-')}", **{**flag, "default": None})
         else:
             parser.add_argument(f"--{f.name.replace('_', '-')}", **_setting_flag(f, hints[f.name]))
+    parser.add_argument(
+        "--grid",
+        choices=list(GRIDS),
+        default="default",
+        help="default: N = 256 … 4096 with short warm-ups, a few minutes on 2 CPU cores; full: N up to 16384 "
+        "with 2 s warm-ups, about an hour (default: %(default)s)",
+    )
     parser.add_argument(
         "--out",
         type=Path,
@@ -312,6 +324,10 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                 f"--{name}.{f.name}", dest=f"opt:{name}:{f.name}", nargs="+", type=parse, metavar=metavar,
                 choices=choices, help=f"{f.metadata.get('help', '')} (default: {f.default!r})",
             )  # fmt: skip
+
+
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _setting_flag(f: Field, tp: Any) -> dict[str, Any]:
@@ -342,9 +358,13 @@ def _bench_settings(args: argparse.Namespace) -> BenchSettings:
 def _setting_value(f: Field, tp: Any, args: argparse.Namespace) -> Any:
     """One `BenchSettings` field's value from the parsed arguments: what a choice stands for, a tuple of
     several values."""
+    from subquad.bench.runner import GRIDS
+
     if f.name == "variants":
         return _variants(args)
     value, choices = getattr(args, f.name), f.metadata["choices"]
+    if value is None and f.name in GRIDS[args.grid]:
+        return GRIDS[args.grid][f.name]
     if isinstance(choices, Mapping):
         return choices[value]
     return tuple(value) if typing.get_origin(tp) in (Sequence, tuple) else value
@@ -436,6 +456,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     print(report.format_table(rows))
     print("\ntime = median per call; × full = time ÷ full attention's in this run; peak MB = above the inputs;")
     print("err = ‖out − full‖ / ‖full‖ on iid and clustered q, k (float64 reference on sampled rows).")
+    if len(settings.lengths) > 1:
+        print("\n" + report.format_crossovers(rows))
+        print("crossover N = the smallest N from which the mechanism beats full at every longer N measured.")
     written = [args.out / "results.csv", args.out / "results.json"]
     if not args.no_plots:
         try:

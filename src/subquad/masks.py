@@ -27,9 +27,17 @@ __all__ = [
     "or_masks",
     "padding_mask",
     "visible_queries",
+    "window_covers",
 ]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def window_covers(window: int, num_queries: int, num_keys: int, is_causal: bool) -> bool:
+    """Whether the window ``|p − j| < window`` (causal: ``0 ≤ p − j < window``), with query i at
+    ``p = i + S − L``, leaves out no key a full (causal) attention would see: then it *is* full
+    attention. Causal, the farthest key is S − 1 positions back; otherwise max(L, S) − 1 away."""
+    return (num_keys if is_causal else max(num_queries, num_keys)) <= window
 
 
 def causal_mask(num_queries: int, num_keys: int) -> MaskMod:

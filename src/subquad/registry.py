@@ -29,6 +29,7 @@ from torch import Tensor
 from subquad._contain import KEY, QUERY, contained
 from subquad._validate import (
     SUPPORTED_DTYPES,
+    AttentionShape,
     check_attention_inputs,
     check_dtype,
     check_gqa,
@@ -195,6 +196,11 @@ class Mechanism:
         dropout: ``fn`` takes ``dropout_p`` (attention dropout on its weights).
         scaled: whether ``scale`` means something (a softmax temperature): a bool, or a function of
             the config where it depends on it. False: ``fn`` takes only ``scale=None``.
+        exact_full: ``exact_full(config, shape, is_causal, state, tensors) -> bool``: whether the
+            call (its ``AttentionShape``) is exactly full attention (a window that covers every key,
+            clusters >= L, top-k >= S). Such a call runs full attention's kernel instead: the same
+            maths, without the fixed costs of blocks, layouts or clustering. It raises where the
+            mechanism itself would (a state of the wrong kind). ``None``: never.
     """
 
     name: str
@@ -216,6 +222,7 @@ class Mechanism:
     gqa: bool = False
     dropout: bool = False
     scaled: bool | Callable[[Config], bool] = True
+    exact_full: Callable[[Config, AttentionShape, bool, Any, typing.Mapping[str, Any]], bool] | None = None
     positions: typing.Mapping[str, str] = field(default_factory=dict, hash=False)
     examples: tuple[typing.Mapping[str, Any], ...] = field(default=({},), hash=False)
 
@@ -263,11 +270,21 @@ class Mechanism:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             else:
                 tensors["enable_gqa"] = True
-        query_padding_mask = self._check_call(q, k, v, key_padding_mask, is_causal, config, tensors, dropout_p)
+        query_padding_mask, shape = self._check_call(q, k, v, key_padding_mask, is_causal, config, tensors, dropout_p)
+        exact = self.exact_full is not None and self.exact_full(
+            config or self.config(), shape, is_causal, state, tensors
+        )
         if dropout_p:
             tensors["dropout_p"] = dropout_p
 
         def run(q: Tensor, k: Tensor, v: Tensor, tensors: dict[str, Any]) -> Tensor:
+            if exact:  # the same maths as full attention at this shape: full's kernel, without fixed costs
+                out = get_mechanism("full").fn(
+                    q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+                    enable_gqa=bool(tensors.get("enable_gqa")), dropout_p=dropout_p,
+                )  # fmt: skip
+                # padded queries return zeros, as from the mechanisms that take a query mask
+                return out if query_padding_mask is None else out.masked_fill(~query_padding_mask[:, None, :, None], 0)
             return self.fn(
                 q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, config=config,
                 state=state, **tensors,
@@ -282,8 +299,9 @@ class Mechanism:
     def _check_call(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool,
         config: Config | None, tensors: dict[str, Any], dropout_p: float,
-    ) -> Tensor | None:  # fmt: skip
-        """Validate a call against the contract and this record; returns its query padding mask."""
+    ) -> tuple[Tensor | None, AttentionShape]:  # fmt: skip
+        """Validate a call against the contract and this record; returns its query padding mask and
+        its shape."""
         if config is not None and type(config) is not self.config:
             raise ValueError(f"{self.name} needs a {self.config.__name__}, got {type(config).__name__}")
         unknown = sorted(set(tensors) - set(self.tensor_args) - {"enable_gqa"})
@@ -313,7 +331,7 @@ class Mechanism:
                 "key_padding_mask, pass query_padding_mask too, bool (B, L), True = real query (in "
                 "self-attention the same mask; torch.ones(B, L, dtype=torch.bool) if no query is padded)"
             )
-        return query_padding_mask
+        return query_padding_mask, shape
 
 
 def no_causal_form(name: str) -> str:

@@ -1,7 +1,7 @@
 import csv
 import json
 
-from subquad.bench.report import format_table, plot_results, write_csv, write_json
+from subquad.bench.report import crossovers, format_crossovers, format_table, plot_results, write_csv, write_json
 
 
 def _rows():
@@ -47,6 +47,36 @@ def test_csv_and_json_hold_every_row(tmp_path):
 
 def test_plots_are_written_as_png(tmp_path):
     paths = plot_results(_rows(), tmp_path, "test")
-    assert [p.name for p in paths] == ["time.png", "ratio.png", "memory.png", "error.png"]
+    assert [p.name for p in paths] == ["time.png", "ratio.png", "memory.png", "error.png", "crossover.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+
+
+def _series(name, ratios, causal=False, pass_="forward"):
+    return [
+        {"mechanism": name, "length": n, "causal": causal, "pass": pass_, "ratio": ratio}
+        for n, ratio in zip((256, 512, 1024, 2048), ratios)
+    ]
+
+
+def test_the_crossover_is_where_a_mechanism_starts_beating_full_for_good():
+    rows = [
+        *_series("full", [1, 1, 1, 1]),
+        *_series("late", [3.0, 1.4, 0.9, 0.5]),  # wins from 1024 on
+        *_series("noisy", [0.95, 1.2, 0.8, 0.6]),  # one win at 256 before a loss: from 1024
+        *_series("early", [0.9, 0.8, 0.5, 0.2]),  # already wins at the shortest N
+        *_series("never", [4.0, 2.0, 1.3, 1.0]),  # a tie is not a win
+        *_series("gap", [0.5, 0.5, None, 0.5]),  # a cell without a ratio is not a win
+        *_series("late", [5.0, 3.0, 2.0, 0.7], causal=True, pass_="forward+backward"),
+    ]
+    found = crossovers(rows)
+    assert found == {
+        ("late", False, "forward"): ("at", 1024), ("noisy", False, "forward"): ("at", 1024),
+        ("early", False, "forward"): ("below", 256), ("never", False, "forward"): ("above", 2048),
+        ("gap", False, "forward"): ("at", 2048), ("late", True, "forward+backward"): ("at", 2048),
+    }  # fmt: skip
+    table = format_crossovers(rows).splitlines()
+    assert table[0].split() == ["crossover", "N", "non-causal", "forward", "causal", "forward+backward"]
+    assert table[2].split() == ["late", "1024", "2048"]
+    assert table[4].split() == ["early", "<=", "256", "-"]
+    assert table[5].split() == ["never", ">", "2048", "-"]

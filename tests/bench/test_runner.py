@@ -1,8 +1,12 @@
+import sys
+import textwrap
+
 import pytest
 
 import subquad
 from subquad import registry
-from subquad.bench.runner import BASELINE, BenchSettings, Variant, _run_cell, run_bench
+from subquad.bench import runner
+from subquad.bench.runner import BASELINE, GRIDS, BenchSettings, Variant, _run_cell, _run_in_workers, run_bench
 
 from ..test_registry import TOY
 
@@ -62,6 +66,62 @@ def test_a_failing_cell_is_reported_not_raised(monkeypatch):
     assert slow["error"] == "timed out after 0.01 s"
 
 
+def test_one_worker_runs_several_cells_and_each_cell_measures_its_own_peak():
+    """Eager full attention's peak is twice the scores in every cell, also after the cells before it
+    freed that much: the freed memory goes back to the system between cells, so it is not reused
+    unseen."""
+    N, H = 1024, 4
+    settings = BenchSettings(lengths=[N], heads=H, head_dim=16, repeats=1, max_seconds=0.1, warmup_seconds=0.0)
+    eager = Variant("full", (("backend", "eager"),))
+    cells = [(eager, N, False, False), (BASELINE, N, False, False), (eager, N, False, False)]
+    first, fused, again = _run_in_workers(settings, cells)
+    scores_bytes = H * N * N * 4
+    assert first["peak_bytes"] >= 1.9 * scores_bytes and again["peak_bytes"] >= 1.9 * scores_bytes
+    assert fused["peak_bytes"] < scores_bytes / 4
+
+
+def test_a_cell_that_fails_in_a_shared_worker_costs_only_itself(monkeypatch):
+    subquad.mechanism_names()
+    monkeypatch.setitem(registry._REGISTRY, "toy", TOY)  # registered here only, unknown to the worker
+    settings = BenchSettings(repeats=1, max_seconds=0.1, warmup_seconds=0.0, heads=2, head_dim=4)
+    cells = [(BASELINE, 16, False, False), (Variant("toy"), 16, False, False), (BASELINE, 16, True, False)]
+    before, failed, after = _run_in_workers(settings, cells)
+    assert failed["error"].startswith("ValueError: unknown mechanism 'toy'")
+    assert before["time_s"] > 0 and after["time_s"] > 0 and "error" not in after
+
+
+# A stand-in worker: answers each cell with its length, dies at length 13 and hangs at length 21.
+_FAKE_WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    for cell in json.load(sys.stdin):
+        if cell["length"] == 13:
+            sys.stderr.write("boom\\n")
+            sys.stderr.flush()
+            os._exit(3)
+        if cell["length"] == 21:
+            time.sleep(60)
+        print(json.dumps({"time_s": cell["length"]}), flush=True)
+""")
+
+
+def test_a_worker_that_dies_or_hangs_costs_its_cell_and_a_new_worker_takes_the_rest(monkeypatch):
+    monkeypatch.setattr(runner, "_WORKER", [sys.executable, "-c", _FAKE_WORKER])
+    settings = BenchSettings(timeout=2.0)
+    cells = [(BASELINE, n, False, False) for n in (8, 13, 9, 21, 10)]
+    results = list(_run_in_workers(settings, cells))
+    assert results == [
+        {"time_s": 8}, {"error": "worker exited with code 3 boom"}, {"time_s": 9},
+        {"error": "timed out after 2 s"}, {"time_s": 10},
+    ]  # fmt: skip
+
+
+def test_the_default_grid_is_the_settings_default_and_the_full_grid_reaches_16k():
+    settings = BenchSettings()
+    assert tuple(settings.lengths) == GRIDS["default"]["lengths"] == (256, 512, 1024, 2048, 4096)
+    assert settings.warmup_seconds == GRIDS["default"]["warmup_seconds"]
+    assert max(GRIDS["full"]["lengths"]) == 16384 and GRIDS["full"]["warmup_seconds"] >= 2
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -74,6 +134,7 @@ def test_a_failing_cell_is_reported_not_raised(monkeypatch):
         ({"warmup_seconds": float("inf")}, "warmup_seconds must be finite and >= 0 seconds, got inf"),
         ({"timeout": -1.0}, "timeout must be > 0 seconds, got -1.0"),
         ({"threads": 0}, "threads must be >= 1, got 0"),
+        ({"busy": -1}, "busy must be >= 0, got -1"),
         ({"centres": 0}, "centres must be >= 1, got 0"),
         ({"spread": -0.1}, "spread must be >= 0, got -0.1"),
         ({"baseline_max_length": 0}, "baseline_max_length must be >= 1 or None, got 0"),
@@ -96,3 +157,9 @@ def test_the_baseline_runs_only_up_to_its_max_length():
                              backward=(False,))  # fmt: skip
     cells = [(variant.mechanism, length) for variant, length, _, _ in settings.cells()]
     assert cells == [("full", 8), ("linear", 8), ("linear", 64)]
+
+
+def test_busy_processes_spin_while_the_grid_runs_and_stop_after():
+    with runner._busy_processes(2) as spinners:
+        assert len(spinners) == 2 and all(s.poll() is None for s in spinners)
+    assert all(s.returncode is not None for s in spinners)

@@ -10,7 +10,16 @@ from typing import Any
 
 from subquad.bench.runner import BASELINE
 
-__all__ = ["TABLE_HEADERS", "format_table", "plot_results", "table_rows", "write_csv", "write_json"]
+__all__ = [
+    "TABLE_HEADERS",
+    "crossovers",
+    "format_crossovers",
+    "format_table",
+    "plot_results",
+    "table_rows",
+    "write_csv",
+    "write_json",
+]
 
 TABLE_HEADERS = ("mechanism", "causal", "pass", "N", "time ms", "× full", "peak MB", "err iid", "err clust", "reps")
 _CSV_FIELDS = (
@@ -64,6 +73,51 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def crossovers(rows: list[dict[str, Any]]) -> dict[tuple[str, bool, str], tuple[str, int | None]]:
+    """Each (mechanism, causal, pass)'s crossover against full attention: the smallest measured N
+    from which its ratio stays below 1 at every longer N measured (one noisy win below a loss does
+    not count). Values: ``("at", N)``; ``("below", N)`` where it already wins at the shortest N
+    measured; ``("above", N)`` where it does not win at the longest N measured (or has no ratio)."""
+    out = {}
+    for r in rows:
+        key = (r["mechanism"], r["causal"], r["pass"])
+        if r["mechanism"] == BASELINE.label or key in out:
+            continue
+        series = sorted((x["length"], x.get("ratio")) for x in rows if (x["mechanism"], x["causal"], x["pass"]) == key)
+        wins = [ratio is not None and ratio < 1 for _, ratio in series]
+        first = len(wins)
+        while first > 0 and wins[first - 1]:
+            first -= 1
+        if first == len(wins):
+            out[key] = ("above", series[-1][0])
+        else:
+            out[key] = ("below" if first == 0 else "at", series[first][0])
+    return out
+
+
+def _crossover_text(value: tuple[str, int | None] | None) -> str:
+    if value is None:
+        return "-"
+    kind, n = value
+    return {"at": str(n), "below": f"<= {n}", "above": f"> {n}"}[kind]
+
+
+def format_crossovers(rows: list[dict[str, Any]]) -> str:
+    """A table of each mechanism's crossover N, forward and forward+backward, non-causal and causal."""
+    found = crossovers(rows)
+    columns = [(c, p) for c in (False, True) for p in ("forward", "forward+backward")]
+    columns = [col for col in columns if any(k[1:] == col for k in found)]
+    headers = ["crossover N", *(f"{'causal' if c else 'non-causal'} {p}" for c, p in columns)]
+    labels = list(dict.fromkeys(k[0] for k in found))
+    cells = [headers] + [[m, *(_crossover_text(found.get((m, c, p))) for c, p in columns)] for m in labels]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS, extrasaction="ignore")
@@ -79,7 +133,7 @@ def write_json(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> 
 
 
 def plot_results(rows: list[dict[str, Any]], out_dir: Path, title: str) -> list[Path]:
-    """Write time.png, ratio.png, memory.png and error.png; returns the paths written."""
+    """Write time.png, ratio.png, memory.png, error.png and crossover.png; returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +154,46 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path, title: str) -> list[
     fig = _error_panels(plt, ok, colours)
     fig.suptitle(f"relative error against full attention: {title}")
     written.append(_save(fig, plt, out_dir / "error.png"))
+    fig = _crossover_plot(plt, rows)
+    if fig is not None:
+        fig.suptitle(f"crossover N (beats full from there on): {title}")
+        written.append(_save(fig, plt, out_dir / "crossover.png"))
     return written
+
+
+def _crossover_plot(plt: Any, rows: list[dict[str, Any]]):
+    """One row per mechanism: its crossover N in each (causality, pass); an open marker past the
+    longest N for none, at the shortest N for a win already there."""
+    found = crossovers(rows)
+    lengths = sorted({r["length"] for r in rows})
+    if not found or len(lengths) < 2:
+        return None
+    labels = list(dict.fromkeys(k[0] for k in found))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(labels) + 1.6))
+    styles = {(False, "forward"): ("o", -0.24), (False, "forward+backward"): ("s", -0.08),
+              (True, "forward"): ("^", 0.08), (True, "forward+backward"): ("D", 0.24)}  # fmt: skip
+    beyond = lengths[-1] * 1.6
+    for (causal, pass_), (marker, shift) in styles.items():
+        xs, ys, open_ = [], [], []
+        for i, label in enumerate(labels):
+            value = found.get((label, causal, pass_))
+            if value is not None:
+                xs.append(beyond if value[0] == "above" else value[1])
+                ys.append(i + shift)
+                open_.append(value[0] != "at")
+        if xs:
+            name = f"{'causal' if causal else 'non-causal'} {pass_}"
+            colour = "C3" if causal else "C0"
+            faces = ["none" if o else colour for o in open_]
+            ax.scatter(xs, ys, marker=marker, label=name, facecolors=faces, edgecolors=colour)
+    ax.set_xscale("log")
+    ax.set_xticks([*lengths, beyond], [*map(str, lengths), f"> {lengths[-1]}"])
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("smallest N from which it beats full attention (open: at or beyond the grid's ends)")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    return fig
 
 
 def _panels(plt: Any, rows: list[dict[str, Any]], key: str, scale: float, ylabel: str, colours: dict, guides: bool):

@@ -1,24 +1,34 @@
 """The benchmark grid: mechanism variants × lengths × {non-causal, causal} × {forward, forward+backward}.
 
-Each cell runs in its own process (``subquad.bench.worker``), one after another so that cells do
-not compete for cores. Full attention with its default config always runs: it is the baseline of
-every ratio, measured in the same run as what it is compared with.
+The cells of one length run in one worker process (``subquad.bench.worker``), one after another so
+that cells do not compete for cores; a worker that dies or overruns ``timeout`` costs the cell it
+was running, and a fresh worker takes the rest. Full attention with its default config always
+runs: it is the baseline of every ratio, measured in the same run as what it is compared with.
+
+Two grids: ``GRIDS["default"]`` (N = 256 … 4096, short warm-ups: a few minutes on 2 CPU cores) and
+``GRIDS["full"]`` (N = 256 … 16384, the longer warm-ups of a fresh process per length).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import queue
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from subquad._validate import DTYPE_NAMES
 from subquad.registry import get_mechanism, make_config
 
-__all__ = ["BASELINE", "BenchSettings", "Variant", "run_bench"]
+__all__ = ["BASELINE", "GRIDS", "BenchSettings", "Variant", "run_bench"]
+
+
+Cell = tuple["Variant", int, bool, bool]  # (variant, length, causal, backward)
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,15 @@ def setting(
 
 _BOTH = {"both": (False, True), "yes": (True,), "no": (False,)}
 
+# The settings each grid gives unless they are set: the default grid finishes in a few minutes on
+# 2 CPU cores; the full one reaches 16k, where full attention's calls take seconds each.
+GRIDS: dict[str, dict[str, Any]] = {
+    "default": {"lengths": (256, 512, 1024, 2048, 4096), "repeats": 30, "warmup_seconds": 0.5, "max_seconds": 1.0},
+    "full": {"lengths": (256, 512, 1024, 2048, 4096, 8192, 16384), "repeats": 20, "warmup_seconds": 2.0,
+             "max_seconds": 2.0},
+}  # fmt: skip
+_DEFAULT = GRIDS["default"]
+
 
 @dataclass
 class BenchSettings:
@@ -70,7 +89,7 @@ class BenchSettings:
     variants: Sequence[Variant] = setting(
         (), "what runs besides the baseline: --mechanisms and the --NAME.OPTION flags"
     )
-    lengths: Sequence[int] = setting((1024, 2048, 4096, 8192, 16384), "sequence lengths", metavar="N")
+    lengths: Sequence[int] = setting(_DEFAULT["lengths"], "sequence lengths", metavar="N")
     batch: int = setting(1, "batch size B")
     heads: int = setting(8, "heads H")
     head_dim: int = setting(64, "head dim D")
@@ -79,15 +98,20 @@ class BenchSettings:
     threads: int | None = setting(None, "CPU threads", shown_default="torch's default")
     causal: Sequence[bool] = setting((False, True), "causal cells, non-causal cells, or both", choices=_BOTH)
     backward: Sequence[bool] = setting((False, True), "forward+backward cells, forward cells, or both", choices=_BOTH)
-    repeats: int = setting(20, "most timed calls per cell, after the warm-up")
-    warmup_seconds: float = setting(2.0, "untimed calls per cell until this long has passed, the first call included")
-    max_seconds: float = setting(2.0, "stop repeating once the timed calls of a cell took this long")
+    repeats: int = setting(_DEFAULT["repeats"], "most timed calls per cell, after the warm-up")
+    warmup_seconds: float = setting(
+        _DEFAULT["warmup_seconds"], "untimed calls per cell until this long has passed, the first call included"
+    )
+    max_seconds: float = setting(
+        _DEFAULT["max_seconds"], "stop repeating once the timed calls of a cell took this long"
+    )
     error_rows: int = setting(512, "query rows compared with float64 full attention")
     centres: int = setting(16, "centres per head of the clustered inputs of the error column")
     spread: float = setting(0.5, "spread of the clustered inputs around their centres")
     baseline_max_length: int | None = setting(
         None, "run the full-attention baseline only up to this N; longer cells get no ratio", shown_default="all"
     )
+    busy: int = setting(0, "competing processes that each keep one core busy during the run (behaviour under load)")
     timeout: float = setting(1800.0, "seconds per cell")
     seed: int = setting(0, "input and state seed")
 
@@ -95,6 +119,8 @@ class BenchSettings:
         for name in ("batch", "heads", "head_dim", "repeats", "error_rows", "centres"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.busy < 0:
+            raise ValueError(f"busy must be >= 0, got {self.busy}")
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError(f"lengths must be positive, got {list(self.lengths)}")
         if self.dtype not in DTYPE_NAMES:
@@ -148,6 +174,17 @@ def run_bench(
     ``on_row(rows)`` is called after each cell with the rows so far (ratios included: the baseline
     runs first in each group), so a caller can save partial results."""
     cells = settings.cells()
+    with _busy_processes(settings.busy):
+        return _run_grid(settings, cells, progress, on_row)
+
+
+def _run_grid(
+    settings: BenchSettings,
+    cells: list[Cell],
+    progress: Callable[[int, int, str], None] | None,
+    on_row: Callable[[list[dict[str, Any]]], None] | None,
+) -> list[dict[str, Any]]:
+    results = _run_cells(settings, cells)
     rows = []
     for i, (variant, length, causal, backward) in enumerate(cells):
         label = f"{variant.label} N={length} {'causal' if causal else 'non-causal'} {_pass(backward)}"
@@ -161,7 +198,7 @@ def run_bench(
             "causal": causal,
             "pass": _pass(backward),
         }
-        row.update(_run_cell(settings, variant, length, causal, backward))
+        row.update(next(results))
         rows.append(row)
         _add_ratios(rows)
         if on_row is not None:
@@ -171,39 +208,109 @@ def run_bench(
     return rows
 
 
+@contextlib.contextmanager
+def _busy_processes(count: int) -> Iterator[list[subprocess.Popen]]:
+    """``count`` processes that spin on one core each while the block runs (a data loader or a
+    second job, as far as the measured cells can tell)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield spinners
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def _pass(backward: bool) -> str:
     return "forward+backward" if backward else "forward"
 
 
+_WORKER = [sys.executable, "-m", "subquad.bench.worker"]
+
+
+def _run_cells(settings: BenchSettings, cells: list[Cell]) -> Iterator[dict[str, Any]]:
+    """Each cell's result, in order: the cells of one length share a worker process."""
+    start = 0
+    while start < len(cells):
+        stop = start
+        while stop < len(cells) and cells[stop][1] == cells[start][1]:
+            stop += 1
+        yield from _run_in_workers(settings, cells[start:stop])
+        start = stop
+
+
 def _run_cell(settings: BenchSettings, variant: Variant, length: int, causal: bool, backward: bool) -> dict[str, Any]:
-    cell = {
-        "mechanism": variant.mechanism,
-        "options": dict(variant.options),
-        "length": length,
-        "causal": causal,
-        "backward": backward,
-        **{
-            k: v
-            for k, v in asdict(settings).items()
-            if k not in ("variants", "lengths", "causal", "backward", "baseline_max_length")
-        },
-    }
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "subquad.bench.worker"],
-            input=json.dumps(cell),
-            capture_output=True,
-            text=True,
-            timeout=settings.timeout,
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {settings.timeout:g} s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        killed = " (killed: out of memory?)" if done.returncode < 0 else ""
-        tail = done.stderr.strip().splitlines()[-1:] or [""]
-        return {"error": f"worker exited with code {done.returncode}{killed} {tail[0]}".strip()}
-    return json.loads(lines[-1])
+    """One cell in a worker of its own."""
+    return next(_run_in_workers(settings, [(variant, length, causal, backward)]))
+
+
+def _run_in_workers(settings: BenchSettings, cells: list[Cell]) -> Iterator[dict[str, Any]]:
+    """Run ``cells`` in one worker, reading each result as it comes; a worker that exits or
+    overruns ``settings.timeout`` on a cell gets an error for that cell, and a new worker the rest."""
+    common = {
+        k: v for k, v in asdict(settings).items()
+        if k not in ("variants", "lengths", "causal", "backward", "baseline_max_length")
+    }  # fmt: skip
+    while cells:
+        payload = [
+            {"mechanism": v.mechanism, "options": dict(v.options), "length": n, "causal": c, "backward": b, **common}
+            for v, n, c, b in cells
+        ]  # fmt: skip
+        worker = subprocess.Popen(
+            _WORKER,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        lines: queue.Queue[str | None] = queue.Queue()
+        errors: list[str] = []
+        _drain(worker.stdout, lines, results=True)
+        _drain(worker.stderr, errors)
+        try:
+            worker.stdin.write(json.dumps(payload))
+            worker.stdin.close()
+        except BrokenPipeError:
+            pass  # the worker died at once: its exit code tells why, below
+        done = 0
+        try:
+            for _ in cells:
+                try:
+                    line = lines.get(timeout=settings.timeout)
+                except queue.Empty:
+                    worker.kill()
+                    yield {"error": f"timed out after {settings.timeout:g} s"}
+                    done += 1
+                    break
+                if line is None:  # the worker exited before this cell's result
+                    code = worker.wait()
+                    killed = " (killed: out of memory?)" if code < 0 else ""
+                    tail = "".join(errors).strip().splitlines()[-1:] or [""]
+                    yield {"error": f"worker exited with code {code}{killed} {tail[0]}".strip()}
+                    done += 1
+                    break
+                yield json.loads(line)
+                done += 1
+        finally:
+            try:
+                worker.wait(timeout=10 if done == len(cells) else 0)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        cells = cells[done:]
+
+
+def _drain(stream: Any, sink: queue.Queue | list, results: bool = False) -> None:
+    """Read ``stream`` on a daemon thread (a full pipe would block the worker) into ``sink``: with
+    ``results``, the JSON lines, then None at the end of the stream."""
+
+    def read() -> None:
+        for line in stream:
+            if results and line.startswith("{"):
+                sink.put(line)
+            elif not results:
+                sink.append(line)
+        if results:
+            sink.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:

@@ -1,8 +1,10 @@
-"""Measure one benchmark cell in a fresh process: ``python -m subquad.bench.worker < cell.json``.
+"""Measure benchmark cells in a worker process: ``python -m subquad.bench.worker < cells.json``
+(a JSON list of cells, or one cell), one JSON line of results per cell on stdout as each finishes.
 
-A fresh process per cell makes peak memory reliable on CPU: after a tiny warm-up that starts the
-thread pools, the inputs are made, the kernel's resident-memory high-water mark is reset, and
-the first full-size call's peak above that baseline is the cell's memory. That call starts the
+Peak memory on CPU: before each cell the freed memory of the cells before it goes back to the
+system (``gc`` and glibc's ``malloc_trim``), and after a tiny warm-up that starts the thread pools,
+the inputs are made, the kernel's resident-memory high-water mark is reset, and the first
+full-size call's peak above that baseline is the cell's memory. That call starts the
 warm-up for timing, which repeats the call until ``warmup_seconds`` have passed: the first calls
 of a process can run slower than the rest while memory settles (on virtual machines whose host
 backs memory on first use, fresh huge pages cost most of a second of calls before they are reused).
@@ -14,6 +16,9 @@ inputs, and the fraction of queries whose output is all zero.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import json
 import resource
 import statistics
@@ -50,6 +55,7 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
 
     call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"]))  # start thread pools
     q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"])
+    _release_freed_memory(device)
     peak_memory = _memory_probe(device)
     warmup_start = time.perf_counter()
     out = call(q, k, v)  # the first full-size call: memory, and the start of the warm-up for timing
@@ -127,6 +133,29 @@ def _relative_error(out: Tensor, q: Tensor, k: Tensor, v: Tensor, cell: dict[str
     return float(diff.norm() / ref.norm().clamp_min(1e-300))
 
 
+def _release_freed_memory(device: torch.device) -> None:
+    """Give what earlier cells freed back to the system, so that a cell's peak above the current
+    resident size counts the memory it needs (not less, by reusing pages an earlier cell left
+    resident)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
+
 def _memory_method(device: torch.device) -> str:
     if device.type == "cuda":
         return "cuda-max-allocated"
@@ -169,12 +198,13 @@ def _status_kib(key: str) -> int:
 
 
 def main() -> None:
-    cell = json.loads(sys.stdin.read())
-    try:
-        result = measure_cell(cell)
-    except Exception as exc:  # reported in the cell, so one failure does not end the run
-        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=3)}
-    print(json.dumps(result))  # a NaN error stays NaN: the table shows it, results.json writes null
+    cells = json.loads(sys.stdin.read())
+    for cell in cells if isinstance(cells, list) else [cells]:
+        try:
+            result = measure_cell(cell)
+        except Exception as exc:  # reported in the cell, so one failure does not end the run
+            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=3)}
+        print(json.dumps(result), flush=True)  # a NaN error stays NaN: the table shows it, results.json null
 
 
 if __name__ == "__main__":

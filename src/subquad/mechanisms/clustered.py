@@ -138,6 +138,14 @@ def _resolve_state(state: nn.Module | None, config: ClusteredConfig, shape: Atte
     return state
 
 
+def exactly_full(config: ClusteredConfig, shape: AttentionShape, state: nn.Module | None) -> bool:
+    """Whether the call is full attention: a cluster per query (``clusters >= L``), or, re-scoring,
+    every key re-scored (``topk >= S``). A state of the wrong kind or shape raises all the same."""
+    _resolve_state(state, config, shape)
+    topk = getattr(config, "topk", None)
+    return config.clusters >= shape.queries or (topk is not None and topk >= shape.keys)
+
+
 def cluster_queries(
     q: Tensor,
     config: ClusteredConfig,
@@ -316,6 +324,7 @@ CLUSTERED = Mechanism(
     tensor_args=("query_padding_mask",),
     groups_queries=True,
     state=ClusteredState,
+    exact_full=lambda config, shape, causal, state, tensors: exactly_full(config, shape, state),
     examples=(
         {},
         {"clusters": 3},

@@ -25,7 +25,14 @@ import torch
 from torch import Tensor, nn
 
 from subquad.kernels.tuning import TUNING
-from subquad.mechanisms.clustered import PAPER, ClusteredConfig, ClusteredState, _clustered, _masked_softmax
+from subquad.mechanisms.clustered import (
+    PAPER,
+    ClusteredConfig,
+    ClusteredState,
+    _clustered,
+    _masked_softmax,
+    exactly_full,
+)
 from subquad.registry import Mechanism, option
 
 __all__ = ["ImprovedClusteredConfig", "improved_clustered_attention", "rescore_topk"]
@@ -128,5 +135,6 @@ MECHANISM = Mechanism(
     tensor_args=("query_padding_mask",),
     groups_queries=True,
     state=ClusteredState,
+    exact_full=lambda config, shape, causal, state, tensors: exactly_full(config, shape, state),
     examples=({}, {"clusters": 3, "topk": 4}, {"clusters": 2, "kmeans": "hamming", "bits": 8, "topk": 2}),
 )

@@ -50,7 +50,7 @@ from subquad.kernels.blocksparse import block_sparse_attention
 from subquad.kernels.layouts import band_groups, sink_groups, sink_mask
 from subquad.kernels.softmax import fused_available
 from subquad.kernels.tuning import TUNING
-from subquad.masks import MaskMod
+from subquad.masks import MaskMod, window_covers
 from subquad.mechanisms._options import kernel_option
 from subquad.registry import Config, Mechanism, option
 
@@ -163,6 +163,9 @@ MECHANISM = Mechanism(
     cross=True,
     decoder=WindowCache,
     gqa=True,
+    exact_full=lambda config, shape, causal, state, tensors: window_covers(
+        config.window, shape.queries, shape.keys, causal
+    ),
     examples=(
         {},
         {"window": 5},

@@ -30,7 +30,7 @@ from subquad._validate import AttentionShape, check_grouped_inputs
 from subquad.kernels.blocksparse import block_sparse_attention
 from subquad.kernels.layouts import Group
 from subquad.kernels.tuning import TUNING, block_elements
-from subquad.masks import MaskMod, and_masks, causal_mask
+from subquad.masks import MaskMod, and_masks, causal_mask, window_covers
 from subquad.mechanisms._options import head_offset_option, kernel_option
 from subquad.registry import Config, Mechanism, option
 
@@ -218,6 +218,13 @@ def pattern_attention(
     return block_sparse_attention(q, k, v, [groups], key_padding_mask, shape.scale, config.kernel)
 
 
+def _exactly_full(config: PatternConfig, shape: AttentionShape, is_causal: bool, state: None, tensors: dict) -> bool:
+    """The named window, undilated, leaving out no pair that is not global: two positions at least
+    ``window`` apart both past the first ``global_tokens`` need ``max(L, S) > window + global_tokens``."""
+    plain = "mask_mod" not in tensors and config.name == "window" and config.dilation == 1
+    return plain and window_covers(config.window + config.global_tokens, shape.queries, shape.keys, is_causal)
+
+
 MECHANISM = Mechanism(
     name="pattern",
     fn=pattern_attention,
@@ -226,5 +233,6 @@ MECHANISM = Mechanism(
     paper="mask_mod(b, h, q_idx, kv_idx) patterns, as in FlexAttention",
     tensor_args=("mask_mod",),
     gqa=True,
+    exact_full=_exactly_full,
     examples=({}, {"window": 4, "block": 4}, {"window": 3, "dilation": 2, "global_tokens": 1, "block": 5}),
 )

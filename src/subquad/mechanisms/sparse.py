@@ -71,7 +71,7 @@ from subquad.kernels.layouts import (
 )
 from subquad.kernels.softmax import fused_available
 from subquad.kernels.tuning import TUNING, block_elements
-from subquad.masks import MaskMod, and_masks, or_masks
+from subquad.masks import MaskMod, and_masks, or_masks, window_covers
 from subquad.mechanisms._options import head_offset_option, kernel_option
 from subquad.registry import Config, Mechanism, option
 
@@ -351,6 +351,21 @@ def sparse_attention(
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel)
 
 
+def _exactly_full(config: SparseConfig, shape: AttentionShape, is_causal: bool, state: None, tensors: dict) -> bool:
+    """Whether the pattern leaves out no key full attention would see: fixed, one block holds every
+    key and query position; strided, a stride of 1 makes the column step every key, the local step
+    covers distances below l, and merged adds the column at distance l."""
+    L, S = shape.queries, shape.keys
+    if L > S:  # no form of its own: sparse_attention says so
+        return False
+    if config.pattern == "fixed":
+        return S <= config.stride
+    if config.stride == 1 and config.step != "local":
+        return True
+    reach = {"local": config.stride, "merged": config.stride + 1, "column": 1}[config.step]
+    return window_covers(reach, L, S, is_causal)
+
+
 MECHANISM = Mechanism(
     name="sparse",
     fn=sparse_attention,
@@ -360,6 +375,7 @@ MECHANISM = Mechanism(
     decoder=KVCache,  # exact: the causal pattern of position p reads only keys <= p
     gqa=True,
     longer_queries=False,
+    exact_full=_exactly_full,
     examples=(
         {},
         {"stride": 4, "block": 4},
