@@ -71,9 +71,11 @@ def test_a_decoder_s_perplexity_and_agreement_and_the_speed_columns(data, tmp_pa
     assert by["full"]["top1_agreement"] == 1.0 and by["original"]["top1_agreement"] == 1.0
     assert by["local:window=3"]["top1_agreement"] < 1.0
     assert all(r["time_ms"] > 0 and r["context"] == 32 and r["ratio"] > 0 for r in rows)
+    assert all(r["model_ms"] > 0 for r in rows) and by["original"]["model_ratio"] == 1.0
+    assert by["full"]["model_ratio"] == pytest.approx(by["full"]["model_ms"] / by["original"]["model_ms"])
     assert (tmp_path / "approx.png").stat().st_size > 0
     table = ap.format_table(rows)
-    assert "| local:window=3 |" in table and "perplexity" in table and "÷ original" in table
+    assert "| local:window=3 |" in table and "perplexity" in table and "attn ÷" in table and "model ÷" in table
 
 
 def test_a_rerun_keeps_the_mechanisms_it_measured(data, tmp_path):
@@ -149,3 +151,14 @@ def test_bad_inputs_are_refused(data, tmp_path):
            "--mechanisms", "local", "--out", str(tmp_path / "o")]  # fmt: skip
     done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "no model at" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_config_without_architectures_is_a_decoder_by_its_model_type():
+    """A GGUF file's config names no architecture: Llama and GPT-2 types are causal LMs, BERT (which
+    also has a causal-LM head) is not; a named architecture or is_decoder decides where present."""
+    from transformers import LlamaConfig
+
+    assert ap._is_decoder(LlamaConfig()) and ap._is_decoder(GPT2Config())
+    assert not ap._is_decoder(BertConfig())
+    assert not ap._is_decoder(LlamaConfig(architectures=["LlamaModel"]))
+    assert ap._is_decoder(BertConfig(architectures=["BertLMHeadModel"])) and ap._is_decoder(BertConfig(is_decoder=True))

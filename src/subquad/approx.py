@@ -11,7 +11,8 @@ a label where the data has labels). The original model runs once; then each mech
   the original and for the swapped embeddings).
 - Decoders: perplexity of the windows' next tokens, and top-1 next-token agreement with the original.
 - Both: time and peak memory of the attention alone at the model's longest context, against the
-  original's (``subquad bench``'s measurement, at the model's heads and head size).
+  original's (``subquad bench``'s measurement, at the model's heads and head size), and the whole
+  model's forward time on one window of that length (batch 1), against the original model's.
 
 ``approx.json`` is rewritten after each mechanism (a rerun skips those done), the table printed, and
 ``approx.png`` plots quality against speed.
@@ -26,6 +27,8 @@ import json
 import math
 import os
 import random
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,11 +140,26 @@ def load_model(path: str | Path) -> tuple[nn.Module, Any, bool]:
     if path.suffix == ".gguf":
         where = {**where, "pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
     config = AutoConfig.from_pretrained(**where)
-    decoder = bool(getattr(config, "is_decoder", False)) or any(
-        a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or []
-    )
+    decoder = _is_decoder(config)
     model = (AutoModelForCausalLM if decoder else AutoModel).from_pretrained(**where, dtype=torch.float32)
     return model.eval(), AutoTokenizer.from_pretrained(**where), decoder
+
+
+def _is_decoder(config: Any) -> bool:
+    """Whether a model's config names a causal language model: ``is_decoder``, an architecture named
+    as one, or, where the config names none (a GGUF file's), a model type that has a causal-LM head
+    and no masked-LM head (Llama, GPT-2, Mistral; not BERT or RoBERTa, which have both)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    if getattr(config, "is_decoder", False):
+        return True
+    if config.architectures:
+        return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures)
+    kind = config.model_type
+    return kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 @torch.no_grad()
@@ -235,6 +253,40 @@ def _speed(model: nn.Module, specs: list[str], context: int, causal: bool) -> di
     return out
 
 
+@torch.no_grad()
+def _model_speed(
+    model: nn.Module, tokenizer: Any, texts: list[str], specs: list[str], context: int, calib: Windows,
+    batch: int, seed: int, budget: float = 20.0,
+) -> dict[str, dict[str, float]]:  # fmt: skip
+    """The whole model's forward time on one window of ``context`` tokens of the text (batch 1), the
+    original and each spec swapped in: the median of up to 3 timed calls after one untimed call
+    (fewer where the calls take over ``budget`` seconds). The body runs without a language-model
+    head, whose logits do not change with the attention."""
+    from subquad import hf
+
+    ids = token_windows(tokenizer, texts, None, context, 1, seed).ids
+    body = getattr(model, "base_model", model)
+
+    def timed() -> float:
+        body(input_ids=ids)  # untimed: the first call of a shape
+        times: list[float] = []
+        while len(times) < 3 and sum(times) < budget:
+            start = time.perf_counter()
+            body(input_ids=ids)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    seconds = {"original": timed()}
+    for spec in specs:
+        name, options = parse_spec(spec)
+        hf.use(model, name, **options)
+        if hf.calibratable(name):  # routing's speed depends on how its centroids split the tokens
+            hf.calibrate(model, [{"input_ids": calib.ids[i : i + batch]} for i in range(0, len(calib.ids), batch)])
+        seconds[spec] = timed()
+        hf.restore(model)
+    return {spec: {"model_ms": t * 1e3, "model_ratio": t / seconds["original"]} for spec, t in seconds.items()}
+
+
 def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str | Path, *, tokens: int = 256,
            samples: int = 300, batch: int = 8, context: int | None = None, calibration: int = 16,
            speed: bool = True, seed: int = 0) -> list[dict[str, Any]]:  # fmt: skip
@@ -272,11 +324,12 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
         hf.restore(model)
         _write(saved, settings, rows)
         print(format_table(rows[-1:], header=False), flush=True)
-    if speed and not all("time_ms" in r for r in rows):
+    if speed and not all("time_ms" in r and "model_ms" in r for r in rows):
         longest = context or int(getattr(model.config, "max_position_embeddings", tokens))
         timing = _speed(model, specs, longest, decoder)
+        whole = _model_speed(model, tokenizer, texts, specs, longest, calib, batch, seed)
         for r in rows:
-            r.update(timing.get(r["spec"], {}), context=longest)
+            r.update(timing.get(r["spec"], {}), **whole.get(r["spec"], {}), context=longest)
     _write(saved, settings, rows)
     _plot(rows, out / "approx.png", decoder)
     return rows
@@ -291,8 +344,8 @@ def _write(path: Path, settings: dict[str, Any], rows: list[dict[str, Any]]) -> 
 _COLUMNS = {
     "cosine": ("cosine", "{:.4f}"), "cosine_p5": ("cosine p5", "{:.4f}"), "spearman": ("Spearman", "{:.4f}"),
     "probe_accuracy": ("probe acc", "{:.3f}"), "perplexity": ("perplexity", "{:.2f}"),
-    "top1_agreement": ("top-1 agree", "{:.3f}"), "time_ms": ("attn ms", "{:.1f}"), "ratio": ("÷ original", "{:.2f}"),
-    "peak_mb": ("peak MB", "{:.0f}"),
+    "top1_agreement": ("top-1 agree", "{:.3f}"), "time_ms": ("attn ms", "{:.1f}"), "ratio": ("attn ÷", "{:.2f}"),
+    "peak_mb": ("peak MB", "{:.0f}"), "model_ms": ("model ms", "{:.0f}"), "model_ratio": ("model ÷", "{:.2f}"),
 }  # fmt: skip
 
 

@@ -110,7 +110,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="swap mechanisms into a pretrained Hugging Face model and measure how closely they reproduce it",
         description="Run a local Hugging Face model (a folder, or a .gguf file) on real text, then each mechanism "
         "swapped in, and report embedding cosine, Spearman and a probe's accuracy (encoders) or perplexity and "
-        "top-1 agreement (decoders), with the attention's time and memory at the model's longest context. "
+        "top-1 agreement (decoders), with the attention's time and memory and the whole model's forward time at the "
+        "model's longest context. "
         "Example: subquad approx MODEL --data passages.jsonl --mechanisms improved-clustered:clusters=25 "
         "local:window=64 --out runs/approx",
     )
