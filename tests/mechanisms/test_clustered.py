@@ -183,7 +183,7 @@ def test_hamming_majority_update_keeps_tied_bits():
     codes = torch.tensor([[[1.0, 1, -1], [1, -1, -1], [-1, -1, 1]]])
     assign = torch.tensor([[0, 0, 1]])
     centroids = torch.tensor([[[-1.0, 1, 1], [1, 1, 1]]])
-    updated = clustering.Hamming(codes).update(centroids, assign, codes, torch.ones(1, 3))
+    updated = clustering.Hamming(codes).update(centroids, assign, codes)
     # cluster 0 votes (1, 0, -2): bit 1 ties and keeps its value 1; cluster 1 takes its one member
     assert torch.equal(updated, torch.tensor([[[1.0, 1, -1], [-1, -1, 1]]]))
 

@@ -245,9 +245,8 @@ def _clustered(
             qg = torch.where(query_real[sl].unsqueeze(-1), qg, 0.0)
         with torch.no_grad():
             assign = cluster_queries(qg.detach(), config, state, weight, heads[sl])
-        sums = cluster_sums(qg, assign, C)  # padded queries are zero here
-        counts = cluster_sums(weight.unsqueeze(-1), assign, C)
-        centroids = sums / counts.clamp_min(1)  # eq. 3, (G, C, D)
+        sums = cluster_sums(torch.cat([qg, weight.unsqueeze(-1)], -1), assign, C)  # padded queries are zero
+        centroids = sums[..., :-1] / sums[..., -1:].clamp_min(1)  # eq. 3, (G, C, D)
         kr = None if key_real is None else key_real[sl].unsqueeze(1)  # (G, 1, S)
         probs = _masked_softmax(torch.bmm(centroids * shape.scale, kg.transpose(1, 2)), kr)  # A^c, eq. 4
         centroid_out = torch.bmm(probs, vg)  # V^c, eq. 5

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from subquad.kernels.tuning import TUNING, block_elements
-from subquad.ops.hashing import position_uniform
+from subquad.ops.hashing import position_uniforms
 
 __all__ = [
     "SEED_ROUNDS",
@@ -66,8 +66,11 @@ class Hamming:
         best = torch.bmm(tagged, self.points_t).amax(1)  # (G, N): max_j dot_j − j/2^p
         return ((torch.ceil(best) - best) * 2.0**p).round_().long()
 
-    def update(self, centroids: Tensor, assign: Tensor, members: Tensor, weight: Tensor) -> Tensor:
-        """``members``: the points times their weight (0 for padded points, which do not vote)."""
+    def members(self, weight: Tensor) -> Tensor:
+        """What ``update`` sums: the codes times their weight (0 for padded points, which do not vote)."""
+        return self.points * weight.unsqueeze(-1)
+
+    def update(self, centroids: Tensor, assign: Tensor, members: Tensor) -> Tensor:
         votes = cluster_sums(members, assign, centroids.shape[1])
         return torch.where(votes > 0, 1.0, torch.where(votes < 0, -1.0, centroids))
 
@@ -82,6 +85,7 @@ class Euclidean:
         # x·c − ‖c‖²/2, whose max over c is the nearest centroid, with no broadcast add.
         self.augmented = torch.cat([x, x.new_ones(G, N, 1)], dim=-1)
         self.points = self.augmented[..., :-1]
+        self._norms: Tensor | None = None
 
     def subset(self, index: Tensor) -> Euclidean:
         return Euclidean(gather_rows(self.points, index))
@@ -92,18 +96,22 @@ class Euclidean:
         return torch.bmm(self.augmented, torch.cat([centroids, half_norms], dim=-1).transpose(1, 2))
 
     def distances(self, centroids: Tensor) -> Tensor:
-        norms = self.points.square().sum(-1, keepdim=True)
-        return (norms - 2 * self._scores(centroids)).clamp_min(0)
+        if self._norms is None:  # the same for every call: seeding asks once per round
+            self._norms = self.points.square().sum(-1, keepdim=True)
+        return (self._norms - 2 * self._scores(centroids)).clamp_min(0)
 
     def nearest(self, centroids: Tensor) -> Tensor:
         return self._scores(centroids).max(-1).indices  # argmin ‖x − c‖²; the first maximum on ties
 
-    def update(self, centroids: Tensor, assign: Tensor, members: Tensor, weight: Tensor) -> Tensor:
-        """``members``: the points times their weight (0 for padded points, which do not count)."""
-        C = centroids.shape[1]
-        sums = cluster_sums(members, assign, C)
-        counts = cluster_sums(weight.unsqueeze(-1), assign, C)
-        return torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
+    def members(self, weight: Tensor) -> Tensor:
+        """What ``update`` sums: the points times their weight, then the weight (padded points have
+        weight 0 and do not count), so one pass gives each cluster's sum and its count."""
+        return self.augmented * weight.unsqueeze(-1)
+
+    def update(self, centroids: Tensor, assign: Tensor, members: Tensor) -> Tensor:
+        sums = cluster_sums(members, assign, centroids.shape[1])
+        counts = sums[..., -1:]
+        return torch.where(counts > 0, sums[..., :-1] / counts.clamp_min(1), centroids)
 
 
 def gather_rows(x: Tensor, index: Tensor) -> Tensor:
@@ -132,18 +140,21 @@ def seed_centroids(
     by an unlucky uniform draw, and the rounds stay few and batched.
     """
     per_round = -(-C // min(C, SEED_ROUNDS))
-    first = position_uniform(seed, heads, positions, 1) - weight  # real points first
-    chosen = first.topk(per_round, dim=1, largest=False).indices
+    sizes = [min(per_round, C - start) for start in range(0, C, per_round)]  # centroids drawn per round
+    uniforms = position_uniforms(seed, heads, positions, range(1, len(sizes) + 1))  # (rounds, G, N)
+    chosen = (uniforms[0] - weight).topk(sizes[0], dim=1, largest=False).indices  # real points first
     picks = [chosen]
+    if len(sizes) == 1:
+        return chosen
     nearest = metric.distances(gather_rows(metric.points, chosen)).amin(-1)  # (G, N)
+    gumbels = uniforms[1:].log_().neg_().log_().neg_()  # −log(−log u), every later round at once
     padded = weight == 0
-    while sum(p.shape[1] for p in picks) < C:
-        r = min(per_round, C - sum(p.shape[1] for p in picks))
-        gumbel = -torch.log(-torch.log(position_uniform(seed, heads, positions, 1 + len(picks))))
+    for r, gumbel in zip(sizes[1:], gumbels):
         keys = (2 * torch.log(nearest) + gumbel).masked_fill_(padded, float("-inf"))
         chosen = keys.topk(r, dim=1).indices
         picks.append(chosen)
-        nearest = torch.minimum(nearest, metric.distances(gather_rows(metric.points, chosen)).amin(-1))
+        if len(picks) < len(sizes):
+            nearest = torch.minimum(nearest, metric.distances(gather_rows(metric.points, chosen)).amin(-1))
     return torch.cat(picks, dim=1)
 
 
@@ -152,9 +163,9 @@ def lloyd(metric: Hamming | Euclidean, weight: Tensor, init: Tensor, iterations:
     and the assignment of ``metric``'s points to them."""
     centroids = gather_rows(metric.points, init)
     assign = metric.nearest(centroids)
-    members = metric.points * weight.unsqueeze(-1)
+    members = metric.members(weight)
     for _ in range(iterations):
-        centroids = metric.update(centroids, assign, members, weight)
+        centroids = metric.update(centroids, assign, members)
         new = metric.nearest(centroids)
         if torch.equal(new, assign):
             break
