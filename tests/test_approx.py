@@ -147,6 +147,9 @@ def test_bad_inputs_are_refused(data, tmp_path):
         ap.approx(data / "encoder", data / "passages.jsonl", ["agglomerative"], tmp_path / "o")
     with pytest.raises(ValueError, match="holds no window of 4096 tokens"):
         ap.approx(data / "encoder", data / "passages.jsonl", ["local"], tmp_path / "o", tokens=4096, speed=False)
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(ValueError, match="--out .*taken is a file; pass a folder"):
+        ap.approx(data / "encoder", data / "passages.jsonl", ["local"], tmp_path / "taken", speed=False)
     cli = [sys.executable, "-m", "subquad", "approx", str(tmp_path / "none"), "--data", str(data / "passages.jsonl"),
            "--mechanisms", "local", "--out", str(tmp_path / "o")]  # fmt: skip
     done = subprocess.run(cli, capture_output=True, text=True, timeout=120)

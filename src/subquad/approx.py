@@ -297,6 +297,8 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
         name, options = parse_spec(spec)
         hf.LayerAttention.build(name, **options)  # a bad spec fails before the model loads
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a folder (it is created if missing)")
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer, decoder = load_model(model_path)
     texts, labels = read_passages(data)

@@ -302,8 +302,8 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--grid",
         choices=list(GRIDS),
         default="default",
-        help="default: N = 256 … 4096 with short warm-ups, a few minutes on 2 CPU cores; full: N up to 16384 "
-        "with 2 s warm-ups, about an hour (default: %(default)s)",
+        help="default: N = 256 … 4096 with short warm-ups, about 4 minutes on 2 CPU cores; full: N up to 16384 "
+        "with 2 s warm-ups, half an hour or more (default: %(default)s)",
     )
     parser.add_argument(
         "--out",

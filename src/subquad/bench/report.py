@@ -188,6 +188,7 @@ def _crossover_plot(plt: Any, rows: list[dict[str, Any]]):
             ax.scatter(xs, ys, marker=marker, label=name, facecolors=faces, edgecolors=colour)
     ax.set_xscale("log")
     ax.set_xticks([*lengths, beyond], [*map(str, lengths), f"> {lengths[-1]}"])
+    ax.minorticks_off()  # the log axis' own labels (2×10³) would print over the lengths
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("smallest N from which it beats full attention (open: at or beyond the grid's ends)")
