@@ -52,7 +52,7 @@ sequence), so ``is_causal=True`` raises and names the mechanisms that have one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -138,9 +138,12 @@ def _resolve_state(state: nn.Module | None, config: ClusteredConfig, shape: Atte
     return state
 
 
-def exactly_full(config: ClusteredConfig, shape: AttentionShape, state: nn.Module | None) -> bool:
-    """Whether the call is full attention: a cluster per query (``clusters >= L``), or, re-scoring,
-    every key re-scored (``topk >= S``). A state of the wrong kind or shape raises all the same."""
+def exactly_full(
+    config: ClusteredConfig, shape: AttentionShape, is_causal: bool, state: nn.Module | None, tensors: Mapping
+) -> bool:
+    """``Mechanism.exact_full`` of both clustered mechanisms: a cluster per query (``clusters >= L``),
+    or, re-scoring, every key re-scored (``topk >= S``). A state of the wrong kind or shape raises
+    all the same."""
     _resolve_state(state, config, shape)
     topk = getattr(config, "topk", None)
     return config.clusters >= shape.queries or (topk is not None and topk >= shape.keys)
@@ -323,7 +326,7 @@ CLUSTERED = Mechanism(
     tensor_args=("query_padding_mask",),
     groups_queries=True,
     state=ClusteredState,
-    exact_full=lambda config, shape, causal, state, tensors: exactly_full(config, shape, state),
+    exact_full=exactly_full,
     examples=(
         {},
         {"clusters": 3},

@@ -135,6 +135,6 @@ MECHANISM = Mechanism(
     tensor_args=("query_padding_mask",),
     groups_queries=True,
     state=ClusteredState,
-    exact_full=lambda config, shape, causal, state, tensors: exactly_full(config, shape, state),
+    exact_full=exactly_full,
     examples=({}, {"clusters": 3, "topk": 4}, {"clusters": 2, "kmeans": "hamming", "bits": 8, "topk": 2}),
 )
