@@ -14,6 +14,10 @@ a label where the data has labels). The original model runs once; then each mech
   original's (``subquad bench``'s measurement, at the model's heads and head size), and the whole
   model's forward time on one window of that length (batch 1), against the original model's.
 
+Converted models (folders ``subquad distill`` or ``subquad.hf.save`` wrote, from the same original
+model) are measured the same way, each under the row ``converted:FOLDER``; their attention speed is
+that of their mechanism and options.
+
 ``approx.json`` is rewritten after each mechanism (a rerun skips those done), the table printed, and
 ``approx.png`` plots quality against speed.
 
@@ -256,7 +260,7 @@ def _speed(model: nn.Module, specs: list[str], context: int, causal: bool) -> di
 @torch.no_grad()
 def _model_speed(
     model: nn.Module, tokenizer: Any, texts: list[str], specs: list[str], context: int, calib: Windows,
-    batch: int, seed: int, budget: float = 20.0,
+    batch: int, seed: int, budget: float = 20.0, converted: dict[str, str] | None = None,
 ) -> dict[str, dict[str, float]]:  # fmt: skip
     """The whole model's forward time on one window of ``context`` tokens of the text (batch 1), the
     original and each spec swapped in: the median of up to 3 timed calls after one untimed call
@@ -265,9 +269,9 @@ def _model_speed(
     from subquad import hf
 
     ids = token_windows(tokenizer, texts, None, context, 1, seed).ids
-    body = getattr(model, "base_model", model)
 
-    def timed() -> float:
+    def timed(model: nn.Module) -> float:
+        body = getattr(model, "base_model", model)
         body(input_ids=ids)  # untimed: the first call of a shape
         times: list[float] = []
         while len(times) < 3 and sum(times) < budget:
@@ -276,26 +280,30 @@ def _model_speed(
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    seconds = {"original": timed()}
+    seconds = {"original": timed(model)}
+    for label, folder in (converted or {}).items():
+        seconds[label] = timed(hf.from_pretrained(folder))
     for spec in specs:
         name, options = parse_spec(spec)
         hf.use(model, name, **options)
         if hf.calibratable(name):  # routing's speed depends on how its centroids split the tokens
             hf.calibrate(model, [{"input_ids": calib.ids[i : i + batch]} for i in range(0, len(calib.ids), batch)])
-        seconds[spec] = timed()
+        seconds[spec] = timed(model)
         hf.restore(model)
     return {spec: {"model_ms": t * 1e3, "model_ratio": t / seconds["original"]} for spec, t in seconds.items()}
 
 
 def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str | Path, *, tokens: int = 256,
            samples: int = 300, batch: int = 8, context: int | None = None, calibration: int = 16,
-           speed: bool = True, seed: int = 0) -> list[dict[str, Any]]:  # fmt: skip
-    """Measure each mechanism spec against the original model; returns (and writes) the rows."""
+           speed: bool = True, seed: int = 0, converted: list[str | Path] = ()) -> list[dict[str, Any]]:  # fmt: skip
+    """Measure each mechanism spec, and each converted model folder, against the original model;
+    returns (and writes) the rows."""
     from subquad import hf
 
     for spec in specs:
         name, options = parse_spec(spec)
         hf.LayerAttention.build(name, **options)  # a bad spec fails before the model loads
+    folders = {f"converted:{folder}": converted_spec(folder) for folder in converted}
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder (it is created if missing)")
@@ -326,15 +334,40 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
         hf.restore(model)
         _write(saved, settings, rows)
         print(format_table(rows[-1:], header=False), flush=True)
+    for label in folders:
+        if label in done:
+            rows.append(done[label])
+            continue
+        swapped = _outputs(hf.from_pretrained(label.partition(":")[2]), windows, batch, decoder)
+        rows.append({"spec": label, **_quality(original, swapped, windows.labels)})
+        _write(saved, settings, rows)
+        print(format_table(rows[-1:], header=False), flush=True)
     if speed and not all("time_ms" in r and "model_ms" in r for r in rows):
         longest = context or int(getattr(model.config, "max_position_embeddings", tokens))
-        timing = _speed(model, specs, longest, decoder)
-        whole = _model_speed(model, tokenizer, texts, specs, longest, calib, batch, seed)
+        timing = _speed(model, list(dict.fromkeys([*specs, *folders.values()])), longest, decoder)
+        timing.update({label: timing[spec] for label, spec in folders.items()})
+        converted_folders = {label: label.partition(":")[2] for label in folders}
+        whole = _model_speed(model, tokenizer, texts, specs, longest, calib, batch, seed, converted=converted_folders)
         for r in rows:
             r.update(timing.get(r["spec"], {}), **whole.get(r["spec"], {}), context=longest)
     _write(saved, settings, rows)
     _plot(rows, out / "approx.png", decoder)
     return rows
+
+
+def converted_spec(folder: str | Path) -> str:
+    """The mechanism spec (``NAME:option=value,...``) of a converted model folder's first layer."""
+    from subquad.hf import SPEC_FILE
+
+    path = Path(folder) / SPEC_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no {SPEC_FILE}: pass a folder subquad distill or subquad.hf.save wrote")
+    layers = json.loads(path.read_text())["layers"]
+    first = layers[min(layers, key=int)]
+    options = ",".join(
+        f"{k}={'|'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in first["options"].items()
+    )
+    return f"{first['mechanism']}:{options}" if options else first["mechanism"]
 
 
 def _write(path: Path, settings: dict[str, Any], rows: list[dict[str, Any]]) -> None:

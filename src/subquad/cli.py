@@ -117,8 +117,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     approx.add_argument("model", help="a local Hugging Face model folder or .gguf file")
     approx.add_argument("--data", required=True, help="a .jsonl file (text, label), a text file or a folder of .txt")
-    approx.add_argument("--mechanisms", nargs="+", required=True, metavar="SPEC",
+    approx.add_argument("--mechanisms", nargs="+", default=[], metavar="SPEC",
                         help="NAME or NAME:option=value,... (tuple values as a|b)")  # fmt: skip
+    approx.add_argument("--converted", nargs="+", default=[], metavar="FOLDER",
+                        help="model folders subquad distill wrote (OUT/model) from the same model")  # fmt: skip
     approx.add_argument("--out", required=True, help="folder for approx.json and approx.png")
     approx.add_argument("--tokens", type=int, default=256, help="tokens per window (default: %(default)s)")
     approx.add_argument("--samples", type=int, default=300, help="windows measured (default: %(default)s)")
@@ -128,7 +130,56 @@ def _build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--no-speed", dest="speed", action="store_false", help="skip the speed measurement")
     approx.add_argument("--seed", type=int, default=0, help="window order and probe split (default: %(default)s)")
     approx.set_defaults(run=_run_approx)
+
+    distill = commands.add_parser(
+        "distill",
+        help="convert a pretrained Hugging Face model to a mechanism and train what it adds (attention transfer)",
+        description="Convert a local Hugging Face model (a folder, or a .gguf file) to a mechanism (subquad.hf."
+        "convert), then train the new parameters so that each layer's attention output matches the original's on "
+        "the text (the original runs alongside; no labels), optionally followed by the whole attention blocks. "
+        "Metrics go to OUT/metrics.jsonl, checkpoints to OUT/checkpoints (--resume continues a run exactly), the "
+        "converted model to OUT/model (subquad.hf.from_pretrained loads it). "
+        "Example: subquad distill MODEL --data passages.jsonl --mechanism linear:feature_map=hedgehog --out runs/d",
+    )
+    distill.add_argument("model", help="a local Hugging Face model folder or .gguf file")
+    distill.add_argument("--data", required=True, help="a .jsonl file (text), a text file or a folder of .txt")
+    distill.add_argument("--mechanism", required=True, metavar="SPEC",
+                         help="NAME or NAME:option=value,... (tuple values as a|b)")  # fmt: skip
+    distill.add_argument("--out", required=True, help="folder for the run")
+    distill.add_argument("--layers", type=int, nargs="+", default=None, help="layers to convert (default: all)")
+    distill_help = {
+        "tokens": "tokens per window", "batch": "windows per step",
+        "steps": "steps training only what conversion added",
+        "finetune_steps": "then steps training the whole attention blocks too",
+        "lr": "peak learning rate of the first stage", "finetune_lr": "peak learning rate of the second stage",
+        "warmup": "warm-up steps of each stage", "heldout": "windows kept out of training, for the held-out error",
+        "eval_every": "steps between held-out errors", "checkpoint_every": "steps between checkpoints",
+        "calibration": "windows routing's k-means reads", "seed": "window order", "keep": "checkpoints kept",
+    }  # fmt: skip
+    from subquad.distill import DistillConfig
+
+    for field in fields(DistillConfig):
+        if field.name in distill_help:
+            distill.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
+                                 help=f"{distill_help[field.name]} (default: %(default)s)")  # fmt: skip
+    distill.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    distill.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    distill.set_defaults(run=_run_distill)
     return parser
+
+
+def _run_distill(args: argparse.Namespace) -> int:
+    from subquad.distill import DistillConfig, distill
+
+    names = {f.name for f in fields(DistillConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["layers"] = tuple(args.layers) if args.layers else None
+    summary = distill(DistillConfig(**values), resume=args.resume, progress=args.progress)
+    print(
+        f"held-out relative error {summary['heldout_error_before']:.4f} -> {summary['heldout_error_after']:.4f} in "
+        f"{summary['seconds']:.0f} s of training; wrote {args.out}/model (subquad.hf.from_pretrained loads it)"
+    )
+    return 0
 
 
 def _run_approx(args: argparse.Namespace) -> int:
@@ -137,8 +188,11 @@ def _run_approx(args: argparse.Namespace) -> int:
     for name in ("tokens", "samples", "batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not args.mechanisms and not args.converted:
+        raise ValueError("pass --mechanisms SPEC ..., --converted FOLDER ..., or both")
     rows = approx(args.model, args.data, args.mechanisms, args.out, tokens=args.tokens, samples=args.samples,
-                  batch=args.batch, context=args.context, speed=args.speed, seed=args.seed)  # fmt: skip
+                  batch=args.batch, context=args.context, speed=args.speed, seed=args.seed,
+                  converted=args.converted)  # fmt: skip
     print(format_table(rows))
     print(f"wrote {args.out}/approx.json and approx.png")
     return 0

@@ -32,13 +32,38 @@ What the model hands over is translated exactly or refused:
   the layer index, kept on the attention module as ``subquad_state`` (it follows ``.to()`` and is
   saved with the model).
 - Mechanisms whose inputs come from learned projections the model lacks (agglomerative's class
-  logits, multires' router) are refused with that reason.
+  logits, multires' router) are refused by ``use`` with that reason; ``convert`` adds them.
+
+**Conversion.** ``convert(model, "linear", feature_map="hedgehog")`` is ``use`` plus what the
+mechanism needs and the model lacks, initialised, on every chosen attention module, with every
+original weight frozen (``requires_grad=False``):
+
+- agglomerative: the class projections (the mechanism's ``AgglomerativeInputs``) and, per head, an
+  output gain that starts at H: the classes' weights c^q sum to 1 across the heads, so without it
+  each head would start at about 1/H of its scale (the gain is a diagonal factor of the output
+  matrix, which the paper learns);
+- multires: the router (``MultiresInputs``);
+- routing: the centroids, by spherical k-means on ``calibration`` batches (``calibrate``);
+- linear with ``feature_map="hedgehog"``: the learned feature maps (``LinearState``).
+
+The projections read the layer's own projected queries and keys, ``(B, N, H·D)`` (keys repeated
+to H heads under grouped-query attention), where the papers' layers read the hidden states: the
+same linear maps whenever the query and key projections are invertible, and what the attention
+interface is handed, so a generation cache needs nothing more. They are kept on the attention
+module as ``subquad_inputs`` and the state as ``subquad_state``; ``converted_parameters(model)``
+lists what to train (``subquad distill`` does). ``save(model, folder)`` writes the model (loadable
+by transformers as the original architecture), ``subquad.json`` (each layer's mechanism and
+options) and ``subquad.safetensors`` (what conversion added); ``from_pretrained(folder)`` loads it
+back with subquad attention.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,7 +83,21 @@ try:
 except ImportError as error:  # pragma: no cover - the hf extra installs it
     raise ImportError("subquad.hf needs transformers >= 5: pip install 'subquad[hf]'") from error
 
-__all__ = ["NAME", "LayerAttention", "attention_modules", "calibratable", "calibrate", "register", "restore", "use"]
+__all__ = [
+    "NAME",
+    "ConvertedInputs",
+    "LayerAttention",
+    "attention_modules",
+    "calibratable",
+    "calibrate",
+    "convert",
+    "converted_parameters",
+    "from_pretrained",
+    "register",
+    "restore",
+    "save",
+    "use",
+]
 
 NAME = "subquad"
 
@@ -71,15 +110,25 @@ class LayerAttention:
     config: Config
 
     @classmethod
-    def build(cls, mechanism: str, **options: Any) -> LayerAttention:
+    def build(cls, mechanism: str, *, converted: bool = False, **options: Any) -> LayerAttention:
         mech = get_mechanism(mechanism)
-        if mech.inputs is not None:
+        if mech.inputs is not None and not converted:
             raise ValueError(
                 f"{mech.name} needs inputs from learned projections a pretrained model does not have "
                 f"({', '.join(a for a in mech.tensor_args if a != 'query_padding_mask')}); it cannot be swapped in "
-                "without converting and training them"
+                "without converting and training them: subquad.hf.convert, then subquad distill"
             )
         return cls(mech, make_config(mech, **options))
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The config's options that differ from the mechanism's defaults."""
+        default = self.mechanism.config()
+        return {
+            f.name: getattr(self.config, f.name)
+            for f in dataclasses.fields(self.config)
+            if getattr(self.config, f.name) != getattr(default, f.name)
+        }
 
 
 _FULL = None  # LayerAttention of exact attention, built on first use
@@ -112,8 +161,13 @@ def use(model: nn.Module, mechanism: str, *, layers: Iterable[int] | None = None
     """Compute the attention of ``layers`` (their ``layer_idx``; all by default) with ``mechanism``
     and ``options``, and switch ``model`` to ``"subquad"``; returns ``model``. Calls for different
     layers combine; layers never set run exact attention."""
+    _apply(model, LayerAttention.build(mechanism, **options), layers)
+    return model
+
+
+def _apply(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None) -> list[nn.Module]:
+    """``use``'s work: set ``spec`` on the chosen layers; returns their attention modules."""
     register()
-    spec = LayerAttention.build(mechanism, **options)
     modules = attention_modules(model)
     indices = sorted({m.layer_idx for m in modules})
     chosen = set(indices) if layers is None else set(layers)
@@ -123,19 +177,20 @@ def use(model: nn.Module, mechanism: str, *, layers: Iterable[int] | None = None
     for module in modules:
         if module.layer_idx in chosen:
             module.subquad_attention = spec
-            if hasattr(module, "subquad_state"):
-                del module.subquad_state  # a new mechanism starts from a new state
+            for name in ("subquad_state", "subquad_inputs"):
+                if hasattr(module, name):
+                    delattr(module, name)  # a new mechanism starts from a new state
     if not hasattr(model, "subquad_previous"):
         model.subquad_previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
-    return model
+    return [m for m in modules if m.layer_idx in chosen]
 
 
 def restore(model: nn.Module, implementation: str | None = None) -> nn.Module:
     """Remove what ``use`` set and switch ``model`` back to ``implementation`` (by default the one
     it had before the first ``use``)."""
     for module in attention_modules(model):
-        for name in ("subquad_attention", "subquad_state"):
+        for name in ("subquad_attention", "subquad_state", "subquad_inputs"):
             if hasattr(module, name):
                 delattr(module, name)
     previous = model.__dict__.pop("subquad_previous", None) or "sdpa"
@@ -148,8 +203,9 @@ def _named_forward(name: str):
         spec = getattr(module, "subquad_attention", None)
         if spec is None or spec.mechanism.name != name:
             module.subquad_attention = LayerAttention.build(name)
-            if hasattr(module, "subquad_state"):
-                del module.subquad_state
+            for attribute in ("subquad_state", "subquad_inputs"):
+                if hasattr(module, attribute):
+                    delattr(module, attribute)
         return _forward(module, query, key, value, attention_mask, **kwargs)
 
     forward.__name__ = f"subquad_{name.replace('-', '_')}_forward"
@@ -224,12 +280,17 @@ def _state(module: nn.Module, spec: LayerAttention, query: Tensor) -> nn.Module 
     """The mechanism's state of this layer, made on first use, seeded by the layer index."""
     if spec.mechanism.state is None:
         return None
-    state = getattr(module, "subquad_state", None)
-    if state is None:
-        seed = int(getattr(module, "layer_idx", 0) or 0)
-        state = spec.mechanism.state(spec.config, query.shape[1], query.shape[-1], seed)
-        module.subquad_state = state.to(query.device).train(module.training)  # EMA updates only in training
+    if getattr(module, "subquad_state", None) is None:
+        _new_state(module, spec, query.shape[1], query.shape[-1], query.device, query.dtype)
     return module.subquad_state
+
+
+def _new_state(module: nn.Module, spec: LayerAttention, heads: int, head_dim: int, device, dtype) -> None:
+    seed = int(getattr(module, "layer_idx", 0) or 0)
+    state = spec.mechanism.state(spec.config, heads, head_dim, seed).to(device)
+    if any(p.is_floating_point() for p in state.parameters()):  # learned maps follow the model's dtype
+        state = state.to(dtype)
+    module.subquad_state = state.train(module.training)  # EMA updates only in training
 
 
 def _forward(
@@ -271,6 +332,13 @@ def _forward(
         # self-attention (with or without a cache): the queries are the last keys
         real = key_padding_mask[:, -queries:] if queries <= keys else None
         tensors["query_padding_mask"] = real if real is not None else torch.ones_like(query[:, 0, :, 0], dtype=bool)
+    if spec.mechanism.inputs is not None:
+        inputs = getattr(module, "subquad_inputs", None)
+        if inputs is None:
+            raise ValueError(
+                f"{spec.mechanism.name} needs the learned projections subquad.hf.convert adds; this layer has none"
+            )
+        tensors.update(inputs(query, key))
     if _CAPTURE is not None and module in _CAPTURE:
         _capture(module, query, key, key_padding_mask)
     out = attention(
@@ -278,6 +346,9 @@ def _forward(
         enable_gqa=key.shape[1] != query.shape[1], mechanism=spec.mechanism.name, key_padding_mask=key_padding_mask,
         config=spec.config, state=_state(module, spec, query), **tensors,
     )  # fmt: skip
+    gain = getattr(getattr(module, "subquad_inputs", None), "gain", None)
+    if gain is not None:
+        out = out * gain.to(out.dtype)[:, None, None]
     return out.transpose(1, 2), None
 
 
@@ -339,3 +410,171 @@ def spherical_kmeans(points: Tensor, clusters: int, iterations: int, seed: int) 
         filled = sums.norm(dim=-1, keepdim=True) > 0
         centroids = torch.where(filled, nn.functional.normalize(sums, dim=-1), centroids)
     return centroids
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+# ---------------------------------------------------------------------------------------------
+
+SPEC_FILE, TENSOR_FILE = "subquad.json", "subquad.safetensors"
+
+
+class ConvertedInputs(nn.Module):
+    """The learned extra inputs of one converted attention module: the mechanism's own ``inputs``
+    module (agglomerative's class projections, multires' router), reading the layer's projected
+    queries and keys ``(B, N, H·D)``, and for agglomerative a per-head output ``gain`` (see the
+    module docstring).
+
+    Args:
+        spec: the layer's mechanism and config.
+        heads: H, the query heads; keys with fewer heads (grouped-query) are repeated to H.
+        head_dim: D.
+    """
+
+    def __init__(self, spec: LayerAttention, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.inputs = spec.mechanism.inputs(spec.config, heads * head_dim, heads)
+        self.gain = nn.Parameter(torch.full((heads,), float(heads))) if spec.mechanism.name == "agglomerative" else None
+
+    def forward(self, query: Tensor, key: Tensor) -> dict[str, Tensor]:
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        weight = next(self.inputs.parameters(), None)
+        dtype = query.dtype if weight is None else weight.dtype
+        flat = lambda x: x.transpose(1, 2).flatten(2).to(dtype)  # noqa: E731 - (B, N, H·D)
+        return {name: x.to(query.dtype) for name, x in self.inputs(flat(query), flat(key)).items()}
+
+
+def _heads(model: nn.Module) -> tuple[int, int]:
+    config = model.config
+    heads = config.num_attention_heads
+    return heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def convert(
+    model: nn.Module,
+    mechanism: str,
+    *,
+    layers: Iterable[int] | None = None,
+    calibration: Iterable[dict[str, Tensor]] | None = None,
+    freeze: bool = True,
+    **options: Any,
+) -> nn.Module:
+    """Swap ``mechanism`` into ``layers`` (all by default) as ``use`` does, and add what it needs
+    and the model lacks, initialised (see the module docstring); returns ``model``.
+
+    Args:
+        model: a transformers model whose attention runs through the attention interface.
+        mechanism, options: the mechanism and its options (``linear`` with
+            ``feature_map="hedgehog"`` for learned feature maps).
+        layers: the attention modules' ``layer_idx`` to convert.
+        calibration: batches (keyword arguments of ``model``'s forward) whose queries and keys fit
+            routing's centroids; required for routing.
+        freeze: set ``requires_grad=False`` on every weight the model had; only what conversion
+            adds is trained (``converted_parameters``).
+    """
+    spec = LayerAttention.build(mechanism, converted=True, **options)
+    if calibratable(spec) and calibration is None:
+        raise ValueError(
+            f"{spec.mechanism.name}'s centroids are fitted by k-means on the model's own queries and keys: pass "
+            "calibration=[{'input_ids': ...}, ...] (a few batches of real text)"
+        )
+    if freeze:
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+    _add(model, spec, layers)
+    if calibration is not None and calibratable(spec):
+        calibrate(model, calibration)
+    return model
+
+
+def _add(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None) -> list[nn.Module]:
+    modules = _apply(model, spec, layers)
+    heads, head_dim = _heads(model)
+    reference = next(model.parameters())
+    for module in modules:
+        if spec.mechanism.state is not None:
+            _new_state(module, spec, heads, head_dim, reference.device, reference.dtype)
+        if spec.mechanism.inputs is not None:
+            module.subquad_inputs = ConvertedInputs(spec, heads, head_dim).to(reference.device, reference.dtype)
+    return modules
+
+
+def _converted(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, getattr(module, n)) for n in ("subquad_state", "subquad_inputs") if hasattr(module, n)]
+
+
+def converted_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """What ``convert`` added that gradients train: feature maps, class projections, routers, gains."""
+    return [p for m in attention_modules(model) for _, part in _converted(m) for p in part.parameters()]
+
+
+def save(model: nn.Module, folder: str | Path, tokenizer: Any = None) -> Path:
+    """Write a converted (or ``use``d) model to ``folder``: the model's own files (which
+    transformers loads as the original architecture), ``subquad.json`` and ``subquad.safetensors``;
+    and the tokenizer's, if given. ``from_pretrained(folder)`` loads it with subquad attention."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is a file; save needs a folder (it is created if missing)")
+    layers, tensors = {}, {}
+    for module in attention_modules(model):
+        spec = getattr(module, "subquad_attention", None)
+        if spec is None:
+            continue
+        index = int(module.layer_idx)
+        layers[str(index)] = {"mechanism": spec.mechanism.name, "options": _jsonable(spec.options)}
+        for name, part in _converted(module):
+            for key, value in part.state_dict().items():
+                tensors[f"{index}.{name}.{key}"] = value.detach().cpu().contiguous().clone()
+    if not layers:
+        raise ValueError("this model has no subquad attention to save; subquad.hf.convert (or use) it first")
+    own = {k: v for k, v in model.state_dict().items() if ".subquad_" not in k}
+    model.save_pretrained(folder, state_dict=own)
+    save_file(tensors, str(folder / TENSOR_FILE))
+    (folder / SPEC_FILE).write_text(json.dumps({"format": 1, "layers": layers}, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}
+
+
+def from_pretrained(folder: str | Path, *, model_class: Any = None, **kwargs: Any) -> nn.Module:
+    """Load what ``save`` wrote: the model (``model_class``, by default the architecture its config
+    names), then each layer's mechanism and what conversion added; in eval mode."""
+    import transformers
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    spec_file = folder / SPEC_FILE
+    if not spec_file.is_file():
+        raise FileNotFoundError(
+            f"{folder} has no {SPEC_FILE}: it is not a model subquad.hf.save wrote (load a plain model with "
+            "transformers, then subquad.hf.convert or use it)"
+        )
+    saved = json.loads(spec_file.read_text())
+    if model_class is None:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        names = config.architectures or []
+        model_class = getattr(transformers, names[0], None) if names else None
+        if model_class is None:
+            raise ValueError(f"{folder}'s config names no architecture transformers has ({names}); pass model_class")
+    model = model_class.from_pretrained(folder, local_files_only=True, **kwargs)
+    for index, layer in saved["layers"].items():
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in layer["options"].items()}
+        _add(model, LayerAttention.build(layer["mechanism"], converted=True, **options), [int(index)])
+    tensors = load_file(str(folder / TENSOR_FILE))
+    by_index = {int(m.layer_idx): m for m in attention_modules(model)}
+    expected = set()
+    for index, module in by_index.items():
+        for name, part in _converted(module):
+            state = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{index}.{name}.")}
+            expected.update(f"{index}.{name}.{k}" for k in part.state_dict())
+            part.load_state_dict(state)
+    unexpected = sorted(set(tensors) - expected)
+    if unexpected:
+        raise ValueError(f"{folder / TENSOR_FILE} holds tensors no converted layer takes: {unexpected[:5]}")
+    return model.eval()

@@ -180,7 +180,7 @@ def test_scale_is_refused():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"feature_map": "softmax"}, "feature_map must be one of 'elu', 'relu', got 'softmax'"),
+        ({"feature_map": "softmax"}, "feature_map must be one of 'elu', 'relu', 'hedgehog', got 'softmax'"),
         ({"eps": 0.0}, "eps must be > 0, got 0.0"),
         ({"chunk": 0}, "chunk must be >= 1, got 0"),
     ],
@@ -268,3 +268,106 @@ def test_gradients_keep_the_strides_of_transposed_inputs(is_causal):
         x.register_hook(lambda g: strides.append(g.stride()))
     linear_attention(q, k, v, is_causal=is_causal).sum().backward()
     assert strides == [q.stride()] * 3
+
+
+# --- learned feature maps (hedgehog) ----------------------------------------------------------
+
+
+def _hedgehog_state(H, D, seed=0, dtype=torch.float64):
+    """A LinearState with random (not initial) maps, so tests see W and b at work."""
+    from subquad.mechanisms.linear import LinearState
+
+    state = LinearState(LinearConfig(feature_map="hedgehog"), H, D).to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        state.weight.copy_(torch.randn(state.weight.shape, generator=g, dtype=dtype))
+        state.bias.copy_(torch.randn(state.bias.shape, generator=g, dtype=dtype))
+    return state
+
+
+def dense_hedgehog(q, k, v, kpm, is_causal, state, eps=1e-6):
+    """Hedgehog's φ written out per head, then the dense kernel attention under the mask."""
+
+    def phi(x):
+        t = torch.einsum("bhnd,hde->bhne", x, state.weight) + state.bias[:, None, :]
+        return torch.cat([torch.softmax(t, -1), torch.softmax(-t, -1)], -1)
+
+    L, S = q.shape[2], k.shape[2]
+    scores = phi(q) @ phi(k).transpose(-1, -2)
+    mask = torch.ones(L, S, dtype=torch.bool)
+    if is_causal:
+        mask = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L)
+    if kpm is not None:
+        mask = mask & kpm[:, None, None, :]
+    scores = scores * mask
+    return (scores @ v) / (scores.sum(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize(("L", "S"), [(23, 23), (9, 23), (23, 9)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_hedgehog_equals_the_dense_reference(L, S, is_causal):
+    q, k, v = qkv(2, 3, L, S, 4, 5, seed=3)
+    kpm = padding(2, S, seed=2)
+    state = _hedgehog_state(3, 4)
+    config = LinearConfig(feature_map="hedgehog", chunk=4)
+    out = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=state)
+    assert (out - dense_hedgehog(q, k, v, kpm, is_causal, state)).abs().max() <= 1e-10
+
+
+def test_hedgehog_starts_at_the_identity_map_and_a_missing_state_is_that_map():
+    from subquad.mechanisms.linear import LinearState
+
+    config = LinearConfig(feature_map="hedgehog")
+    state = LinearState(config, 3, 4).double()
+    assert torch.equal(state.weight, torch.eye(4, dtype=torch.float64).expand(3, 4, 4))
+    assert torch.equal(state.bias, torch.zeros(3, 4, dtype=torch.float64))
+    q, k, v = qkv(1, 3, 10, 10, 4, 4, seed=1)
+    assert torch.equal(linear_attention(q, k, v, config=config, state=state), linear_attention(q, k, v, config=config))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_hedgehog_gradients_reach_the_maps(is_causal):
+    """gradcheck through q, k, v and the learned W and b: what distillation trains."""
+    q, k, v = (x.requires_grad_() for x in qkv(1, 2, 7, 7, 3, 2, seed=4))
+    config = LinearConfig(feature_map="hedgehog", chunk=3)
+
+    class Call(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.state = _hedgehog_state(2, 3, seed=5)
+
+        def forward(self, q, k, v):
+            return linear_attention(q, k, v, is_causal=is_causal, config=config, state=self.state)
+
+    call = Call()
+    weight = call.state.weight.detach().clone().requires_grad_()
+    bias = call.state.bias.detach().clone().requires_grad_()
+    f = lambda q, k, v, w, b: torch.func.functional_call(call, {"state.weight": w, "state.bias": b}, (q, k, v))
+    assert gradcheck(f, (q, k, v, weight, bias))
+
+
+def test_hedgehog_decoding_equals_the_parallel_pass():
+    from subquad.mechanisms.linear import LinearState
+
+    state = _hedgehog_state(2, 4, seed=6)
+    config = LinearConfig(feature_map="hedgehog", chunk=3)
+    q, k, v = qkv(1, 2, 12, 12, 4, 3, seed=7)
+    parallel = linear_attention(q, k, v, is_causal=True, config=config, state=state)
+    decoder = LinearDecoder(get_mechanism("linear"), config, state)
+    steps = [decoder.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1]) for i in range(12)]
+    assert (torch.cat(steps, 2) - parallel).abs().max() <= 1e-10
+    assert isinstance(state, LinearState)
+
+
+def test_hedgehog_refuses_a_state_of_another_kind_or_shape():
+    from subquad.mechanisms.linear import LinearState
+
+    config = LinearConfig(feature_map="hedgehog")
+    q, k, v = qkv(1, 2, 5, 5, 4, 4)
+    with pytest.raises(ValueError, match="built with that config, got one built for another feature map"):
+        linear_attention(q, k, v, config=config, state=LinearState(LinearConfig(), 2, 4))
+    with pytest.raises(ValueError, match="built with that config, got RoutingState"):
+        routing = get_mechanism("routing")
+        linear_attention(q, k, v, config=config, state=routing.state(subquad.make_config(routing), 2, 4))
+    with pytest.raises(ValueError, match=r"maps are \(heads, head_dim, head_dim\) = \(3, 4, 4\) but this call needs"):
+        linear_attention(q, k, v, config=config, state=LinearState(config, 3, 4).double())

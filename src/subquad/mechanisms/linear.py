@@ -30,15 +30,22 @@ length) and runs the same chunked product from that state for each new block of 
 accumulated in fp32 for fp16/bf16 inputs.
 
 There is no softmax, so there is no scale: ``scale`` must be left None.
+
+**Learned feature maps.** ``feature_map="hedgehog"`` is Hedgehog's softmax-mimicking map (Zhang,
+Bhatia, Kumbong & Ré 2024): per head, ``φ(x) = [softmax(x W + b), softmax(−(x W + b))]`` over the
+D features (2D features in all, each positive), with W and b learned in ``LinearState``. They start
+at W = I, b = 0; ``subquad.hf.convert`` and ``subquad distill`` train them so that the kernel
+matches a pretrained model's softmax attention. Without a state the call uses that initial map.
+The learned φ runs in autograd; the kernels above then take it as it is (ReLU of positive
+features is the identity, with gradient 1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from subquad._validate import check_attention_inputs
 from subquad.decoding import Decoder
@@ -46,20 +53,70 @@ from subquad.kernels.linear import Causal, NonCausal, features, normalise
 from subquad.ops.scan import causal_dot_forward
 from subquad.registry import Config, Mechanism, option
 
-if TYPE_CHECKING:
-    from torch import nn
-
-__all__ = ["LinearConfig", "LinearDecoder", "linear_attention"]
+__all__ = ["LinearConfig", "LinearDecoder", "LinearState", "learned_features", "linear_attention"]
 
 
 @dataclass(frozen=True)
 class LinearConfig(Config):
     mechanism = "linear"
     feature_map: str = option(
-        "elu", "φ: elu (elu(x) + 1, Katharopoulos et al.) or relu (AdaMRA)", choices=("elu", "relu")
+        "elu",
+        "φ: elu (elu(x) + 1, Katharopoulos et al.), relu (AdaMRA) or hedgehog (learned softmax features in "
+        "LinearState, Zhang et al. 2024)",
+        choices=("elu", "relu", "hedgehog"),
     )
     eps: float = option(1e-6, "ε added to the normaliser φ(q)ᵀ Σ φ(k)", gt=0)
     chunk: int = option(64, "causal form: positions per chunk of the exact in-chunk product", ge=1)
+
+
+class LinearState(nn.Module):
+    """The learned feature maps of ``feature_map="hedgehog"``: per head, ``weight`` ``(H, D, D)``
+    (initially the identity) and ``bias`` ``(H, D)`` (initially 0). Other feature maps learn
+    nothing and the state holds no tensor.
+
+    Args:
+        config: a ``LinearConfig``.
+        num_heads: H; every head has its own map.
+        head_dim: D, the query and key width.
+        seed: unused (the initial map is the identity); taken for the state signature.
+    """
+
+    def __init__(self, config: LinearConfig, num_heads: int, head_dim: int, seed: int = 0) -> None:
+        super().__init__()
+        self.learned = config.feature_map == "hedgehog"
+        if self.learned:
+            self.weight = nn.Parameter(torch.eye(head_dim).repeat(num_heads, 1, 1))
+            self.bias = nn.Parameter(torch.zeros(num_heads, head_dim))
+
+    def extra_repr(self) -> str:
+        if not self.learned:
+            return "no learned feature map"
+        heads, dim, _ = self.weight.shape
+        return f"hedgehog, heads={heads}, head_dim={dim}"
+
+
+def _resolve_state(state: nn.Module | None, config: LinearConfig, heads: int, dim: int, device) -> LinearState | None:
+    if config.feature_map != "hedgehog":
+        return None
+    if state is None:
+        return LinearState(config, heads, dim).to(device)
+    if not isinstance(state, LinearState) or not state.learned:
+        got = "one built for another feature map" if isinstance(state, LinearState) else type(state).__name__
+        raise ValueError(f"linear with feature_map=hedgehog needs a LinearState built with that config, got {got}")
+    if tuple(state.weight.shape) != (heads, dim, dim):
+        raise ValueError(
+            f"the linear state's maps are (heads, head_dim, head_dim) = {tuple(state.weight.shape)} but this call "
+            f"needs {(heads, dim, dim)}; build it as LinearState(config, {heads}, {dim})"
+        )
+    return state
+
+
+def learned_features(x: Tensor, state: LinearState) -> Tensor:
+    """Hedgehog's ``[softmax(xW + b), softmax(−(xW + b))]`` of ``x`` ``(B, H, N, D)``: ``(B, H, N, 2D)``,
+    in fp32 for half-precision inputs."""
+    work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    t = torch.matmul(x.to(work), state.weight.to(work)) + state.bias.to(work)[:, None, :]
+    return torch.cat([torch.softmax(t, -1), torch.softmax(-t, -1)], dim=-1)
 
 
 def linear_attention(
@@ -90,23 +147,28 @@ def linear_attention(
     if scale is not None:
         raise ValueError(f"linear attention has no softmax scale; leave scale=None (got {scale})")
     B, H, L, S, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.value_dim
+    name, dtype = config.feature_map, q.dtype
+    learned = _resolve_state(state, config, H, shape.head_dim, q.device)
+    if learned is not None:  # φ in autograd; the kernels' ReLU passes positive features through
+        q, k, name = learned_features(q, learned), learned_features(k, learned), "relu"
+        v = v.to(q.dtype)
     if not is_causal:
-        return NonCausal.apply(q, k, v, key_padding_mask, config.feature_map, config.eps)
+        return NonCausal.apply(q, k, v, key_padding_mask, name, config.eps).to(dtype)
     offset = S - L  # query i sits at key position i + offset
     initial, mask = None, key_padding_mask
     if offset > 0:  # keys before the first query: every query sees them
         before = None if mask is None else mask[:, :offset]
-        _, fk, v1 = features(q[:, :, :0], k[:, :, :offset], v[:, :, :offset], before, config.feature_map)
+        _, fk, v1 = features(q[:, :, :0], k[:, :, :offset], v[:, :, :offset], before, name)
         initial = torch.matmul(fk.transpose(-1, -2), v1)  # (B, H, D, Dv + 1)
         k, v, mask = k[:, :, offset:], v[:, :, offset:], None if mask is None else mask[:, offset:]
     elif offset < 0:  # the first -offset queries see no key
         q = q[:, :, -offset:]
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     mask = None if mask is None else mask.to(work)
-    out = Causal.apply(q, k, v, mask, initial, config.feature_map, config.eps, config.chunk)
+    out = Causal.apply(q, k, v, mask, initial, name, config.eps, config.chunk)
     if offset < 0:
         out = torch.cat([out.new_zeros(B, H, -offset, Dv), out], dim=2)
-    return out
+    return out.to(dtype)
 
 
 class LinearDecoder(Decoder):
@@ -125,12 +187,17 @@ class LinearDecoder(Decoder):
         """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the prefix and the new keys."""
         B, H, T, D = q.shape
         Dv = v.shape[-1]
-        fq, fk, v1 = features(q, k, v, None, self.config.feature_map)
+        name, dtype = self.config.feature_map, q.dtype
+        learned = _resolve_state(self.state, self.config, H, D, q.device)
+        if learned is not None:
+            q, k, name = learned_features(q, learned), learned_features(k, learned), "relu"
+            D = q.shape[-1]
+        fq, fk, v1 = features(q, k, v, None, name)
         a, b, c = fq.reshape(B * H, T, D), fk.reshape(B * H, T, D), v1.reshape(B * H, T, Dv + 1)
         y = causal_dot_forward(a, b, c, self.sums, self.config.chunk)
         update = torch.matmul(b.transpose(1, 2), c)
         self.sums = update if self.sums is None else self.sums + update
-        return normalise(y.view(B, H, T, Dv + 1), self.config.eps, q.dtype)
+        return normalise(y.view(B, H, T, Dv + 1), self.config.eps, dtype)
 
 
 MECHANISM = Mechanism(
@@ -142,6 +209,7 @@ MECHANISM = Mechanism(
     causal=True,
     cross=True,
     decoder=LinearDecoder,
-    examples=({"chunk": 5}, {"feature_map": "relu", "chunk": 3}, {}),
+    state=LinearState,
+    examples=({"chunk": 5}, {"feature_map": "relu", "chunk": 3}, {}, {"feature_map": "hedgehog", "chunk": 4}),
     scaled=False,
 )
