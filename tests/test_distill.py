@@ -25,6 +25,7 @@ VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *(w for ws in TOP
 # mechanism, options, parameters conversion adds per layer (heads 4, head size 8)
 CONVERSIONS = [
     ("linear", {"feature_map": "hedgehog"}, 4 * 8 * 8 + 4 * 8),
+    ("linear", {"feature_map": "hedgehog", "window": 5}, 4 * 8 * 8 + 4 * 8),
     ("agglomerative", {}, 2 * (32 * 4 + 4) + 4),
     ("multires", {"rates": (0.5, 0.25)}, 32 * 2),
     ("routing", {"clusters": 2}, 0),
@@ -133,8 +134,9 @@ def test_a_converted_model_saves_reloads_and_gives_the_same_outputs(tmp_path, mo
     torch.testing.assert_close(output(plain, ids()), output(MODELS[model_name](), ids()), rtol=1e-6, atol=1e-6)
 
 
-def test_a_converted_decoder_generates_the_same_tokens_with_and_without_the_cache():
-    model = converted(llama, "linear", {"feature_map": "hedgehog"})
+@pytest.mark.parametrize("options", [{"feature_map": "hedgehog"}, {"feature_map": "hedgehog", "window": 4}])
+def test_a_converted_decoder_generates_the_same_tokens_with_and_without_the_cache(options):
+    model = converted(llama, "linear", options)
     prompt = ids(1, 6)
     cached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True)
     uncached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False)

@@ -1,4 +1,5 @@
 import functools
+import itertools
 
 import pytest
 import torch
@@ -371,3 +372,77 @@ def test_hedgehog_refuses_a_state_of_another_kind_or_shape():
         linear_attention(q, k, v, config=config, state=routing.state(subquad.make_config(routing), 2, 4))
     with pytest.raises(ValueError, match=r"maps are \(heads, head_dim, head_dim\) = \(3, 4, 4\) but this call needs"):
         linear_attention(q, k, v, config=config, state=LinearState(config, 3, 4).double())
+
+
+# --- a softmax window (LoLCATs-style hybrid) ----------------------------------------------------
+
+
+def dense_windowed(q, k, v, kpm, is_causal, w, phi, eps=1e-6):
+    """Softmax over local's window and kernel weights elsewhere, written out with dense masks."""
+    L, S = q.shape[2], k.shape[2]
+    p = torch.arange(L)[:, None] + (S - L)
+    j = torch.arange(S)[None, :]
+    near = (j > p - w) & (j <= p) if is_causal else (j - p).abs() < w
+    far = (j <= p - w) if is_causal else ~near
+    real = torch.ones(q.shape[0], S, dtype=torch.bool) if kpm is None else kpm
+    near, far = near & real[:, None, None, :], far & real[:, None, None, :]
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    soft = torch.softmax(scores.masked_fill(~near, float("-inf")), -1).nan_to_num(0.0)
+    mass = near.any(-1, keepdim=True).to(q.dtype)
+    kernel = (phi(q) @ phi(k).transpose(-1, -2)) * far
+    return (mass * (soft @ v) + kernel @ v) / (mass + kernel.sum(-1, keepdim=True) + eps)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    L=st.integers(1, 30), S=st.integers(1, 30), w=st.integers(1, 12), is_causal=st.booleans(), pad=st.booleans(),
+    hedgehog=st.booleans(), chunk=st.sampled_from([1, 3, 8]), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_a_window_equals_the_dense_reference(L, S, w, is_causal, pad, hedgehog, chunk, seed):
+    q, k, v = qkv(2, 3, L, S, 4, 5, seed=seed)
+    kpm = padding(2, S, seed) if pad else None
+    state = _hedgehog_state(3, 4, seed=seed) if hedgehog else None
+    config = LinearConfig(feature_map="hedgehog" if hedgehog else "elu", window=w, chunk=chunk)
+    phi = (lambda x: learned(x, state)) if hedgehog else (lambda x: feature_map(x, "elu"))
+    out = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=state)
+    assert (out - dense_windowed(q, k, v, kpm, is_causal, w, phi)).abs().max() <= 1e-10
+
+
+def learned(x, state):
+    from subquad.mechanisms.linear import learned_features
+
+    return learned_features(x, state)
+
+
+def test_a_window_takes_the_softmax_scale_and_without_one_refuses_it():
+    q, k, v = qkv(1, 2, 12, 12, 4, 4, seed=2)
+    config = LinearConfig(window=3)
+    default = linear_attention(q, k, v, config=config)
+    assert torch.equal(
+        linear_attention(q, k, v, config=config, scale=0.5), linear_attention(q, k, v, config=config, scale=0.5)
+    )
+    assert not torch.allclose(linear_attention(q, k, v, config=config, scale=2.0), default)
+    assert get_mechanism("linear").takes_scale(config) and not get_mechanism("linear").takes_scale(LinearConfig())
+
+
+def test_a_window_covering_every_key_is_softmax_attention():
+    q, k, v = qkv(2, 2, 15, 15, 4, 3, seed=3)
+    kpm = padding(2, 15, seed=3)
+    for is_causal in (False, True):
+        out = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=LinearConfig(window=15))
+        mask = kpm[:, None, None, :] & (torch.ones(15, 15, dtype=torch.bool).tril() if is_causal else True)
+        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(out, reference / (1 + 1e-6), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("hedgehog", [False, True])
+def test_windowed_decoding_equals_the_parallel_pass_in_steps_of_any_size(hedgehog):
+    state = _hedgehog_state(2, 4, seed=8) if hedgehog else None
+    config = LinearConfig(feature_map="hedgehog" if hedgehog else "elu", window=5, chunk=3)
+    q, k, v = qkv(1, 2, 23, 23, 4, 3, seed=9)
+    parallel = linear_attention(q, k, v, is_causal=True, config=config, state=state)
+    decoder = LinearDecoder(get_mechanism("linear"), config, state)
+    cuts = [0, 1, 2, 9, 10, 16, 23]
+    steps = [decoder.step(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in itertools.pairwise(cuts)]
+    assert (torch.cat(steps, 2) - parallel).abs().max() <= 1e-10
+    assert decoder.recent[0].shape[2] == 4  # window − 1 keys kept, the rest summed

@@ -38,6 +38,21 @@ at W = I, b = 0; ``subquad.hf.convert`` and ``subquad distill`` train them so th
 matches a pretrained model's softmax attention. Without a state the call uses that initial map.
 The learned φ runs in autograd; the kernels above then take it as it is (ReLU of positive
 features is the identity, with gradient 1).
+
+**A softmax window (our option, as in LoLCATs, Zhang et al. 2025).** ``window = w > 0`` keeps exact
+softmax for the keys less than w positions from the query (``local``'s window: causal, the previous
+w − 1 and its own; non-causal, w − 1 on each side too) and kernel attention for the rest, under one
+normaliser. The window's softmax output o^W (``local``) enters with mass 1 against the kernel's raw
+weights of the far keys F(i):
+
+    out_i = (m_i · o^W_i + Σ_{j∈F(i)} φ(q_i)·φ(k_j) v_j) / (m_i + Σ_{j∈F(i)} φ(q_i)·φ(k_j) + ε)
+
+where m_i is 1 if the window holds a real key and 0 otherwise: softmax's own stabiliser (its
+log-sum-exp) sets the window's scale, and a learned φ learns the far keys' weight against it.
+Nearby tokens, which a pretrained model's attention leans on most, are exact; the cost stays
+linear, O(N·(w + D)·D). The far sums are causal products (``ops.scan.causal_dot``) of the keys
+shifted by w, and non-causal also of the reversed sequences, so no band is subtracted and no
+weight can come out negative. ``scale`` applies to the window's softmax (default 1/√D).
 """
 
 from __future__ import annotations
@@ -50,7 +65,7 @@ from torch import Tensor, nn
 from subquad._validate import check_attention_inputs
 from subquad.decoding import Decoder
 from subquad.kernels.linear import Causal, NonCausal, features, normalise
-from subquad.ops.scan import causal_dot_forward
+from subquad.ops.scan import causal_dot, causal_dot_forward
 from subquad.registry import Config, Mechanism, option
 
 __all__ = ["LinearConfig", "LinearDecoder", "LinearState", "learned_features", "linear_attention"]
@@ -67,6 +82,9 @@ class LinearConfig(Config):
     )
     eps: float = option(1e-6, "ε added to the normaliser φ(q)ᵀ Σ φ(k)", gt=0)
     chunk: int = option(64, "causal form: positions per chunk of the exact in-chunk product", ge=1)
+    window: int = option(
+        0, "w > 0: exact softmax over the keys less than w positions away, kernel attention beyond (LoLCATs)", ge=0
+    )
 
 
 class LinearState(nn.Module):
@@ -143,12 +161,14 @@ def linear_attention(
         ``(B, H, L, Dv)``; zero rows for queries that see no key.
     """
     config = config or LinearConfig()
-    shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, None)
-    if scale is not None:
+    shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale if config.window else None)
+    if scale is not None and not config.window:
         raise ValueError(f"linear attention has no softmax scale; leave scale=None (got {scale})")
     B, H, L, S, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.value_dim
     name, dtype = config.feature_map, q.dtype
     learned = _resolve_state(state, config, H, shape.head_dim, q.device)
+    if config.window:
+        return windowed(q, k, v, key_padding_mask, is_causal, scale, config, learned).to(dtype)
     if learned is not None:  # φ in autograd; the kernels' ReLU passes positive features through
         q, k, name = learned_features(q, learned), learned_features(k, learned), "relu"
         v = v.to(q.dtype)
@@ -171,20 +191,90 @@ def linear_attention(
     return out.to(dtype)
 
 
+def windowed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    config: LinearConfig,
+    learned: LinearState | None,
+    initial: Tensor | None = None,
+) -> Tensor:
+    """Linear attention with a softmax window (module docstring), ``(B, H, L, Dv)`` in fp32 or fp64.
+    ``initial`` ``(B·H, F, Dv + 1)`` (causal only): the far sums of keys before ``k``'s first, which
+    every query sees (decoding)."""
+    from subquad.mechanisms.local import LocalConfig, local_attention
+
+    B, H, L, _ = q.shape
+    S, Dv, w = k.shape[2], v.shape[-1], config.window
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    near = local_attention(q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
+                           config=LocalConfig(window=w)).to(work)  # fmt: skip
+    # m_i: whether query i's window (key positions p - w < j <= p, or |j - p| < w) holds a real key
+    real = torch.ones(B, S, device=q.device) if key_padding_mask is None else key_padding_mask.to(torch.float32)
+    counts = torch.nn.functional.pad(real.cumsum(1), (1, 0))  # (B, S + 1): real keys before each position
+    p = torch.arange(L, device=q.device) + (S - L)
+    lo, hi = (p - w + 1).clamp(0, S), (p + (1 if is_causal else w)).clamp(0, S)
+    mass = ((counts[:, hi] - counts[:, lo]) > 0).to(work)[:, None, :, None]  # (B, 1, L, 1)
+    if learned is not None:
+        fq, fk = learned_features(q, learned), learned_features(k, learned)
+        if key_padding_mask is not None:
+            fk = fk * key_padding_mask[:, None, :, None].to(fk.dtype)
+        v1 = torch.cat([v.to(work), v.new_ones(B, H, S, 1, dtype=work)], dim=-1)
+    else:
+        fq, fk, v1 = features(q, k, v, key_padding_mask, config.feature_map)
+    a, b, c = (x.reshape(B * H, x.shape[2], x.shape[3]) for x in (fq, fk, v1))
+    far = _shifted_product(a, b, c, S - L - w, initial, config.chunk)  # keys j <= p - w
+    if not is_causal:  # keys j >= p + w: the same product over the reversed sequences
+        flip = lambda x: x.flip(1)  # noqa: E731
+        far = far + flip(_shifted_product(flip(a), flip(b), flip(c), -w, None, config.chunk))
+    far = far.view(B, H, L, Dv + 1)
+    return (mass * near + far[..., :Dv]) / (mass + far[..., Dv:] + config.eps)
+
+
+def _shifted_product(a: Tensor, b: Tensor, c: Tensor, shift: int, initial: Tensor | None, chunk: int) -> Tensor:
+    """``y_i = Σ_{j ≤ i + shift} (a_i·b_j) c_j + a_iᵀ initial`` for rows ``(R, L, ·)`` against keys
+    ``(R, S, ·)``, differentiable."""
+    R, L, _ = a.shape
+    S = b.shape[1]
+    if shift >= 0:  # keys before `shift` are seen by every query; query i then pairs with key i + shift
+        seen = min(shift, S)
+        start = torch.matmul(b[:, :seen].transpose(1, 2), c[:, :seen])
+        start = start if initial is None else start + initial
+        kb, kc = (torch.nn.functional.pad(x[:, shift : shift + L], (0, 0, 0, L - x[:, shift : shift + L].shape[1]))
+                  for x in (b, c))  # fmt: skip
+        return causal_dot(a, kb, kc, start, chunk)
+    first = min(-shift, L)  # these queries see no key of k (only `initial`)
+    out = [torch.zeros(R, first, c.shape[-1], dtype=c.dtype, device=c.device) if initial is None
+           else torch.matmul(a[:, :first], initial)]  # fmt: skip
+    if L > first:
+        n = L - first
+        kb, kc = (torch.nn.functional.pad(x[:, :n], (0, 0, 0, n - x[:, :n].shape[1])) for x in (b, c))
+        out.append(causal_dot(a[:, first:], kb, kc, initial, chunk))
+    return torch.cat(out, dim=1)
+
+
 class LinearDecoder(Decoder):
     """Recurrent decoding of causal linear attention: per head, the running ``Σ φ(k) [v, 1]ᵀ``
-    (D × Dv+1, fp32 for half inputs). Each step costs the same whatever the prefix length."""
+    (D × Dv+1, fp32 for half inputs). Each step costs the same whatever the prefix length. With a
+    softmax ``window``, the last ``window − 1`` keys and values are kept too, and a key enters the
+    sums when it leaves the window."""
 
     recurrent = True
-    description = "recurrent state (Σ φ(k) vᵀ and Σ φ(k) per head: O(1) in the prefix length)"
+    description = "recurrent state (Σ φ(k) vᵀ and Σ φ(k) per head, and any window's keys: O(1) in the prefix length)"
 
     def __init__(self, mechanism: Mechanism, config: LinearConfig, state: nn.Module | None) -> None:
         super().__init__(mechanism, config, state)
         self.sums: Tensor | None = None  # (B·H, D, Dv + 1)
+        self.recent: tuple[Tensor, Tensor] | None = None  # the window's keys and values
 
     @torch.no_grad()
     def _step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the prefix and the new keys."""
+        if self.config.window:
+            return self._window_step(q, k, v)
         B, H, T, D = q.shape
         Dv = v.shape[-1]
         name, dtype = self.config.feature_map, q.dtype
@@ -199,6 +289,28 @@ class LinearDecoder(Decoder):
         self.sums = update if self.sums is None else self.sums + update
         return normalise(y.view(B, H, T, Dv + 1), self.config.eps, dtype)
 
+    def _window_step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, H, _, D = q.shape
+        Dv = v.shape[-1]
+        keys, values = (
+            (k, v) if self.recent is None else (torch.cat([self.recent[0], k], 2), torch.cat([self.recent[1], v], 2))
+        )
+        learned = _resolve_state(self.state, self.config, H, D, q.device)
+        out = windowed(q, keys, values, None, True, None, self.config, learned, self.sums)
+        leaving = max(0, keys.shape[2] - (self.config.window - 1))
+        if leaving:
+            old_k, old_v = keys[:, :, :leaving], values[:, :, :leaving]
+            if learned is not None:
+                fk = learned_features(old_k, learned)
+                v1 = torch.cat([old_v.to(fk.dtype), old_v.new_ones(*old_v.shape[:3], 1, dtype=fk.dtype)], dim=-1)
+            else:
+                _, fk, v1 = features(q[:, :, :0], old_k, old_v, None, self.config.feature_map)
+            b, c = fk.reshape(B * H, leaving, fk.shape[-1]), v1.reshape(B * H, leaving, Dv + 1)
+            update = torch.matmul(b.transpose(1, 2), c)
+            self.sums = update if self.sums is None else self.sums + update
+        self.recent = (keys[:, :, leaving:], values[:, :, leaving:])
+        return out.to(q.dtype)
+
 
 MECHANISM = Mechanism(
     name="linear",
@@ -210,6 +322,13 @@ MECHANISM = Mechanism(
     cross=True,
     decoder=LinearDecoder,
     state=LinearState,
-    examples=({"chunk": 5}, {"feature_map": "relu", "chunk": 3}, {}, {"feature_map": "hedgehog", "chunk": 4}),
-    scaled=False,
+    examples=(
+        {"chunk": 5},
+        {"feature_map": "relu", "chunk": 3},
+        {},
+        {"feature_map": "hedgehog", "chunk": 4},
+        {"window": 3, "chunk": 2},
+        {"feature_map": "hedgehog", "window": 4, "chunk": 3},
+    ),
+    scaled=lambda config: config.window > 0,
 )
