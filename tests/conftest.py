@@ -57,3 +57,29 @@ def native_calls(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         yield calls
+
+
+WORDS = "the a of and to in is was for on as with by at from it an be this that which or are his her".split()
+TOPICS = {"cats": "cat purr whisker mouse fur paw".split(), "ships": "ship sail harbour mast keel deck".split()}
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *(w for ws in TOPICS.values() for w in ws)]
+
+
+def word_passages(folder, count: int):
+    """A word-level tokenizer over ``VOCAB`` (``vocab.txt`` in ``folder``) and ``passages.jsonl``:
+    ``count`` seeded passages of 40 words, alternately about cats and ships (labelled so). Returns
+    the tokenizer, for tiny models saved beside it."""
+    import json
+
+    from transformers import BertTokenizerFast
+
+    (folder / "vocab.txt").write_text("\n".join(VOCAB))
+    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(count):
+        label = list(TOPICS)[i % 2]
+        pool = WORDS + TOPICS[label] * 3
+        words = [pool[j] for j in torch.randint(0, len(pool), (40,), generator=g).tolist()]
+        lines.append(json.dumps({"text": " ".join(words), "label": label}))
+    (folder / "passages.jsonl").write_text("\n".join(lines) + "\n")
+    return tokenizer

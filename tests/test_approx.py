@@ -11,29 +11,19 @@ import torch
 
 pytest.importorskip("transformers", minversion="5")
 
-from transformers import BertConfig, BertModel, BertTokenizerFast, GPT2Config, GPT2LMHeadModel
+from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
 from subquad import approx as ap
 from subquad import hf
 
-WORDS = "the a of and to in is was for on as with by at from it an be this that which or are his her".split()
-TOPICS = {"cats": "cat purr whisker mouse fur paw".split(), "ships": "ship sail harbour mast keel deck".split()}
+from .conftest import VOCAB, word_passages
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("approx")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *(w for ws in TOPICS.values() for w in ws)]
-    (folder / "vocab.txt").write_text("\n".join(vocab))
-    tokenizer = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
-    g = torch.Generator().manual_seed(0)
-    lines = []
-    for i in range(60):
-        label = list(TOPICS)[i % 2]
-        pool = WORDS + TOPICS[label] * 3
-        words = [pool[j] for j in torch.randint(0, len(pool), (40,), generator=g).tolist()]
-        lines.append(json.dumps({"text": " ".join(words), "label": label}))
-    (folder / "passages.jsonl").write_text("\n".join(lines) + "\n")
+    vocab = VOCAB
+    tokenizer = word_passages(folder, 60)
     torch.manual_seed(0)
     encoder = BertModel(BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                    intermediate_size=64, max_position_embeddings=64, initializer_range=0.5),

@@ -19,10 +19,12 @@ from subquad.registry import get_mechanism
 from ..conftest import padding, qkv, randn
 
 
-def dense_linear(q, k, v, kpm, is_causal, fm="elu", eps=1e-6):
-    """φ(Q)φ(K)ᵀ under the contract's mask, normalised by its row sums + ε, times V."""
+def dense_linear(q, k, v, kpm, is_causal, fm="elu", eps=1e-6, phi=None):
+    """φ(Q)φ(K)ᵀ under the contract's mask, normalised by its row sums + ε, times V (φ: the named
+    feature map ``fm``, or ``phi``)."""
+    phi = phi or (lambda x: feature_map(x, fm))
     L, S = q.shape[2], k.shape[2]
-    scores = feature_map(q, fm) @ feature_map(k, fm).transpose(-1, -2)
+    scores = phi(q) @ phi(k).transpose(-1, -2)
     mask = torch.ones(L, S, dtype=torch.bool)
     if is_causal:
         mask = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L)
@@ -293,15 +295,7 @@ def dense_hedgehog(q, k, v, kpm, is_causal, state, eps=1e-6):
         t = torch.einsum("bhnd,hde->bhne", x, state.weight) + state.bias[:, None, :]
         return torch.cat([torch.softmax(t, -1), torch.softmax(-t, -1)], -1)
 
-    L, S = q.shape[2], k.shape[2]
-    scores = phi(q) @ phi(k).transpose(-1, -2)
-    mask = torch.ones(L, S, dtype=torch.bool)
-    if is_causal:
-        mask = torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L)
-    if kpm is not None:
-        mask = mask & kpm[:, None, None, :]
-    scores = scores * mask
-    return (scores @ v) / (scores.sum(-1, keepdim=True) + eps)
+    return dense_linear(q, k, v, kpm, is_causal, eps=eps, phi=phi)
 
 
 @pytest.mark.parametrize(("L", "S"), [(23, 23), (9, 23), (23, 9)])
