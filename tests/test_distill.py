@@ -123,6 +123,23 @@ def test_a_converted_model_saves_reloads_and_gives_the_same_outputs(tmp_path, mo
     torch.testing.assert_close(output(plain, ids()), output(MODELS[model_name](), ids()), rtol=1e-6, atol=1e-6)
 
 
+def test_a_damaged_converted_folder_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf.save(converted(bert, "linear", {"feature_map": "hedgehog"}), tmp_path / "m")
+    tensors = load_file(str(tmp_path / "m" / hf.TENSOR_FILE))
+    save_file({k: v for k, v in tensors.items() if not k.endswith("bias")}, str(tmp_path / "m" / hf.TENSOR_FILE))
+    with pytest.raises(ValueError, match=r"subquad.safetensors does not fit layer 0's subquad_state: (.|\n)*bias"):
+        hf.from_pretrained(tmp_path / "m")
+    save_file({**tensors, "7.subquad_state.weight": tensors["0.subquad_state.weight"].clone()},
+              str(tmp_path / "m" / hf.TENSOR_FILE))  # fmt: skip
+    with pytest.raises(ValueError, match=r"holds tensors no converted layer takes: \['7.subquad_state.weight'\]"):
+        hf.from_pretrained(tmp_path / "m")
+    (tmp_path / "m" / hf.SPEC_FILE).write_text('{"layers": []}')
+    with pytest.raises(ValueError, match="is not a subquad.json this version reads"):
+        hf.from_pretrained(tmp_path / "m")
+
+
 @pytest.mark.parametrize("options", [{"feature_map": "hedgehog"}, {"feature_map": "hedgehog", "window": 4}])
 def test_a_converted_decoder_generates_the_same_tokens_with_and_without_the_cache(options):
     model = converted(llama, "linear", options)

@@ -556,6 +556,8 @@ def from_pretrained(folder: str | Path, *, model_class: Any = None, **kwargs: An
             "transformers, then subquad.hf.convert or use it)"
         )
     saved = json.loads(spec_file.read_text())
+    if saved.get("format") != 1 or not isinstance(saved.get("layers"), dict):
+        raise ValueError(f"{spec_file} is not a subquad.json this version reads (format 1 with layers)")
     if model_class is None:
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
         names = config.architectures or []
@@ -573,7 +575,10 @@ def from_pretrained(folder: str | Path, *, model_class: Any = None, **kwargs: An
         for name, part in _converted(module):
             state = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{index}.{name}.")}
             expected.update(f"{index}.{name}.{k}" for k in part.state_dict())
-            part.load_state_dict(state)
+            try:
+                part.load_state_dict(state)
+            except RuntimeError as error:
+                raise ValueError(f"{folder / TENSOR_FILE} does not fit layer {index}'s {name}: {error}") from error
     unexpected = sorted(set(tensors) - expected)
     if unexpected:
         raise ValueError(f"{folder / TENSOR_FILE} holds tensors no converted layer takes: {unexpected[:5]}")
