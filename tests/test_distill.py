@@ -100,6 +100,20 @@ def test_convert_adds_what_each_mechanism_needs_and_freezes_the_rest(model_name,
         assert torch.allclose(centroids[0].norm(dim=-1), torch.ones(()), atol=1e-5)
 
 
+def test_conversion_is_seeded_and_leaves_the_global_random_state_alone():
+    model = bert()  # (which seeds torch itself)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    first = [p.clone() for p in hf.converted_parameters(hf.convert(model, "agglomerative"))]
+    assert torch.equal(torch.rand(3), expected)
+    second = hf.converted_parameters(hf.convert(bert(), "agglomerative"))
+    other = hf.converted_parameters(hf.convert(bert(), "agglomerative", seed=1))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert not torch.equal(first[0], other[0])
+    assert not torch.equal(first[0], hf.converted_parameters(hf.convert(bert(), "agglomerative"))[len(first) // 2])
+
+
 def test_a_converted_hedgehog_model_starts_at_the_identity_map_and_agglomerative_at_gain_h():
     model = hf.convert(bert(), "linear", feature_map="hedgehog")
     plain = hf.use(bert(), "linear", feature_map="hedgehog")  # no state made yet: the initial map

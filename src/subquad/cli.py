@@ -154,7 +154,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "lr": "peak learning rate of the first stage", "finetune_lr": "peak learning rate of the second stage",
         "warmup": "warm-up steps of each stage", "heldout": "windows kept out of training, for the held-out error",
         "eval_every": "steps between held-out errors", "checkpoint_every": "steps between checkpoints",
-        "calibration": "windows routing's k-means reads", "seed": "window order", "keep": "checkpoints kept",
+        "calibration": "windows routing's k-means reads", "keep": "checkpoints kept",
+        "seed": "window order and the new weights' initialisation",
     }  # fmt: skip
     from subquad.distill import DistillConfig
 

@@ -229,7 +229,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     batches = lambda ids: [ids[i : i + config.batch] for i in range(0, len(ids), config.batch)]  # noqa: E731
     calibration = [{"input_ids": b} for b in batches(train[: max(config.calibration, 1)])]
     hf.convert(model, name, layers=config.layers, calibration=calibration if hf.calibratable(name) else None,
-               **options)  # fmt: skip
+               seed=config.seed, **options)  # fmt: skip
     modules = [m for m in hf.attention_modules(model) if getattr(m, "subquad_attention", None) is not None]
     if config.steps and not hf.converted_parameters(model):
         raise ValueError(

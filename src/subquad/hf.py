@@ -457,6 +457,7 @@ def convert(
     layers: Iterable[int] | None = None,
     calibration: Iterable[dict[str, Tensor]] | None = None,
     freeze: bool = True,
+    seed: int = 0,
     **options: Any,
 ) -> nn.Module:
     """Swap ``mechanism`` into ``layers`` (all by default) as ``use`` does, and add what it needs
@@ -471,6 +472,8 @@ def convert(
             routing's centroids; required for routing.
         freeze: set ``requires_grad=False`` on every weight the model had; only what conversion
             adds is trained (``converted_parameters``).
+        seed: seeds the new projections' initial weights (layer i from ``seed`` and i, without
+            touching the global random state) and routing's k-means.
     """
     spec = LayerAttention.build(mechanism, converted=True, **options)
     if calibratable(spec) and calibration is None:
@@ -481,13 +484,13 @@ def convert(
     if freeze:
         for parameter in model.parameters():
             parameter.requires_grad_(False)
-    _add(model, spec, layers)
+    _add(model, spec, layers, seed)
     if calibration is not None and calibratable(spec):
-        calibrate(model, calibration)
+        calibrate(model, calibration, seed=seed)
     return model
 
 
-def _add(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None) -> list[nn.Module]:
+def _add(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None, seed: int = 0) -> list[nn.Module]:
     modules = _apply(model, spec, layers)
     heads, head_dim = _heads(model)
     reference = next(model.parameters())
@@ -495,7 +498,10 @@ def _add(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None) -
         if spec.mechanism.state is not None:
             _new_state(module, spec, heads, head_dim, reference.device, reference.dtype)
         if spec.mechanism.inputs is not None:
-            module.subquad_inputs = ConvertedInputs(spec, heads, head_dim).to(reference.device, reference.dtype)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed * 1_000_003 + int(module.layer_idx))
+                inputs = ConvertedInputs(spec, heads, head_dim)
+            module.subquad_inputs = inputs.to(reference.device, reference.dtype)
     return modules
 
 
