@@ -116,9 +116,7 @@ class AttentionTransfer:
         self.teachers: dict[nn.Module, nn.Module] = {}
         for module in self.modules:
             teacher = copy.deepcopy(module)
-            for name in ("subquad_state", "subquad_inputs"):
-                if hasattr(teacher, name):
-                    delattr(teacher, name)
+            hf._clear(teacher, "subquad_state", "subquad_inputs")
             teacher.subquad_attention = full
             self.teachers[module] = teacher.requires_grad_(False)
         self.losses: list[Tensor] = []

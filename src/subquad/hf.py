@@ -177,22 +177,24 @@ def _apply(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None)
     for module in modules:
         if module.layer_idx in chosen:
             module.subquad_attention = spec
-            for name in ("subquad_state", "subquad_inputs"):
-                if hasattr(module, name):
-                    delattr(module, name)  # a new mechanism starts from a new state
+            _clear(module, "subquad_state", "subquad_inputs")  # a new mechanism starts from a new state
     if not hasattr(model, "subquad_previous"):
         model.subquad_previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
     return [m for m in modules if m.layer_idx in chosen]
 
 
+def _clear(module: nn.Module, *names: str) -> None:
+    for name in names:
+        if hasattr(module, name):
+            delattr(module, name)
+
+
 def restore(model: nn.Module, implementation: str | None = None) -> nn.Module:
     """Remove what ``use`` set and switch ``model`` back to ``implementation`` (by default the one
     it had before the first ``use``)."""
     for module in attention_modules(model):
-        for name in ("subquad_attention", "subquad_state", "subquad_inputs"):
-            if hasattr(module, name):
-                delattr(module, name)
+        _clear(module, "subquad_attention", "subquad_state", "subquad_inputs")
     previous = model.__dict__.pop("subquad_previous", None) or "sdpa"
     model.set_attn_implementation(implementation or previous)
     return model
@@ -203,9 +205,7 @@ def _named_forward(name: str):
         spec = getattr(module, "subquad_attention", None)
         if spec is None or spec.mechanism.name != name:
             module.subquad_attention = LayerAttention.build(name)
-            for attribute in ("subquad_state", "subquad_inputs"):
-                if hasattr(module, attribute):
-                    delattr(module, attribute)
+            _clear(module, "subquad_state", "subquad_inputs")
         return _forward(module, query, key, value, attention_mask, **kwargs)
 
     forward.__name__ = f"subquad_{name.replace('-', '_')}_forward"
