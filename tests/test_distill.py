@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 
 import pytest
 import torch
@@ -248,6 +249,9 @@ def test_a_killed_run_resumes_to_the_same_result(data, tmp_path, monkeypatch):
     torch.testing.assert_close(output(a, ids()), output(b, ids()), rtol=0, atol=0)
     lines = lambda x: [json.loads(r) for r in (tmp_path / x / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines("a") == lines("b")  # losses, rates and held-out errors, step by step
+    shutil.copytree(tmp_path / "b", tmp_path / "c")  # a run folder may move; --finetune-steps may grow
+    longer = ds.distill(run(data, tmp_path / "c", "bert", steps=20, finetune_steps=8), resume=True, progress=False)
+    assert longer["history"][:-1] == whole["history"] and longer["history"][-1]["step"] == 28
     with pytest.raises(ValueError, match=r"--resume with other settings than the run's \(lr\)"):
         ds.distill(run(data, tmp_path / "b", "bert", steps=20, finetune_steps=6, lr=1e-3), resume=True, progress=False)
 

@@ -89,8 +89,8 @@ class DistillConfig:
 
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")  # across transformers' models
 
-# Fields a resumed run may change: how long it goes on, and how often it reports and saves.
-_RESUMABLE = {"finetune_steps", "eval_every", "checkpoint_every", "keep"}
+# Fields a resumed run may change: where its folder is, how long it goes on, how often it reports and saves.
+_RESUMABLE = {"out", "finetune_steps", "eval_every", "checkpoint_every", "keep"}
 
 
 class AttentionTransfer:
