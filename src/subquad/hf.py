@@ -59,6 +59,7 @@ back with subquad attention.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Iterable
@@ -536,12 +537,36 @@ def save(model: nn.Module, folder: str | Path, tokenizer: Any = None) -> Path:
     if not layers:
         raise ValueError("this model has no subquad attention to save; subquad.hf.convert (or use) it first")
     own = {k: v for k, v in model.state_dict().items() if ".subquad_" not in k}
-    model.save_pretrained(folder, state_dict=own)
+    with _dequantized(model):
+        model.save_pretrained(folder, state_dict=own)
     save_file(tensors, str(folder / TENSOR_FILE))
     (folder / SPEC_FILE).write_text(json.dumps({"format": 1, "layers": layers}, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return folder
+
+
+@contextlib.contextmanager
+def _dequantized(model: nn.Module):
+    """A model loaded from a GGUF file with its weights de-quantised (every weight a float tensor)
+    saves as the plain model it is: transformers refuses any model that still carries the GGUF
+    quantizer, which is dropped for the save and put back after."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = str(getattr(getattr(quantizer, "quantization_config", None), "quant_method", ""))
+    if quantizer is None or "gguf" not in method.lower():
+        yield
+        return
+    if not all(p.is_floating_point() for p in model.parameters()):
+        raise ValueError("this model keeps GGUF-quantised weights; load it de-quantised (float weights) to save it")
+    config = model.config
+    quantization = config.__dict__.pop("quantization_config", None)
+    model.hf_quantizer = None
+    try:
+        yield
+    finally:
+        model.hf_quantizer = quantizer
+        if quantization is not None:
+            config.quantization_config = quantization
 
 
 def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
