@@ -252,8 +252,9 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     state: dict[str, Any] = {}
     if found is not None:
         state = checkpoint.load(found, container)
-        if state["settings"] != settings:
-            changed = sorted(k for k in settings if state["settings"].get(k) != settings[k])
+        saved = {k: v for k, v in state["settings"].items() if k not in _RESUMABLE}
+        if saved != settings:
+            changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
             raise ValueError(f"--resume with other settings than the run's ({', '.join(changed)}); use the same ones")
         checkpoint.set_rng_state(state["rng"])
         step, seconds, history = state["step"], state["seconds"], state["history"]
