@@ -51,7 +51,7 @@ def test_readme_quick_start_runs():
 def test_readme_hugging_face_example_runs(tmp_path):
     """The README's subquad.hf block, with ``path`` a tiny BERT saved from a config."""
     transformers = pytest.importorskip("transformers", minversion="5")
-    (example,) = [block for block in _python_blocks() if "subquad.hf" in block]
+    (example,) = [block for block in _python_blocks() if "subquad.hf.use" in block]
     config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64)  # fmt: skip
     transformers.BertModel(config).save_pretrained(tmp_path)
@@ -60,3 +60,22 @@ def test_readme_hugging_face_example_runs(tmp_path):
     model = namespace["model"]
     assert model.config._attn_implementation == "sdpa"  # restore() at the end
     assert model(input_ids=torch.arange(1, 20)[None]).last_hidden_state.shape == (1, 19, 32)
+
+
+def test_readme_conversion_example_runs(tmp_path, monkeypatch):
+    """The README's conversion block, on a tiny BERT, with a batch of calibration tokens; each
+    convert replaces the one before, and the last (routing) is saved and loaded back."""
+    transformers = pytest.importorskip("transformers", minversion="5")
+    (example,) = [block for block in _python_blocks() if "subquad.hf.convert" in block]
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    batches = [{"input_ids": torch.randint(1, 50, (2, 40))}]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"model": model, "batches": batches}
+    exec(compile("import subquad.hf\n" + example, "README.md", "exec"), namespace)
+    loaded = namespace["model"]
+    assert loaded is not model and (tmp_path / "converted" / "subquad.json").is_file()
+    ids = batches[0]["input_ids"]
+    torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
