@@ -197,6 +197,9 @@ def run(data, tmp_path, model_name, **changes):
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_distillation_lowers_the_heldout_error_at_every_evaluation(data, tmp_path, model_name):
     summary = ds.distill(run(data, tmp_path, model_name), progress=False)
+    assert summary["trained_parameters"] == 2 * (4 * 8 * 8 + 4 * 8)  # the feature maps only
+    again = ds.distill(run(data, tmp_path, model_name), resume=True, progress=False)  # a finished run: nothing more
+    assert again["trained_parameters"] == summary["trained_parameters"] and again["history"] == summary["history"]
     errors = [h["heldout_error"] for h in summary["history"]]
     assert [h["step"] for h in summary["history"]] == [0, 10, 20, 30]
     assert all(b < a for a, b in itertools.pairwise(errors)), errors

@@ -258,7 +258,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
             raise ValueError(f"--resume with other settings than the run's ({', '.join(changed)}); use the same ones")
         checkpoint.set_rng_state(state["rng"])
         step, seconds, history = state["step"], state["seconds"], state["history"]
-    stage = int(step >= config.steps)
+    stage = int(config.finetune_steps > 0 and step >= config.steps)  # a finished first-stage-only run stays there
     optimizer = torch.optim.AdamW(_trainable(model, modules, stage), lr=_rate(config, step), weight_decay=0.0)
     if state.get("stage") == stage and "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
