@@ -243,17 +243,22 @@ def _shifted_product(a: Tensor, b: Tensor, c: Tensor, shift: int, initial: Tenso
         seen = min(shift, S)
         start = torch.matmul(b[:, :seen].transpose(1, 2), c[:, :seen])
         start = start if initial is None else start + initial
-        kb, kc = (torch.nn.functional.pad(x[:, shift : shift + L], (0, 0, 0, L - x[:, shift : shift + L].shape[1]))
-                  for x in (b, c))  # fmt: skip
+        kb, kc = (_rows(x, shift, L) for x in (b, c))
         return causal_dot(a, kb, kc, start, chunk)
     first = min(-shift, L)  # these queries see no key of k (only `initial`)
     out = [torch.zeros(R, first, c.shape[-1], dtype=c.dtype, device=c.device) if initial is None
            else torch.matmul(a[:, :first], initial)]  # fmt: skip
     if L > first:
         n = L - first
-        kb, kc = (torch.nn.functional.pad(x[:, :n], (0, 0, 0, n - x[:, :n].shape[1])) for x in (b, c))
+        kb, kc = (_rows(x, 0, n) for x in (b, c))
         out.append(causal_dot(a[:, first:], kb, kc, initial, chunk))
     return torch.cat(out, dim=1)
+
+
+def _rows(x: Tensor, start: int, count: int) -> Tensor:
+    """Rows ``start .. start + count`` of ``x`` ``(R, S, ·)``, zero-filled past its end."""
+    part = x[:, start : start + count]
+    return torch.nn.functional.pad(part, (0, 0, 0, count - part.shape[1]))
 
 
 class LinearDecoder(Decoder):
