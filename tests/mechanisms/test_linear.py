@@ -186,6 +186,8 @@ def test_scale_is_refused():
         ({"feature_map": "softmax"}, "feature_map must be one of 'elu', 'relu', 'hedgehog', got 'softmax'"),
         ({"eps": 0.0}, "eps must be > 0, got 0.0"),
         ({"chunk": 0}, "chunk must be >= 1, got 0"),
+        ({"sinks": 2}, r"sinks=2 joins the first keys to the softmax window, but window is 0; set window=w > 0"),
+        ({"sinks": -1, "window": 2}, "sinks must be >= 0, got -1"),
     ],
 )
 def test_bad_options_raise(options, message):
@@ -371,13 +373,14 @@ def test_hedgehog_refuses_a_state_of_another_kind_or_shape():
 # --- a softmax window (LoLCATs-style hybrid) ----------------------------------------------------
 
 
-def dense_windowed(q, k, v, kpm, is_causal, w, phi, eps=1e-6):
-    """Softmax over local's window and kernel weights elsewhere, written out with dense masks."""
+def dense_windowed(q, k, v, kpm, is_causal, w, phi, eps=1e-6, sinks=0):
+    """Softmax over local's window and the sinks, kernel weights elsewhere, written out with dense masks."""
     L, S = q.shape[2], k.shape[2]
     p = torch.arange(L)[:, None] + (S - L)
     j = torch.arange(S)[None, :]
-    near = (j > p - w) & (j <= p) if is_causal else (j - p).abs() < w
-    far = (j <= p - w) if is_causal else ~near
+    visible = j <= p if is_causal else torch.ones(L, S, dtype=torch.bool)
+    near = ((j > p - w) | (j < sinks)) & visible if is_causal else ((j - p).abs() < w) | (j < sinks)
+    far = visible & ~near
     real = torch.ones(q.shape[0], S, dtype=torch.bool) if kpm is None else kpm
     near, far = near & real[:, None, None, :], far & real[:, None, None, :]
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
@@ -390,16 +393,17 @@ def dense_windowed(q, k, v, kpm, is_causal, w, phi, eps=1e-6):
 @settings(max_examples=40, deadline=None)
 @given(
     L=st.integers(1, 30), S=st.integers(1, 30), w=st.integers(1, 12), is_causal=st.booleans(), pad=st.booleans(),
-    hedgehog=st.booleans(), chunk=st.sampled_from([1, 3, 8]), seed=st.integers(0, 2**16),
+    hedgehog=st.booleans(), chunk=st.sampled_from([1, 3, 8]), sinks=st.sampled_from([0, 0, 1, 3, 40]),
+    seed=st.integers(0, 2**16),
 )  # fmt: skip
-def test_a_window_equals_the_dense_reference(L, S, w, is_causal, pad, hedgehog, chunk, seed):
+def test_a_window_equals_the_dense_reference(L, S, w, is_causal, pad, hedgehog, chunk, sinks, seed):
     q, k, v = qkv(2, 3, L, S, 4, 5, seed=seed)
     kpm = padding(2, S, seed) if pad else None
     state = _hedgehog_state(3, 4, seed=seed) if hedgehog else None
-    config = LinearConfig(feature_map="hedgehog" if hedgehog else "elu", window=w, chunk=chunk)
+    config = LinearConfig(feature_map="hedgehog" if hedgehog else "elu", window=w, chunk=chunk, sinks=sinks)
     phi = (lambda x: learned(x, state)) if hedgehog else (lambda x: feature_map(x, "elu"))
     out = linear_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=state)
-    assert (out - dense_windowed(q, k, v, kpm, is_causal, w, phi)).abs().max() <= 1e-10
+    assert (out - dense_windowed(q, k, v, kpm, is_causal, w, phi, sinks=sinks)).abs().max() <= 1e-10
 
 
 def learned(x, state):
@@ -440,3 +444,22 @@ def test_windowed_decoding_equals_the_parallel_pass_in_steps_of_any_size(hedgeho
     steps = [decoder.step(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in itertools.pairwise(cuts)]
     assert (torch.cat(steps, 2) - parallel).abs().max() <= 1e-10
     assert decoder.recent[0].shape[2] == 4  # window − 1 keys kept, the rest summed
+
+
+@pytest.mark.parametrize("cuts", [[0, 1, 2, 3, 9, 10, 16, 31], [0, 31], [0, 2, 31]])
+def test_sinks_stay_exact_in_decoding_and_equal_the_parallel_pass(cuts):
+    state = _hedgehog_state(2, 4, seed=4)
+    config = LinearConfig(feature_map="hedgehog", window=5, sinks=3, chunk=3)
+    q, k, v = qkv(1, 2, 31, 31, 4, 3, seed=5)
+    k[:, :, 0] *= 6  # a strong sink: the windowed kernel alone would differ from it markedly
+    parallel = linear_attention(q, k, v, is_causal=True, config=config, state=state)
+    phi = lambda x: learned(x, state)
+    assert (parallel - dense_windowed(q, k, v, None, True, 5, phi, sinks=3)).abs().max() <= 1e-10
+    plain = LinearConfig(feature_map="hedgehog", window=5)
+    without = linear_attention(q, k, v, is_causal=True, config=plain, state=state)
+    assert (parallel - without)[:, :, 8:].abs().max() > 1e-3  # the sinks matter once out of the window
+    decoder = LinearDecoder(get_mechanism("linear"), config, state)
+    steps = [decoder.step(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in itertools.pairwise(cuts)]
+    assert (torch.cat(steps, 2) - parallel).abs().max() <= 1e-10
+    assert torch.equal(decoder.recent[0][:, :, :3], k[:, :, :3])  # the sinks, then the window's last 4 keys
+    assert torch.equal(decoder.recent[0][:, :, 3:], k[:, :, -4:])

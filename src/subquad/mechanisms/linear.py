@@ -53,6 +53,13 @@ Nearby tokens, which a pretrained model's attention leans on most, are exact; th
 linear, O(N·(w + D)·D). The far sums are causal products (``ops.scan.causal_dot``) of the keys
 shifted by w, and non-causal also of the reversed sequences, so no band is subtracted and no
 weight can come out negative. ``scale`` applies to the window's softmax (default 1/√D).
+
+**Sinks.** ``sinks = s`` (with a window) moves the first s keys from the far part into the
+softmax part for every query that sees them: ``local``'s attention sinks (StreamingLLM, Xiao et al.
+2024). A pretrained decoder puts much of its attention on the first token, a weight no bounded
+kernel feature reproduces; in the softmax part it is exact. m_i is then 1 when the window or the
+sinks hold a real key, and the far sums skip the sinks. ``LinearDecoder`` keeps the sinks beside
+the window's keys.
 """
 
 from __future__ import annotations
@@ -85,6 +92,16 @@ class LinearConfig(Config):
     window: int = option(
         0, "w > 0: exact softmax over the keys less than w positions away, kernel attention beyond (LoLCATs)", ge=0
     )
+    sinks: int = option(
+        0, "with a window: the first s keys join the window's softmax for every query (attention sinks)", ge=0
+    )
+
+    def check(self) -> None:
+        if self.sinks and not self.window:
+            raise ValueError(
+                f"linear option sinks={self.sinks} joins the first keys to the softmax window, but window is 0; "
+                "set window=w > 0 as well, or leave sinks=0"
+            )
 
 
 class LinearState(nn.Module):
@@ -210,14 +227,18 @@ def windowed(
     B, H, L, _ = q.shape
     S, Dv, w = k.shape[2], v.shape[-1], config.window
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    s = min(config.sinks, S)
     near = local_attention(q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-                           config=LocalConfig(window=w)).to(work)  # fmt: skip
-    # m_i: whether query i's window (key positions p - w < j <= p, or |j - p| < w) holds a real key
+                           config=LocalConfig(window=w, sinks=s)).to(work)  # fmt: skip
+    # m_i: whether query i's window (key positions p - w < j <= p, or |j - p| < w) or its sinks hold a real key
     real = torch.ones(B, S, device=q.device) if key_padding_mask is None else key_padding_mask.to(torch.float32)
     counts = torch.nn.functional.pad(real.cumsum(1), (1, 0))  # (B, S + 1): real keys before each position
     p = torch.arange(L, device=q.device) + (S - L)
     lo, hi = (p - w + 1).clamp(0, S), (p + (1 if is_causal else w)).clamp(0, S)
-    mass = ((counts[:, hi] - counts[:, lo]) > 0).to(work)[:, None, :, None]  # (B, 1, L, 1)
+    seen = (counts[:, hi] - counts[:, lo]) > 0
+    if s:
+        seen = seen | (counts[:, (p + 1).clamp(0, s) if is_causal else torch.full_like(p, s)] > 0)
+    mass = seen.to(work)[:, None, :, None]  # (B, 1, L, 1)
     if learned is not None:
         fq, fk = learned_features(q, learned), learned_features(k, learned)
         if key_padding_mask is not None:
@@ -225,6 +246,8 @@ def windowed(
         v1 = torch.cat([v.to(work), v.new_ones(B, H, S, 1, dtype=work)], dim=-1)
     else:
         fq, fk, v1 = features(q, k, v, key_padding_mask, config.feature_map)
+    if s:  # the sinks are in the softmax part for every query that sees them
+        fk = torch.cat([torch.zeros_like(fk[:, :, :s]), fk[:, :, s:]], dim=2)
     a, b, c = (x.reshape(B * H, x.shape[2], x.shape[3]) for x in (fq, fk, v1))
     far = _shifted_product(a, b, c, S - L - w, initial, config.chunk)  # keys j <= p - w
     if not is_causal:  # keys j >= p + w: the same product over the reversed sequences
@@ -264,11 +287,13 @@ def _rows(x: Tensor, start: int, count: int) -> Tensor:
 class LinearDecoder(Decoder):
     """Recurrent decoding of causal linear attention: per head, the running ``Σ φ(k) [v, 1]ᵀ``
     (D × Dv+1, fp32 for half inputs). Each step costs the same whatever the prefix length. With a
-    softmax ``window``, the last ``window − 1`` keys and values are kept too, and a key enters the
-    sums when it leaves the window."""
+    softmax ``window``, the ``sinks`` and the last ``window − 1`` keys and values are kept too, and a
+    key enters the sums when it leaves the window (the sinks never do)."""
 
     recurrent = True
-    description = "recurrent state (Σ φ(k) vᵀ and Σ φ(k) per head, and any window's keys: O(1) in the prefix length)"
+    description = (
+        "recurrent state (Σ φ(k) vᵀ and Σ φ(k) per head, and any window's and sinks' keys: O(1) in the prefix length)"
+    )
 
     def __init__(self, mechanism: Mechanism, config: LinearConfig, state: nn.Module | None) -> None:
         super().__init__(mechanism, config, state)
@@ -302,9 +327,11 @@ class LinearDecoder(Decoder):
         )
         learned = _resolve_state(self.state, self.config, H, D, q.device)
         out = windowed(q, keys, values, None, True, None, self.config, learned, self.sums)
-        leaving = max(0, keys.shape[2] - (self.config.window - 1))
+        # kept: the sinks (the first keys of the sequence, while they are first) and the window's last w - 1
+        sinks, recent = self.config.sinks, self.config.window - 1
+        leaving = max(0, keys.shape[2] - sinks - recent)
         if leaving:
-            old_k, old_v = keys[:, :, :leaving], values[:, :, :leaving]
+            old_k, old_v = keys[:, :, sinks : sinks + leaving], values[:, :, sinks : sinks + leaving]
             if learned is not None:
                 fk = learned_features(old_k, learned)
                 v1 = torch.cat([old_v.to(fk.dtype), old_v.new_ones(*old_v.shape[:3], 1, dtype=fk.dtype)], dim=-1)
@@ -313,7 +340,9 @@ class LinearDecoder(Decoder):
             b, c = fk.reshape(B * H, leaving, fk.shape[-1]), v1.reshape(B * H, leaving, Dv + 1)
             update = torch.matmul(b.transpose(1, 2), c)
             self.sums = update if self.sums is None else self.sums + update
-        self.recent = (keys[:, :, leaving:], values[:, :, leaving:])
+            keep = lambda x: torch.cat([x[:, :, :sinks], x[:, :, sinks + leaving :]], dim=2)  # noqa: E731
+            keys, values = keep(keys), keep(values)
+        self.recent = (keys, values)
         return out.to(q.dtype)
 
 
@@ -334,6 +363,7 @@ MECHANISM = Mechanism(
         {"feature_map": "hedgehog", "chunk": 4},
         {"window": 3, "chunk": 2},
         {"feature_map": "hedgehog", "window": 4, "chunk": 3},
+        {"feature_map": "hedgehog", "window": 3, "sinks": 2, "chunk": 2},
     ),
     scaled=lambda config: config.window > 0,
 )
