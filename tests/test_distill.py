@@ -25,6 +25,7 @@ from .conftest import VOCAB, word_passages
 CONVERSIONS = [
     ("linear", {"feature_map": "hedgehog"}, 4 * 8 * 8 + 4 * 8),
     ("linear", {"feature_map": "hedgehog", "window": 5}, 4 * 8 * 8 + 4 * 8),
+    ("linear", {"feature_map": "hedgehog", "window": 3, "sinks": 2}, 4 * 8 * 8 + 4 * 8),
     ("agglomerative", {}, 2 * (32 * 4 + 4) + 4),
     ("multires", {"rates": (0.5, 0.25)}, 32 * 2),
     ("routing", {"clusters": 2}, 0),
@@ -156,7 +157,11 @@ def test_a_damaged_converted_folder_is_named(tmp_path):
         hf.from_pretrained(tmp_path / "m")
 
 
-@pytest.mark.parametrize("options", [{"feature_map": "hedgehog"}, {"feature_map": "hedgehog", "window": 4}])
+@pytest.mark.parametrize(
+    "options",
+    [{"feature_map": "hedgehog"}, {"feature_map": "hedgehog", "window": 4},
+     {"feature_map": "hedgehog", "window": 3, "sinks": 2}],
+)  # fmt: skip
 def test_a_converted_decoder_generates_the_same_tokens_with_and_without_the_cache(options):
     model = converted(llama, "linear", options)
     prompt = ids(1, 6)

@@ -137,7 +137,8 @@ def test_generation_with_the_cache_equals_generation_without_it(name, mechanism)
 
 
 @pytest.mark.parametrize(("mechanism", "options"), [("local", {"window": 5, "sinks": 2}),
-                                                    ("sparse", {"stride": 4, "block": 4, "sinks": 3})])  # fmt: skip
+                                                    ("sparse", {"stride": 4, "block": 4, "sinks": 3}),
+                                                    ("linear", {"window": 4, "sinks": 2})])  # fmt: skip
 def test_sinks_follow_right_padding_and_the_cache_and_refuse_left_padding(mechanism, options):
     model = hf.use(llama(), mechanism, **options)
     ids, mask = tokens(3, 24), padded(3, 24, left=False)
