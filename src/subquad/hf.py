@@ -21,7 +21,9 @@ What the model hands over is translated exactly or refused:
   silently ignored. A mask that is not causal-or-bidirectional plus padding (a sliding window,
   packed sequences, image overlays, any other 4-D mask) raises, naming what was found.
 - **Generation caches.** New queries are aligned to the last keys (the core's causal contract),
-  so a token decoded with transformers' cache meets the cached keys as in the parallel pass.
+  so a token decoded with transformers' cache meets the cached keys as in the parallel pass. That
+  cache holds every key and value, so each new token runs the mechanism over the whole prefix:
+  exact, but O(prefix) per token; the mechanisms' recurrent decoders are not used here.
 - **Grouped-query models** (Llama, SmolLM2, Qwen) pass K/V with fewer heads; they go to the core
   with ``enable_gqa`` (read in place where the mechanism can, repeated otherwise).
 - **Scale and dropout.** The model's ``scaling`` is the softmax scale; mechanisms without a softmax
