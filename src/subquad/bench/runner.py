@@ -263,7 +263,7 @@ def _run_in_workers(settings: BenchSettings, cells: list[Cell]) -> Iterator[dict
         lines: queue.Queue[str | None] = queue.Queue()
         errors: list[str] = []
         _drain(worker.stdout, lines, results=True)
-        _drain(worker.stderr, errors)
+        stderr = _drain(worker.stderr, errors)
         try:
             worker.stdin.write(json.dumps(payload))
             worker.stdin.close()
@@ -281,6 +281,7 @@ def _run_in_workers(settings: BenchSettings, cells: list[Cell]) -> Iterator[dict
                     break
                 if line is None:  # the worker exited before this cell's result
                     code = worker.wait()
+                    stderr.join(timeout=5)  # its last words may still be in the pipe when stdout ends
                     killed = " (killed: out of memory?)" if code < 0 else ""
                     tail = "".join(errors).strip().splitlines()[-1:] or [""]
                     yield {"error": f"worker exited with code {code}{killed} {tail[0]}".strip()}
@@ -297,9 +298,9 @@ def _run_in_workers(settings: BenchSettings, cells: list[Cell]) -> Iterator[dict
         cells = cells[done:]
 
 
-def _drain(stream: Any, sink: queue.Queue | list, results: bool = False) -> None:
+def _drain(stream: Any, sink: queue.Queue | list, results: bool = False) -> threading.Thread:
     """Read ``stream`` on a daemon thread (a full pipe would block the worker) into ``sink``: with
-    ``results``, the JSON lines, then None at the end of the stream."""
+    ``results``, the JSON lines, then None at the end of the stream. Returns the thread."""
 
     def read() -> None:
         for line in stream:
@@ -310,7 +311,9 @@ def _drain(stream: Any, sink: queue.Queue | list, results: bool = False) -> None
         if results:
             sink.put(None)
 
-    threading.Thread(target=read, daemon=True).start()
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
