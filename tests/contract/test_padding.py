@@ -63,6 +63,9 @@ def test_padded_content_never_reaches_a_real_output(case, data, seed, fill, dtyp
         out = call(case, leaves, is_causal=is_causal, key_padding_mask=kpm, query_padding_mask=qpm)
         if inputs is x:
             assert torch.isfinite(out).all(), "padded queries too return finite values"
+        if case.takes_query_mask:  # padded queries return zeros: nothing of theirs can reach them
+            padded = out.transpose(1, 2)[~real_q]
+            assert torch.equal(padded, torch.zeros_like(padded)), "a padded query returns non-zero output"
         real = out.transpose(1, 2)[real_q]  # (real queries, H, Dv)
         weight = torch.linspace(-1, 1, real.numel(), dtype=torch.float64).view(real.shape)
         if real.requires_grad:  # (not when no query is real, for some mechanisms: then no gradient)

@@ -194,7 +194,7 @@ def routing_attention(
         config: ``RoutingConfig``.
         state: the layer's ``RoutingState`` (centroids; updated in training mode).
         query_padding_mask: bool ``(B, L)``, True marks a real query; padded queries join no
-            non-causal tile, return zeros there, and do not move the centroids. Needed with
+            non-causal tile, return zeros, and do not move the centroids. Needed with
             ``key_padding_mask``.
 
     Returns:
@@ -214,11 +214,17 @@ def routing_attention(
     with torch.no_grad():
         q_cluster, k_cluster = nearest_direction(q, centroids), nearest_direction(k, centroids)
         if is_causal:
+            if query_valid is not None:  # a padded query's blocks may not depend on what it holds
+                q_cluster = q_cluster.masked_fill(~query_valid.view(B, H, L), 0)
             windows = causal_windows(q_cluster.view(R, L), k_cluster.view(R, S), C, tile, key_valid)
         else:
             windows = balanced_windows(q_cluster.view(R, L), k_cluster.view(R, S), C, key_valid, query_valid)
     out = window_attention(q.reshape(R, L, D), k.reshape(R, S, D), v.reshape(R, S, Dv), windows, shape.scale)
     out = out.view(B, H, L, Dv)
+    if query_padding_mask is not None and is_causal:  # (non-causal: they join no tile, so they are zero)
+        # Padded queries return zeros, whatever they hold: an output read off their content would
+        # differ wherever that content is replaced (as on CUDA, where padded inputs are zeroed first).
+        out = out.masked_fill(~query_padding_mask[:, None, :, None], 0)
     if state.training:
         # A checkpoint's recomputation computes the loss too (it must save what the forward saved),
         # but only the forward hands it over and moves the centroids (subquad.hooks).
