@@ -463,7 +463,7 @@ def test_generate_gives_the_same_tokens_with_and_without_the_kv_cache():
         ({"summary": 0}, "sparse option summary must be >= 1, got 0"),
         ({"groups": 0}, "sparse option groups must be >= 1, got 0"),
         ({"head_offset": -1}, "sparse option head_offset must be >= 0, got -1"),
-        ({"block": 0}, "sparse option block must be >= 1, got 0"),
+        ({"block": -1}, "sparse option block must be >= 0, got -1"),
         ({"kernel": "triton"}, "sparse option kernel must be one of 'fused', 'eager', 'native', got 'triton'"),
         (
             {"pattern": "fixed", "stride": 8, "summary": 3, "groups": 3},
@@ -654,3 +654,22 @@ def test_native_kernel_on_float64_falls_back_and_stays_exact(monkeypatch):
     with pytest.warns(RuntimeWarning, match="it computes in float32, the inputs are torch.float64"):
         out = sparse_attention(q, k, v, is_causal=True, config=config)
     assert (out - oracle(q, k, v, config, True)).abs().max() <= 1e-10
+
+
+def test_block_0_picks_32_without_gradients_and_64_with(monkeypatch):
+    # The automatic block: narrower blocks compute fewer keys per query, wider ones scatter fewer
+    # shared key gradients; both give the same attention.
+    seen = []
+    real = sparse._sparse_parts.__wrapped__
+    monkeypatch.setattr(sparse, "_sparse_parts", lambda config, *a: seen.append(config.block) or real(config, *a))
+    q, k, v = (torch.randn(1, 2, 200, 8, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        out = sparse_attention(q, k, v, is_causal=True, config=SparseConfig(stride=16))
+    grad_out = sparse_attention(
+        *(x.requires_grad_() for x in (q, k, v)), is_causal=True, config=SparseConfig(stride=16)
+    )
+    with torch.no_grad():
+        explicit = sparse_attention(q, k, v, is_causal=True, config=SparseConfig(stride=16, block=5))
+    assert seen == [32, 64, 5]
+    torch.testing.assert_close(grad_out, out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(explicit, out, rtol=1e-12, atol=1e-12)

@@ -363,10 +363,15 @@ class _BlockSparse(torch.autograd.Function):
         q_ext = _padded(q.to(dtype), 0, query_pad)
         g_ext, out_ext = grad.to(dtype), out.to(dtype)
         kf, vf = (_padded(x.to(dtype), pad, pad) for x in (k, v))  # (B, H, S + 2 pad, ·)
-        grad_q = new_output((B, H, L + 1, D), work, q.device).zero_()
+        # Gradients accumulate as matrices, one row per (batch, head, position): index_add_ along
+        # dim 0 of a matrix is the fast scatter on CPU (several times faster than along an inner dim).
+        grad_q = new_output((B * H * (L + 1), D), work, q.device).zero_()
         Hkv = k.shape[1]  # H / G with grouped-query inputs: their gradients sum over each group
-        grad_k = new_output((B, Hkv * (S + 2 * pad), D), work, q.device).zero_()
-        grad_v = new_output((B, Hkv * (S + 2 * pad), Dv), work, q.device).zero_()
+        M = Hkv * (S + 2 * pad)  # key rows per batch entry
+        grad_k = new_output((B * M, D), work, q.device).zero_()
+        grad_v = new_output((B * M, Dv), work, q.device).zero_()
+        query_rows = torch.arange(B * H, device=q.device).view(B, H, 1, 1) * (L + 1)
+        key_rows = torch.arange(B, device=q.device).view(B, 1) * M
         delta = None if ctx.fused else (g_ext * out_ext).sum(-1)  # (B, H, L): rowsum(dO ∘ O)
         sources: dict = {}
         for part in ctx.parts:
@@ -386,13 +391,24 @@ class _BlockSparse(torch.autograd.Function):
                         dq, dk, dv = eager_backward(
                             qc, kc, vc, gc, lse[:, :, rows], delta[:, :, c.reads], c.allowed, ctx.scale
                         )
-                    grad_q.index_add_(2, rows.reshape(-1), dq.flatten(2, 3).to(work))
-                    grad_k.index_add_(1, c.flat, dk.reshape(B, -1, D).to(work))
-                    grad_v.index_add_(1, c.flat, dv.reshape(B, -1, Dv).to(work))
-        grad_q = grad_q[:, :, :L].to(q.dtype)
+                    _add_rows(grad_q, (query_rows + rows).expand(B, H, *rows.shape), dq)
+                    flat = (key_rows + c.flat).view(B, *c.shape)  # (B, H, n, W)
+                    _add_rows(grad_k, flat, dk)
+                    _add_rows(grad_v, flat, dv)
+        grad_q = grad_q.view(B, H, L + 1, D)[:, :, :L].to(q.dtype)
         grad_k = grad_k.view(B, Hkv, S + 2 * pad, D)[:, :, pad : pad + S].to(k.dtype)
         grad_v = grad_v.view(B, Hkv, S + 2 * pad, Dv)[:, :, pad : pad + S].to(v.dtype)
         return grad_q, grad_k, grad_v, None, None, None, None, None
+
+
+def _add_rows(target: Tensor, index: Tensor, rows: Tensor) -> None:
+    """``target[index[b, h, n, r]] += rows[b, h, n, r]`` for a matrix ``target`` and ``rows``
+    ``(B, H, n, r, F)``, read in the order they lie in memory: the fused kernel's gradients are
+    views of ``(n, r, B·H, F)`` buffers, which would cost a transposing copy to read in logical order."""
+    order = sorted(range(4), key=lambda d: -rows.stride(d))
+    if not rows.is_contiguous() and rows.permute(*order, 4).is_contiguous():
+        rows, index = rows.permute(*order, 4), index.permute(*order)
+    target.index_add_(0, index.reshape(-1), rows.reshape(-1, rows.shape[-1]).to(target.dtype))
 
 
 def _chunk_backward_fused(qc, kc, vc, gc, oc, lse, c: _Chunk, scale: float):

@@ -256,7 +256,7 @@ def segment_groups(
     causal, its mask is exactly ``j <= p`` there (the fused kernel's own causal flag).
     """
     segments, R = positions.shape
-    block = R if whole else block
+    block = R if whole else min(block, R)  # a block past the segment's rows would hold only empty slots
     slots = query_slots(positions, offset, L)
     zero = torch.zeros((), dtype=torch.long, device=positions.device)
     groups = []

@@ -106,7 +106,9 @@ class SparseConfig(Config):
     groups: int = option(1, "fixed: nv distinct summary groups; layer head h uses group h mod nv", ge=1)
     sinks: int = option(0, "the first s keys are visible to every query as well (StreamingLLM's attention sinks)", ge=0)
     head_offset: int = head_offset_option()
-    block: int = option(32, "queries per block of compute (speed only)", ge=1, le=4096)
+    block: int = option(
+        0, "queries per block of compute (speed only); 0: 32 without gradients, 64 with (as local)", ge=0, le=4096
+    )
     kernel: str = kernel_option()
 
     def check(self) -> None:
@@ -347,6 +349,12 @@ def sparse_attention(
             f"S={shape.keys}; pass the whole sequence as keys, or use the pattern mechanism with a mask_mod"
         )
     native = config.kernel == "native" and _native.supports(q, k, v) is None
+    if not config.block:  # blocks that share keys scatter their key gradients twice: wider ones with a gradient
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        fused = config.kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
+        inference = (fused or native) and not needs_grad
+        block = TUNING.local_inference_block if inference else TUNING.local_block
+        config = dataclasses.replace(config, block=block)
     parts = _sparse_parts(config, dataclasses.replace(shape, scale=1.0), is_causal, q.device, native)
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel)
 
