@@ -65,6 +65,7 @@ back), so each token costs O(k·D + w·D) and the cache O(k·w·D) per head, wha
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -150,11 +151,18 @@ class RoutingState(nn.Module):
         return f"heads={heads}, clusters={clusters}, head_dim={dim}, seed={self.seed}"
 
 
+@functools.lru_cache(maxsize=32)
+def _default_state(config: RoutingConfig, heads: int, head_dim: int, device: torch.device) -> RoutingState:
+    """The state of a call without one: seed 0, in eval mode (fixed: nothing updates it), built once
+    per shape and device rather than drawn on every call."""
+    return RoutingState(config, heads, head_dim, 0).to(device).eval()
+
+
 def _resolve_state(
     state: nn.Module | None, config: RoutingConfig, shape: AttentionShape, device: torch.device
 ) -> RoutingState:
     if state is None:
-        return RoutingState(config, shape.heads, shape.head_dim, 0).to(device).eval()  # fixed: nothing to update
+        return _default_state(config, shape.heads, shape.head_dim, device)
     if not isinstance(state, RoutingState):
         raise ValueError(f"routing needs a RoutingState, got {type(state).__name__}")
     if state.centroids.device != device:
