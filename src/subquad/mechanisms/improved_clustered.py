@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from subquad.kernels.memory import new_buffers, tracks_grad
 from subquad.kernels.tuning import TUNING
 from subquad.mechanisms.clustered import (
     PAPER,
@@ -64,7 +65,7 @@ def rescore_topk(
     S, Dv = k.shape[1], v.shape[2]
     C = probs.shape[1]
     device = q.device
-    top_probs, top_idx = probs.topk(min(topk, S), dim=-1)  # (G, C, k)
+    top_probs, top_idx = probs.topk(min(topk, S), dim=-1, sorted=False)  # (G, C, k), in no particular order
     kk = top_idx.shape[-1]
     top_rows = (top_idx + (torch.arange(G, device=device) * S).view(G, 1, 1)).view(G * C, kk)  # into (G·S)
     mass = top_probs.sum(-1).view(G * C, 1, 1)  # m̂_j
@@ -88,17 +89,28 @@ def rescore_topk(
     slot = torch.empty_like(sorted_slot).scatter_(0, order, sorted_slot)
 
     key_rows = top_rows.index_select(0, tile_cluster).view(-1)  # (T·k,)
-    q_tile = q.reshape(G * L, D).index_select(0, rows).view(T, tile, D)
-    k_tile = k.reshape(G * S, D).index_select(0, key_rows).view(T, kk, D)
-    v_tile = v.reshape(G * S, Dv).index_select(0, key_rows).view(T, kk, Dv)
-    scores = torch.bmm(q_tile, k_tile.transpose(1, 2)).mul_(scale)  # (T, tile, k)
+    if tracks_grad(q, k, v):
+        q_tile = q.reshape(G * L, D).index_select(0, rows).view(T, tile, D)
+        k_tile = k.reshape(G * S, D).index_select(0, key_rows).view(T, kk, D)
+        v_tile = v.reshape(G * S, Dv).index_select(0, key_rows).view(T, kk, Dv)
+    else:  # gathered into huge pages: megabytes of fresh 4 KiB pages cost more in faults than the gathers
+        q_tile, k_tile, v_tile = new_buffers([(T * tile, D), (T * kk, D), (T * kk, Dv)], q.dtype, device, zero=False)
+        torch.index_select(q.reshape(G * L, D), 0, rows, out=q_tile)
+        torch.index_select(k.reshape(G * S, D), 0, key_rows, out=k_tile)
+        torch.index_select(v.reshape(G * S, Dv), 0, key_rows, out=v_tile)
+        q_tile, k_tile, v_tile = q_tile.view(T, tile, D), k_tile.view(T, kk, D), v_tile.view(T, kk, Dv)
+    scores = torch.baddbmm(q_tile.new_empty(()), q_tile, k_tile.transpose(1, 2), beta=0, alpha=scale)  # (T, tile, k)
     top_real = None
     if key_real is not None:
         top_real = key_real.reshape(G * S).index_select(0, key_rows).view(T, 1, kk)
-    exact = _masked_softmax(scores, top_real) * mass.index_select(0, tile_cluster)
-    swap = exact - top_probs.view(G * C, 1, kk).index_select(0, tile_cluster)
-    correction = torch.bmm(swap, v_tile).view(T * tile, Dv).index_select(0, slot)  # (G·L, Dv)
-    return (centroid_out.view(G * C, Dv).index_select(0, cluster) + correction).view(G, L, Dv)
+    swap = torch.addcmul(  # m̂_j · softmax_T − A^c on the cluster's top keys
+        -top_probs.view(G * C, 1, kk).index_select(0, tile_cluster),
+        _masked_softmax(scores, top_real),
+        mass.index_select(0, tile_cluster),
+    )
+    # V^c_j + swap · V_T, in tile slots, then each query's slot
+    out = torch.baddbmm(centroid_out.view(G * C, 1, Dv).index_select(0, tile_cluster), swap, v_tile)
+    return out.view(T * tile, Dv).index_select(0, slot).view(G, L, Dv)
 
 
 def improved_clustered_attention(
