@@ -74,7 +74,9 @@ class Tuning:
     routing_query_block: int = _knob(64, "causal routing: queries sharing a window, computed together")
     routing_assign: int = _knob(1 << 19, "position × centroid scores held at once while routing")
     # clustered
-    clustered_tile: int = _knob(16, "improved-clustered: queries per tile sharing their cluster's top-k keys")
+    clustered_tile: int = _knob(
+        16, "improved-clustered: queries per tile sharing their cluster's top-k keys (twice that for large clusters)"
+    )
     clustered_group: int = _knob(1 << 22, "(C × S) score elements per group of (batch × head) rows")
     # kernel attention and its causal scan (linear, multires, agglomerative)
     linear_state_block: int = _knob(1 << 18, "causal scan: chunk states (rows × chunks × D × Dc) held at once")

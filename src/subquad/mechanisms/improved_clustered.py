@@ -74,7 +74,9 @@ def rescore_topk(
     cluster = (assign + (torch.arange(G, device=device) * C).unsqueeze(-1)).view(-1)  # (G·L,) in [0, G·C)
     order = torch.sort(cluster, stable=True).indices
     counts = torch.bincount(cluster, minlength=G * C)
-    tile = TUNING.clustered_tile
+    # Tiles of TUNING.clustered_tile queries; clusters of 4 tiles or more on average take tiles
+    # twice as long, which repeat each cluster's top keys half as often (docs/performance.md).
+    tile = TUNING.clustered_tile * (2 if L >= 4 * TUNING.clustered_tile * C else 1)
     starts = torch.cumsum(counts, 0) - counts
     tiles = (counts + tile - 1) // tile
     tile_cluster = torch.repeat_interleave(torch.arange(G * C, device=device), tiles)  # (T,)
