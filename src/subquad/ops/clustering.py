@@ -82,22 +82,17 @@ class Euclidean:
 
     def __init__(self, x: Tensor) -> None:
         self.points = x
-        self._augmented_t: Tensor | None = None
         self._norms: Tensor | None = None
 
     def subset(self, index: Tensor) -> Euclidean:
         return Euclidean(gather_rows(self.points, index))
 
     def _scores(self, centroids: Tensor) -> Tensor:
-        """``(G, r, N)`` x·c − ‖c‖²/2, centroids by points: one matmul, the points carrying a row of
-        ones that multiplies each centroid's −‖c‖²/2, so no broadcast add. With N innermost the
-        product runs about twice as fast on CPU as the transposed one, and reductions over r
-        vectorise along N."""
-        if self._augmented_t is None:  # the same for every call: Lloyd asks once per iteration
-            G, N, _ = self.points.shape
-            self._augmented_t = torch.cat([self.points.transpose(1, 2), self.points.new_ones(G, 1, N)], dim=1)
-        half_norms = -0.5 * centroids.square().sum(-1, keepdim=True)
-        return torch.bmm(torch.cat([centroids, half_norms], dim=-1), self._augmented_t)
+        """``(G, r, N)`` c·x − ‖c‖²/2, centroids by points: one ``baddbmm`` on the points' transposed
+        view (no copy). With N innermost the product runs about twice as fast on CPU as points by
+        centroids, and reductions over r vectorise along N."""
+        half_norms = centroids.square().sum(-1, keepdim=True).mul_(-0.5)
+        return torch.baddbmm(half_norms, centroids, self.points.transpose(1, 2))
 
     def distances(self, centroids: Tensor) -> Tensor:
         """``(G, r, N)`` squared distances to ``r`` centroids."""
