@@ -12,6 +12,7 @@ built-in one and is registered after the built-ins; one that fails to load is sk
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import math
@@ -96,7 +97,7 @@ class Config:
     renamed: ClassVar[typing.Mapping[str, str]] = {}  # old option name -> new: make_config warns and maps it
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
+        hints = _type_hints(type(self))
         for f in fields(self):
             value = _coerce(self._label(f.name), getattr(self, f.name), hints[f.name])
             _check_constraints(self._label(f.name), value, f.metadata)
@@ -108,6 +109,13 @@ class Config:
 
     def _label(self, name: str) -> str:
         return f"{self.mechanism or type(self).__name__} option {name}"
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """A config class's field annotations, resolved once: ``typing.get_type_hints`` evaluates the
+    string annotations anew on every call, which cost more than short attention calls themselves."""
+    return typing.get_type_hints(cls)
 
 
 def _coerce(label: str, value: Any, tp: Any) -> Any:
