@@ -87,8 +87,8 @@ def contained(
 def _all_finite(xs: list[Tensor]) -> bool:
     """Whether every entry is finite. A sum of finite numbers can overflow (then this says no and
     the caller takes the safe path), but a NaN or inf entry always makes the sum non-finite."""
-    sums = [x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum() for x in xs]
-    return bool(torch.stack([torch.isfinite(s) for s in sums]).all())
+    total = sum(x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum() for x in xs)
+    return bool(torch.isfinite(total))  # NaN, or inf of either sign, in any sum leaves the total non-finite
 
 
 def _clean(x: Tensor, real: Tensor | None, dim: int) -> tuple[Tensor, Tensor]:

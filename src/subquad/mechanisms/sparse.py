@@ -107,7 +107,11 @@ class SparseConfig(Config):
     sinks: int = option(0, "the first s keys are visible to every query as well (StreamingLLM's attention sinks)", ge=0)
     head_offset: int = head_offset_option()
     block: int = option(
-        0, "queries per block of compute (speed only); 0: 32 without gradients, 64 with (as local)", ge=0, le=4096
+        0,
+        "queries per block of compute (speed only); 0: 32 without gradients on the fused or native kernel, "
+        "else 64 (as local)",
+        ge=0,
+        le=4096,
     )
     kernel: str = kernel_option()
 
