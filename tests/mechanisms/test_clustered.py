@@ -179,6 +179,31 @@ def test_tagged_hamming_nearest_is_the_lowest_index_nearest_code(C, bits):
     assert torch.equal(clustering.Hamming(codes).nearest(centroids), expected)
 
 
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("n", [1, 2, 7, 100])
+def test_first_argmax_is_the_lowest_index_of_the_maximum(dim, n):
+    gen = torch.Generator().manual_seed(n)
+    scores = torch.randint(-3, 3, (n, n, n), generator=gen).to(torch.float64)  # many ties
+    expected = torch.tensor(
+        [[int(torch.nonzero(row == row.max())[0]) for row in plane] for plane in scores.movedim(dim, -1)]
+    )
+    got = clustering.first_argmax_(scores.clone(), dim)
+    assert got.dtype == torch.long and torch.equal(got, expected)
+    with_nan = scores.clone()
+    with_nan.select(dim, n - 1).fill_(float("nan"))  # NaN in every row along dim: the last index, in range
+    assert torch.equal(clustering.first_argmax_(with_nan, dim), torch.full_like(expected, n - 1))
+
+
+def test_euclidean_nearest_is_the_lowest_index_nearest_centroid():
+    gen = torch.Generator().manual_seed(0)
+    points = torch.randint(-2, 3, (3, 50, 4), generator=gen).double()
+    centroids = torch.randint(-2, 3, (3, 9, 4), generator=gen).double()
+    centroids[:, 5] = centroids[:, 1]  # duplicate centroids: ties resolve to the lower index
+    distance = torch.cdist(points, centroids)
+    expected = torch.stack([torch.tensor([row.tolist().index(min(row.tolist())) for row in g]) for g in distance])
+    assert torch.equal(clustering.Euclidean(points).nearest(centroids), expected)
+
+
 def test_hamming_majority_update_keeps_tied_bits():
     codes = torch.tensor([[[1.0, 1, -1], [1, -1, -1], [-1, -1, 1]]])
     assign = torch.tensor([[0, 0, 1]])
