@@ -46,7 +46,7 @@ from torch import Tensor
 
 from subquad.kernels import native as _native
 from subquad.kernels.layouts import Group
-from subquad.kernels.memory import new_output
+from subquad.kernels.memory import new_output, tracks_grad
 from subquad.kernels.softmax import (
     additive_mask,
     eager_backward,
@@ -217,6 +217,16 @@ def _chunks(
     per_chunk = max(1, tile // max(1, B * H * bq * W))
     for start in range(0, n, per_chunk):
         yield _Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask, groups)
+
+
+def band_block(q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool) -> int:
+    """Queries per block of a band (local, strided sparse): ``TUNING.local_inference_block`` where
+    the fused or native kernel runs a call that takes no gradient (fewer keys computed outside the
+    band), else ``TUNING.local_block`` (blocks that share keys scatter their key gradients twice,
+    so wider ones halve that). ``native``: the native kernel takes these inputs."""
+    fused = kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
+    inference = (fused or native) and not tracks_grad(q, k, v)
+    return TUNING.local_inference_block if inference else TUNING.local_block
 
 
 def native_runs(queries: int, keys: int) -> bool:

@@ -91,16 +91,13 @@ def rescore_topk(
     slot = torch.empty_like(sorted_slot).scatter_(0, order, sorted_slot)
 
     key_rows = top_rows.index_select(0, tile_cluster).view(-1)  # (T·k,)
-    if tracks_grad(q, k, v):
-        q_tile = q.reshape(G * L, D).index_select(0, rows).view(T, tile, D)
-        k_tile = k.reshape(G * S, D).index_select(0, key_rows).view(T, kk, D)
-        v_tile = v.reshape(G * S, Dv).index_select(0, key_rows).view(T, kk, Dv)
-    else:  # gathered into huge pages: megabytes of fresh 4 KiB pages cost more in faults than the gathers
-        q_tile, k_tile, v_tile = new_buffers([(T * tile, D), (T * kk, D), (T * kk, Dv)], q.dtype, device, zero=False)
-        torch.index_select(q.reshape(G * L, D), 0, rows, out=q_tile)
-        torch.index_select(k.reshape(G * S, D), 0, key_rows, out=k_tile)
-        torch.index_select(v.reshape(G * S, Dv), 0, key_rows, out=v_tile)
-        q_tile, k_tile, v_tile = q_tile.view(T, tile, D), k_tile.view(T, kk, D), v_tile.view(T, kk, Dv)
+    # Without autograd, gathered into huge pages: megabytes of fresh 4 KiB pages cost more in faults
+    # than the gathers (out= takes no gradient, so with autograd torch allocates them).
+    shapes = [(T * tile, D), (T * kk, D), (T * kk, Dv)]
+    outs = [None] * 3 if tracks_grad(q, k, v) else new_buffers(shapes, q.dtype, device, zero=False)
+    q_tile = torch.index_select(q.reshape(G * L, D), 0, rows, out=outs[0]).view(T, tile, D)
+    k_tile = torch.index_select(k.reshape(G * S, D), 0, key_rows, out=outs[1]).view(T, kk, D)
+    v_tile = torch.index_select(v.reshape(G * S, Dv), 0, key_rows, out=outs[2]).view(T, kk, Dv)
     scores = torch.baddbmm(q_tile.new_empty(()), q_tile, k_tile.transpose(1, 2), beta=0, alpha=scale)  # (T, tile, k)
     top_real = None
     if key_real is not None:

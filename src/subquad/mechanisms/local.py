@@ -46,10 +46,8 @@ from torch import Tensor
 from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
 from subquad.kernels import native as _native
-from subquad.kernels.blocksparse import block_sparse_attention
+from subquad.kernels.blocksparse import band_block, block_sparse_attention
 from subquad.kernels.layouts import band_groups, sink_groups, sink_mask
-from subquad.kernels.softmax import fused_available
-from subquad.kernels.tuning import TUNING
 from subquad.masks import MaskMod, window_covers
 from subquad.mechanisms._options import kernel_option
 from subquad.registry import Config, Mechanism, option
@@ -111,10 +109,8 @@ def local_attention(
     w = min(config.window, L + S)  # a wider window sees no more keys: the same result, bounded work
     offset = S - L
     left, right = (w - 1, 0) if is_causal else (w - 1, w - 1)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    fused = config.kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
     native = config.kernel == "native" and _native.supports(q, k, v) is None  # runs Dv != D too
-    block = TUNING.local_inference_block if (fused or native) and not needs_grad else TUNING.local_block
+    block = band_block(q, k, v, config.kernel, native)
     window = window_mask(w, is_causal, offset)
     parts = [band_groups(L, offset, left, right, min(block, L), window, q.device)]
     sinks = min(config.sinks, S)

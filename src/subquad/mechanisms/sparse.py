@@ -58,7 +58,7 @@ from torch import Tensor
 from subquad._validate import AttentionShape, check_grouped_inputs
 from subquad.decoding import KVCache
 from subquad.kernels import native as _native
-from subquad.kernels.blocksparse import block_sparse_attention, native_runs
+from subquad.kernels.blocksparse import band_block, block_sparse_attention, native_runs
 from subquad.kernels.layouts import (
     Group,
     MaskFacts,
@@ -353,12 +353,8 @@ def sparse_attention(
             f"S={shape.keys}; pass the whole sequence as keys, or use the pattern mechanism with a mask_mod"
         )
     native = config.kernel == "native" and _native.supports(q, k, v) is None
-    if not config.block:  # blocks that share keys scatter their key gradients twice: wider ones with a gradient
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        fused = config.kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
-        inference = (fused or native) and not needs_grad
-        block = TUNING.local_inference_block if inference else TUNING.local_block
-        config = dataclasses.replace(config, block=block)
+    if not config.block:
+        config = dataclasses.replace(config, block=band_block(q, k, v, config.kernel, native))
     parts = _sparse_parts(config, dataclasses.replace(shape, scale=1.0), is_causal, q.device, native)
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel)
 
