@@ -275,6 +275,33 @@ def test_fitting_on_a_sample_then_assigning_everything():
     assert inertia(small) <= 1.1 * inertia(all_fit)
 
 
+@pytest.mark.parametrize("metric", ["euclidean", "hamming"])
+@pytest.mark.parametrize("fit_per_cluster", [0, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clusters_of_all_real_queries_are_those_of_weight_one(metric, fit_per_cluster, dtype):
+    """weight=None takes the draws made once per shape; they are the draws of an all-ones weight,
+    for every head of every batch row (heads 2, 0 of a 3-head layer, twice)."""
+    q = randn(4, 90, 8).to(dtype)
+    config = ClusteredConfig(clusters=9, kmeans=metric, fit_per_cluster=fit_per_cluster)
+    state = ClusteredState(config, 3, 8, seed=5)
+    heads = torch.tensor([2, 0, 2, 0])
+    cached = [cluster_queries(q, config, state, None, heads) for _ in range(2)]  # the second from the cache
+    assert torch.equal(cached[0], cached[1])
+    assert torch.equal(cached[0], cluster_queries(q, config, state, torch.ones(4, 90, dtype=dtype), heads))
+    assert cached[0].unique().numel() == 9
+
+
+def test_seeding_never_draws_a_padded_point():
+    """Ten real points and 9 centroids: every centroid is a real point, although the padded points
+    lie far from all of them (so their distance, were they drawn, would dominate the D² keys)."""
+    x = torch.cat([randn(1, 10, 4), torch.full((1, 30, 4), 100.0)], dim=1)
+    weight = torch.cat([torch.ones(1, 10), torch.zeros(1, 30)], dim=1)
+    heads = torch.zeros(1, dtype=torch.long)
+    draws = clustering.seed_draws(weight, torch.arange(40).view(1, 40), 9, 0, heads)
+    init = clustering.seed_centroids(clustering.Euclidean(x), weight, 9, draws)
+    assert init.unique().numel() == 9 and int(init.max()) < 10
+
+
 def test_lloyd_stops_at_a_fixed_point():
     q = randn(3, 300, 4)
     state = ClusteredState(ClusteredConfig(), 3, 4)

@@ -62,7 +62,15 @@ from torch import Tensor, nn
 from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask
 from subquad.kernels.memory import BlockOutput, tracks_grad
 from subquad.kernels.tuning import TUNING, block_elements
-from subquad.ops.clustering import Euclidean, Hamming, cluster_sums, lloyd, seed_centroids, sign_codes
+from subquad.ops.clustering import (
+    Euclidean,
+    Hamming,
+    cluster_sums,
+    lloyd,
+    seed_centroids,
+    seed_draws,
+    sign_codes,
+)
 from subquad.ops.hashing import position_uniform
 from subquad.registry import Config, Mechanism, no_causal_form, option
 
@@ -163,7 +171,7 @@ def cluster_queries(
     q: Tensor,
     config: ClusteredConfig,
     state: ClusteredState,
-    weight: Tensor,
+    weight: Tensor | None,
     heads: Tensor,
 ) -> Tensor:
     """Assign each query of each (batch, head) row to one of ``min(C, L)`` clusters.
@@ -172,7 +180,7 @@ def cluster_queries(
         q: ``(G, L, D)`` queries of G rows (in fp32 or fp64).
         config: the clustering options.
         state: the hash planes and seed.
-        weight: ``(G, L)`` 1 for real queries, 0 for padded ones.
+        weight: ``(G, L)`` 1 for real queries, 0 for padded ones; None: every query is real.
         heads: ``(G,)`` the head index of each row (which planes it uses).
 
     Returns:
@@ -187,22 +195,50 @@ def cluster_queries(
     else:
         planes = state.planes.to(device=q.device, dtype=q.dtype)[heads]  # (G, D, B)
         offsets = state.offsets.to(device=q.device, dtype=q.dtype)[heads] if config.hash_offsets else None
-        metric = Hamming(sign_codes(q, weight, planes, offsets))
-        weight = weight.to(torch.float32)
+        metric = Hamming(sign_codes(q, q.new_ones(G, L) if weight is None else weight.to(q.dtype), planes, offsets))
+    if weight is not None:
+        weight = weight.to(metric.points.dtype)
     seed = int(state.seed)
-    positions = torch.arange(L, device=q.device).expand(G, L)
-    fit, fit_weight, fit_positions = metric, weight, positions
+    fit_size = L
     if config.fit_per_cluster and config.fit_per_cluster * C < L:
-        # Fit on a seeded random sample of the real queries (all of them when fewer), then assign all.
-        sample = (position_uniform(seed, heads, positions, 0) - weight).topk(config.fit_per_cluster * C, largest=False)
-        fit, fit_weight, fit_positions = (
-            metric.subset(sample.indices),
-            torch.gather(weight, 1, sample.indices),
-            sample.indices,
-        )
-    init = seed_centroids(fit, fit_weight, fit_positions, C, seed, heads)
+        fit_size = config.fit_per_cluster * C
+    # Fit on a seeded random sample of the real queries (all of them when fewer), then assign all.
+    if weight is None:  # the draws depend on the shape alone: made once per shape
+        sample, first, factors = _all_real_draws(seed, state.planes.shape[0], L, fit_size, C, q.device)
+        sample, draws, fit_weight = None if sample is None else sample[heads], (first[heads], factors[:, heads]), None
+    else:
+        sample, draws, fit_weight = _draws(seed, heads, weight, fit_size, C)
+    fit = metric if sample is None else metric.subset(sample)
+    init = seed_centroids(fit, fit_weight, C, draws)
+    if fit_weight is None:
+        fit_weight = fit.points.new_ones(G, fit_size)
     centroids, assign = lloyd(fit, fit_weight, init, config.iterations)
-    return assign if fit is metric else metric.nearest(centroids)
+    return assign if sample is None else metric.nearest(centroids)
+
+
+def _draws(
+    seed: int, heads: Tensor, weight: Tensor, fit_size: int, C: int
+) -> tuple[Tensor | None, tuple[Tensor, Tensor], Tensor]:
+    """The fitting sample ``(G, n)`` of real queries (None: all queries), the seeding draws and the
+    sample's weights: a fixed function of (seed, head, position, weight)."""
+    positions = torch.arange(weight.shape[1], device=weight.device).expand_as(weight)
+    sample = None
+    if fit_size < weight.shape[1]:
+        draw = torch.where(weight > 0, position_uniform(seed, heads, positions, 0), 2.0)  # real queries first
+        sample = draw.topk(fit_size, largest=False).indices
+        positions, weight = sample, torch.gather(weight, 1, sample)
+    return sample, seed_draws(weight, positions, C, seed, heads), weight
+
+
+@functools.lru_cache(maxsize=64)
+def _all_real_draws(
+    seed: int, heads: int, L: int, fit_size: int, C: int, device: torch.device
+) -> tuple[Tensor | None, Tensor, Tensor]:
+    """``_draws`` of every head ``0 … heads − 1`` over L real queries, made once per shape and
+    never modified: on short sequences the draws cost more than the clustering."""
+    weight = torch.ones(heads, L, device=device)
+    sample, (first, factors), _ = _draws(seed, torch.arange(heads, device=device), weight, fit_size, C)
+    return sample, first, factors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +293,7 @@ def _clustered(
         if query_real is not None:  # whatever sits at padded queries (even inf or NaN) stays out
             qg = torch.where(query_real[sl].unsqueeze(-1), qg, 0.0)
         with torch.no_grad():
-            assign = cluster_queries(qg.detach(), config, state, weight, heads[sl])
+            assign = cluster_queries(qg.detach(), config, state, None if query_real is None else weight, heads[sl])
         sums = cluster_sums(torch.cat([qg, weight.unsqueeze(-1)], -1), assign, C)  # padded queries are zero
         centroids = sums[..., :-1] / sums[..., -1:].clamp_min(1)  # eq. 3, (G, C, D)
         kr = None if key_real is None else key_real[sl].unsqueeze(1)  # (G, 1, S)

@@ -29,6 +29,7 @@ __all__ = [
     "lloyd",
     "nearest_direction",
     "seed_centroids",
+    "seed_draws",
     "sign_codes",
 ]
 
@@ -143,29 +144,55 @@ def cluster_sums(x: Tensor, assign: Tensor, C: int) -> Tensor:
     return x.new_zeros(G * C, F).index_add(0, index, x.reshape(G * N, F)).view(G, C, F)
 
 
-def seed_centroids(
-    metric: Hamming | Euclidean, weight: Tensor, positions: Tensor, C: int, seed: int, heads: Tensor
-) -> Tensor:
+def seed_draws(weight: Tensor, positions: Tensor, C: int, seed: int, heads: Tensor) -> tuple[Tensor, Tensor]:
+    """The random part of ``seed_centroids``, a fixed function of (seed, head, position, weight).
+
+    Args:
+        weight: ``(G, N)`` 1 for real points, 0 for padded ones.
+        positions: ``(G, N)`` each point's position in its sequence (what its draws hash).
+        C: the number of centroids.
+        seed: the layer's seed; ``heads``: ``(G,)`` each row's head.
+
+    Returns:
+        The first round's picks ``(G, s)``, uniform among the real points, and per later round
+        ``(rounds − 1, G, N)`` factors ``E^(−1/2)``, ``E ~ Exp(1)``: a point's Gumbel-top-k key for
+        probability ∝ d² is ``d · E^(−1/2)`` (the order of ``2·log d − log E``, without the logs).
+    """
+    sizes = _round_sizes(C)
+    uniforms = position_uniforms(seed, heads, positions, range(1, len(sizes) + 1))  # (rounds, G, N)
+    first = torch.where(weight > 0, uniforms[0], 2.0).topk(sizes[0], dim=1, largest=False).indices  # real points first
+    return first, uniforms[1:].log_().neg_().rsqrt_()
+
+
+def _round_sizes(C: int) -> list[int]:
+    """Centroids drawn in each of the (at most ``SEED_ROUNDS``) rounds of D² sampling."""
+    per_round = -(-C // min(C, SEED_ROUNDS))
+    return [min(per_round, C - start) for start in range(0, C, per_round)]
+
+
+def seed_centroids(metric: Hamming | Euclidean, weight: Tensor | None, C: int, draws: tuple[Tensor, Tensor]) -> Tensor:
     """``(G, C)`` indices of C distinct initial centroids, by D² sampling in ``SEED_ROUNDS`` rounds.
 
     The first round draws uniformly among real points; each later round draws a batch without
     replacement with probability ∝ (distance to the nearest centroid so far)², by Gumbel-top-k. It is
     k-means++ (Arthur & Vassilvitskii 2007) with several draws per round, as in k-means||: points of
     clusters that hold no centroid yet are the likely draws, so well-separated groups are not merged
-    by an unlucky uniform draw, and the rounds stay few and batched.
+    by an unlucky uniform draw, and the rounds stay few and batched. ``draws`` come from
+    ``seed_draws``; ``metric.distances`` gives what the rounds call the distance (a squared L2
+    distance for Euclidean, differing bits for Hamming). ``weight`` ``(G, N)``: 0 marks padded
+    points, which are never drawn; None: every point is real.
     """
-    per_round = -(-C // min(C, SEED_ROUNDS))
-    sizes = [min(per_round, C - start) for start in range(0, C, per_round)]  # centroids drawn per round
-    uniforms = position_uniforms(seed, heads, positions, range(1, len(sizes) + 1))  # (rounds, G, N)
-    chosen = (uniforms[0] - weight).topk(sizes[0], dim=1, largest=False).indices  # real points first
-    picks = [chosen]
+    sizes = _round_sizes(C)
+    first, factors = draws
+    picks = [first]
     if len(sizes) == 1:
-        return chosen
-    nearest = metric.distances(gather_rows(metric.points, chosen)).amin(1)  # (G, N)
-    gumbels = uniforms[1:].log_().neg_().log_().neg_()  # −log(−log u), every later round at once
-    padded = weight == 0
-    for r, gumbel in zip(sizes[1:], gumbels):
-        keys = (2 * torch.log(nearest) + gumbel).masked_fill_(padded, float("-inf"))
+        return first
+    nearest = metric.distances(gather_rows(metric.points, first)).amin(1)  # (G, N)
+    padded = None if weight is None else weight == 0
+    for r, factor in zip(sizes[1:], factors):
+        keys = nearest * factor  # ≥ 0 for real points
+        if padded is not None:
+            keys.masked_fill_(padded, -1.0)
         chosen = keys.topk(r, dim=1).indices
         picks.append(chosen)
         if len(picks) < len(sizes):
