@@ -11,7 +11,6 @@ from subquad.kernels.memory import (
     new_output,
     new_output_like,
     tracks_grad,
-    workspace,
 )
 
 
@@ -124,33 +123,3 @@ def test_new_buffers_are_disjoint_aligned_contiguous_and_zeroed_when_asked():
             4,
             5,
         ]  # no write reached another
-
-
-def test_workspace_is_kept_for_the_next_call_and_lent_to_one_user_at_a_time():
-    cpu, shapes = torch.device("cpu"), [(3, 5), (7,), (2, 2, 3)]
-    with workspace(shapes, torch.float32, cpu) as first:
-        assert [b.shape for b in first] == [torch.Size(s) for s in shapes]
-        assert all(b.is_contiguous() and b.data_ptr() % 64 == 0 for b in first)
-        for i, b in enumerate(first):
-            b.fill_(i + 1)
-        assert [float(b.mean()) for b in first] == [1, 2, 3]  # disjoint
-        with workspace(shapes, torch.float32, cpu) as nested:  # lent: a nested user gets other memory
-            assert all(n.data_ptr() != f.data_ptr() for n in nested for f in first)
-            addresses = {first[0].data_ptr(), nested[0].data_ptr()}
-    with workspace([(4,)], torch.float32, cpu) as again:  # the next call reuses memory kept from those
-        assert again[0].data_ptr() in addresses
-    with workspace([(4,)], torch.float64, cpu) as other:  # each dtype has its own
-        assert other[0].dtype == torch.float64 and other[0].data_ptr() not in addresses
-
-
-def test_workspace_keeps_nothing_past_its_limit(monkeypatch):
-    import subquad.kernels.memory as memory
-
-    monkeypatch.setattr(memory, "WORKSPACE_BYTES", 1024)
-    monkeypatch.setattr(memory, "_pool", type(memory._pool)())  # this thread's pool, empty
-    with workspace([(512,)], torch.float32, torch.device("cpu")) as big:  # 2 KiB: fresh, not kept
-        big[0].zero_()
-    assert not getattr(memory._pool, "slabs", {})
-    with workspace([(16,)], torch.float32, torch.device("cpu")) as small:
-        small[0].zero_()
-    assert memory._pool.slabs[torch.float32].numel() * 4 <= 1024

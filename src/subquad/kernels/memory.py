@@ -11,19 +11,13 @@ each is allocated once per call rather than once per block.
 ``new_output``: ``torch.empty`` for a large output, in huge pages on Linux CPUs; ``new_buffers``:
 several working buffers carved from one of them.
 
-``workspace``: working buffers lent for the length of a ``with`` block and kept, per thread, for the
-next call, so a short sequence's temporaries cost no fresh pages at all.
-
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import sys
-import threading
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -35,7 +29,6 @@ __all__ = [
     "new_output",
     "new_output_like",
     "tracks_grad",
-    "workspace",
 ]
 
 _HUGE_PAGE = 1 << 21  # x86-64 and arm64 with 4 KiB base pages
@@ -102,70 +95,21 @@ def new_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch
     uses them (docs/performance.md). Carved from huge pages from a 2 MiB boundary on, their
     layout in those caches is the same every time.
     """
-    starts = _line_starts(shapes, dtype)
-    slab = _new_slab(starts[-1], dtype, device)
-    if zero:
-        slab.zero_()
-    return _carve(slab, shapes, starts)
-
-
-def _line_starts(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[int]:
-    """Element offsets of ``shapes`` laid out one after another, each on a 64-byte line; the last
-    entry is the total."""
     line = max(1, 64 // dtype.itemsize)
+    sizes = [math.prod(shape) for shape in shapes]
     starts = [0]
-    for shape in shapes:
-        starts.append(starts[-1] + -(-math.prod(shape) // line) * line)
-    return starts
-
-
-def _new_slab(total: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``total`` elements of a ``new_output``, from a 2 MiB boundary when they fill a huge page."""
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // line) * line)
+    total = starts[-1]
     align = _HUGE_PAGE // dtype.itemsize if total * dtype.itemsize >= _HUGE_PAGE and device.type == "cpu" else 0
     slab = new_output((total + align,), dtype, device)
     offset = 0
     if align:  # the untouched pages before the boundary cost address space only
         offset = (-slab.data_ptr() % _HUGE_PAGE) // dtype.itemsize
-    return slab[offset : offset + total]
-
-
-def _carve(slab: Tensor, shapes: list[tuple[int, ...]], starts: list[int]) -> list[Tensor]:
-    return [slab[start : start + math.prod(shape)].view(shape) for start, shape in zip(starts, shapes)]
-
-
-WORKSPACE_BYTES = 32 << 20  # the largest workspace a thread keeps between calls, per dtype
-_pool = threading.local()  # .slabs: {dtype: slab} of this thread
-
-
-@contextlib.contextmanager
-def workspace(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> Iterator[list[Tensor]]:
-    """Working buffers of ``shapes`` (contents undefined) for the length of the ``with`` block, laid
-    out as ``new_buffers`` lays them out.
-
-    On the CPU they come from a slab this thread keeps from one call to the next (up to
-    ``WORKSPACE_BYTES``): a fresh slab of a few megabytes costs more in page faults than a short
-    sequence's whole pass over it. The slab is lent, not shared: a nested ``workspace`` gets a slab
-    of its own, and another thread has its own. Nothing the block returns may be a view of the
-    buffers, and they take no gradient. Elsewhere (CUDA has its caching allocator) they are fresh.
-    """
-    starts = _line_starts(shapes, dtype)
-    total = starts[-1]
-    if device.type != "cpu" or total * dtype.itemsize > WORKSPACE_BYTES:
-        yield _carve(_new_slab(total, dtype, device), shapes, starts)
-        return
-    slabs = getattr(_pool, "slabs", None)
-    if slabs is None:
-        slabs = _pool.slabs = {}
-    slab = slabs.pop(dtype, None)  # lent: a nested call finds none and makes its own
-    if slab is None or slab.numel() < total:
-        # grown in steps of a quarter, so slowly growing calls do not reallocate every time
-        slab = _new_slab(min(max(total, total * 5 // 4), WORKSPACE_BYTES // dtype.itemsize), dtype, device)
-    try:
-        yield _carve(slab, shapes, starts)
-    finally:
-        kept = slabs.get(dtype)
-        if kept is None or kept.numel() < slab.numel():
-            slabs[dtype] = slab
+    slab = slab[offset : offset + total]
+    if zero:
+        slab.zero_()
+    return [slab[start : start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
 
 
 def tracks_grad(*tensors: Tensor) -> bool:

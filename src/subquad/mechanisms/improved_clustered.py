@@ -18,14 +18,13 @@ with no (L × k × D) gather. ``topk >= S`` makes it exact (m̂ = 1): clamped, n
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from subquad.kernels.memory import tracks_grad, workspace
+from subquad.kernels.memory import new_buffers, tracks_grad
 from subquad.kernels.tuning import TUNING
 from subquad.mechanisms.clustered import (
     PAPER,
@@ -92,25 +91,24 @@ def rescore_topk(
     slot = torch.empty_like(sorted_slot).scatter_(0, order, sorted_slot)
 
     key_rows = top_rows.index_select(0, tile_cluster).view(-1)  # (T·k,)
-    # Without autograd, gathered into this thread's workspace: megabytes of fresh pages cost more in
-    # faults than the gathers (out= takes no gradient, so with autograd torch allocates them).
+    # Without autograd, gathered into huge pages: megabytes of fresh 4 KiB pages cost more in faults
+    # than the gathers (out= takes no gradient, so with autograd torch allocates them).
     shapes = [(T * tile, D), (T * kk, D), (T * kk, Dv)]
-    lent = contextlib.nullcontext([None] * 3) if tracks_grad(q, k, v) else workspace(shapes, q.dtype, device)
-    with lent as outs:
-        q_tile = torch.index_select(q.reshape(G * L, D), 0, rows, out=outs[0]).view(T, tile, D)
-        k_tile = torch.index_select(k.reshape(G * S, D), 0, key_rows, out=outs[1]).view(T, kk, D)
-        v_tile = torch.index_select(v.reshape(G * S, Dv), 0, key_rows, out=outs[2]).view(T, kk, Dv)
-        scores = torch.baddbmm(q_tile.new_empty(()), q_tile, k_tile.transpose(1, 2), beta=0, alpha=scale)
-        top_real = None
-        if key_real is not None:
-            top_real = key_real.reshape(G * S).index_select(0, key_rows).view(T, 1, kk)
-        swap = torch.addcmul(  # m̂_j · softmax_T − A^c on the cluster's top keys, (T, tile, k)
-            -top_probs.view(G * C, 1, kk).index_select(0, tile_cluster),
-            _masked_softmax(scores, top_real),
-            mass.index_select(0, tile_cluster),
-        )
-        # V^c_j + swap · V_T, in tile slots (a fresh tensor: nothing here keeps the workspace)
-        out = torch.baddbmm(centroid_out.view(G * C, 1, Dv).index_select(0, tile_cluster), swap, v_tile)
+    outs = [None] * 3 if tracks_grad(q, k, v) else new_buffers(shapes, q.dtype, device, zero=False)
+    q_tile = torch.index_select(q.reshape(G * L, D), 0, rows, out=outs[0]).view(T, tile, D)
+    k_tile = torch.index_select(k.reshape(G * S, D), 0, key_rows, out=outs[1]).view(T, kk, D)
+    v_tile = torch.index_select(v.reshape(G * S, Dv), 0, key_rows, out=outs[2]).view(T, kk, Dv)
+    scores = torch.baddbmm(q_tile.new_empty(()), q_tile, k_tile.transpose(1, 2), beta=0, alpha=scale)  # (T, tile, k)
+    top_real = None
+    if key_real is not None:
+        top_real = key_real.reshape(G * S).index_select(0, key_rows).view(T, 1, kk)
+    swap = torch.addcmul(  # m̂_j · softmax_T − A^c on the cluster's top keys
+        -top_probs.view(G * C, 1, kk).index_select(0, tile_cluster),
+        _masked_softmax(scores, top_real),
+        mass.index_select(0, tile_cluster),
+    )
+    # V^c_j + swap · V_T, in tile slots, then each query's slot
+    out = torch.baddbmm(centroid_out.view(G * C, 1, Dv).index_select(0, tile_cluster), swap, v_tile)
     return out.view(T * tile, Dv).index_select(0, slot).view(G, L, Dv)
 
 
