@@ -36,6 +36,7 @@ from subquad._validate import (
     check_gqa,
     check_query_padding_mask,
 )
+from subquad.kernels.threads import adapted
 
 __all__ = [
     "KEY",
@@ -298,11 +299,12 @@ class Mechanism:
                 state=state, **tensors,
             )  # fmt: skip
 
-        return contained(
-            run, q, k, v, tensors, positions=self.positions, key_padding_mask=key_padding_mask,
-            query_padding_mask=query_padding_mask, is_causal=is_causal, uses_qk=self.uses_qk,
-            groups_queries=self.groups_queries,
-        )  # fmt: skip
+        with adapted(q.device):  # fewer threads while other processes keep cores busy
+            return contained(
+                run, q, k, v, tensors, positions=self.positions, key_padding_mask=key_padding_mask,
+                query_padding_mask=query_padding_mask, is_causal=is_causal, uses_qk=self.uses_qk,
+                groups_queries=self.groups_queries,
+            )  # fmt: skip
 
     def _check_call(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool,

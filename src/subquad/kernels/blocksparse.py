@@ -57,6 +57,7 @@ from subquad.kernels.softmax import (
     merge_into,
     work_dtype,
 )
+from subquad.kernels.threads import adapted_backward
 from subquad.kernels.tuning import TUNING, block_elements
 
 __all__ = [
@@ -361,6 +362,7 @@ class _BlockSparse(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @adapted_backward
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v, key_padding_mask, out, lse = ctx.saved_tensors
         B, H, L, D = q.shape

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from subquad.kernels.memory import Scratch, new_buffers, new_output, new_output_like
 from subquad.kernels.softmax import work_dtype
+from subquad.kernels.threads import adapted_backward
 from subquad.kernels.tuning import TUNING, block_elements
 from subquad.ops.features import LOG2E, elu_from_scaled, feature_grad, feature_map, features_into
 from subquad.ops.scan import add_matmul_, chunk_states, chunked
@@ -77,6 +78,7 @@ class NonCausal(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @adapted_backward
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         q, k, v, mask, kv, z = ctx.saved_tensors
         name, eps, block, work = ctx.name, ctx.eps, ctx.block, ctx.work
@@ -241,6 +243,7 @@ class Causal(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @adapted_backward
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         q, k, v, mask, initial, out, den = ctx.saved_tensors
         name, chunk, step, work = ctx.name, ctx.chunk, ctx.step, ctx.work

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from subquad.kernels.softmax import eager_backward, eager_forward, fused_available, fused_forward, work_dtype
+from subquad.kernels.threads import adapted_backward
 from subquad.kernels.tuning import TUNING, block_elements
 
 __all__ = ["Windows", "window_attention"]
@@ -253,6 +254,7 @@ class _WindowAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @adapted_backward
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         q, k, v, out, lse, own = ctx.saved_tensors
         plan, scale, work = ctx.plan, ctx.scale, ctx.work

@@ -32,10 +32,17 @@ def _knob(default: int, why: str) -> int:
     return field(default=default, metadata={"why": why})
 
 
+def _switch(default: int, why: str) -> int:
+    return field(default=default, metadata={"why": why, "switch": True})
+
+
 @dataclass
 class Tuning:
     """Block sizes and element budgets; each field's ``metadata["why"]`` says why it has its value."""
 
+    adaptive_threads: int = _switch(
+        1, "1: calls run on fewer threads while other processes keep cores busy (kernels.threads); 0: never"
+    )
     accelerator_scale: int = _knob(
         32, "element budgets are this many times larger off the CPU: fewer launches, memory still bounded"
     )
@@ -90,7 +97,10 @@ class Tuning:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if f.metadata.get("switch"):
+                if type(value) is not int or value not in (0, 1):
+                    raise ValueError(f"tuning switch {f.name} must be 0 or 1, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"tuning value {f.name} must be an int >= 1, got {value!r}")
 
 

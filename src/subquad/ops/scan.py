@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from subquad.kernels.memory import Scratch
+from subquad.kernels.threads import adapted_backward
 from subquad.kernels.tuning import TUNING, block_elements
 
 __all__ = ["add_matmul_", "causal_dot", "causal_dot_forward", "chunk_states", "chunked", "prefix_sums"]
@@ -54,6 +55,7 @@ class _CausalDot(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @adapted_backward
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         a, b, c, initial = ctx.saved_tensors
         chunk = ctx.chunk

@@ -1,0 +1,170 @@
+"""Intra-op threads under contention: fewer threads while other processes keep this process's cores busy.
+
+torch runs each operation's parallel region on all of its intra-op threads, and a region ends at a
+barrier where they wait for the slowest. When another process keeps one of the cores busy, the
+thread that shares that core runs a time slice at a time, and every barrier waits for its next
+slice; the waiting threads spin meanwhile, taking CPU from the thread with work left. One long
+region (full attention's) loses about half a core. The mechanisms run many short regions, and lost
+up to 3.6× their quiet speed relative to full attention (docs/performance.md).
+
+``adapted`` runs a call with as many threads as there are cores left free: the CPU time that the
+rest of the machine took over the last ``PERIOD`` seconds, on the cores this process may run on,
+is read from ``/proc/stat`` (busy time of those cores less this process's own, from
+``getrusage``). With a core's worth or more taken, a 2-thread process runs its calls on one thread,
+which then never waits at a barrier. A quiet machine changes nothing. Reads are at most one per
+``PERIOD``, so a call costs a clock read, and the decision lags a change of load by up to a
+``PERIOD``.
+
+Outputs do not depend on the thread count: every mechanism's output and gradients are bitwise the
+same with one thread as with two (``tests/test_threads.py``). Where ``/proc/stat`` cannot be read
+(not Linux) nothing is adapted. Switch it off with ``TUNING.adaptive_threads = 0`` (or
+``tuned(adaptive_threads=0)``): the calls then run on ``torch.get_num_threads()`` threads, as set.
+
+While a call runs on fewer threads, torch's intra-op thread count is lowered for the whole process
+(it is one setting), and restored when the call returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from subquad.kernels.tuning import TUNING
+
+try:
+    import resource
+except ImportError:  # not POSIX
+    resource = None  # type: ignore[assignment]
+
+__all__ = ["PERIOD", "Sample", "adapted", "adapted_backward", "free_cores", "read_sample", "threads_for"]
+
+PERIOD = 0.1  # seconds between two reads of the machine's load
+
+# /proc/stat columns after the cpu name: user nice system idle iowait irq softirq steal (guest is in user)
+_BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)  # steal: a hypervisor ran something else on this core
+_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reading: ``wall`` (monotonic s), ``busy`` (s of non-idle time of the process's cores, all
+    processes), ``own`` (s of CPU this process used), ``cores`` (how many cores it may run on)."""
+
+    wall: float
+    busy: float
+    own: float
+    cores: int
+
+
+def read_sample(clock: Callable[[], float] = time.monotonic) -> Sample | None:
+    """The machine's counters now (``wall`` from ``clock``), or None where they cannot be read (not
+    Linux, no ``/proc``)."""
+    if resource is None or not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        cores = os.sched_getaffinity(0)
+        with open("/proc/stat", "rb") as stat:
+            lines = stat.read().split(b"\n")
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        ticks = 0
+        for line in lines:
+            if line.startswith(b"cpu") and line[3:4].isdigit():
+                name, *columns = line.split()
+                if int(name[3:]) in cores:
+                    ticks += sum(int(columns[c]) for c in _BUSY_COLUMNS if c < len(columns))
+    except (OSError, ValueError):
+        return None
+    return Sample(clock(), ticks / _TICKS_PER_SECOND, usage.ru_utime + usage.ru_stime, len(cores))
+
+
+def free_cores(before: Sample, after: Sample) -> float:
+    """Cores' worth of time the rest of the machine left free between two samples."""
+    wall = after.wall - before.wall
+    others = max(0.0, (after.busy - before.busy) - (after.own - before.own)) / wall
+    return after.cores - others
+
+
+def threads_for(requested: int, cores: int, free: float) -> int:
+    """Threads to run on, given the ``requested`` count and the ``free`` of the process's ``cores``:
+    ``requested`` unless other processes took half a core or more, else the free cores, rounded, at
+    least 1 (and never more than requested)."""
+    if cores - free < 0.5:
+        return requested
+    return max(1, min(requested, round(free)))
+
+
+class _Load:
+    """The last sample and the free cores it gave, shared by the threads of the process."""
+
+    def __init__(
+        self, read: Callable[[], Sample | None] | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.read = read or (lambda: read_sample(clock))
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.last: Sample | None = None
+        self.free: tuple[int, float] | None = None  # (cores, free cores), once two samples are PERIOD apart
+        self.disabled = False
+
+    def free_now(self) -> tuple[int, float] | None:
+        """The process's cores and the free ones as of the last reading, reading again once
+        ``PERIOD`` has passed; None until two readings are that far apart, or where none can be made."""
+        if self.disabled:
+            return None
+        last = self.last
+        if last is not None and self.clock() - last.wall < PERIOD:
+            return self.free
+        with self.lock:
+            if self.last is not None and self.clock() - self.last.wall < PERIOD:  # another thread read
+                return self.free
+            sample = self.read()
+            if sample is None:
+                self.disabled = True
+                return None
+            if self.last is not None:
+                self.free = (sample.cores, free_cores(self.last, sample))
+            self.last = sample
+            return self.free
+
+
+_LOAD = _Load()
+
+
+@contextlib.contextmanager
+def adapted(device: torch.device) -> Iterator[None]:
+    """Run the block on fewer intra-op threads while other processes keep cores busy (module
+    docstring); on a quiet machine, off the CPU, or with ``TUNING.adaptive_threads = 0``, as it is."""
+    requested = torch.get_num_threads()
+    if device.type != "cpu" or requested == 1 or not TUNING.adaptive_threads:
+        yield
+        return
+    load = _LOAD.free_now()
+    threads = requested if load is None else threads_for(requested, *load)
+    if threads == requested:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(requested)
+
+
+def adapted_backward(backward: Callable) -> Callable:
+    """An autograd Function's ``backward(ctx, *grads)`` run under ``adapted``: the backward pass runs
+    after the call that made the graph has returned."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        device = next((g.device for g in grads if isinstance(g, torch.Tensor)), torch.device("cpu"))
+        with adapted(device):
+            return backward(ctx, *grads)
+
+    return run

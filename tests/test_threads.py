@@ -1,0 +1,179 @@
+import pytest
+import torch
+
+import subquad
+import subquad.kernels.blocksparse as blocksparse
+from subquad.kernels import threads
+from subquad.kernels.threads import PERIOD, Sample, adapted, free_cores, threads_for
+from subquad.kernels.tuning import tuned
+from subquad.registry import get_mechanism, mechanism_names
+
+STEP = PERIOD * 1.01  # a period has passed (PERIOD itself could fall short by rounding)
+
+
+@pytest.fixture
+def two_threads():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
+class FakeMachine:
+    """A clock and /proc counters that tests move by hand: ``others`` cores' worth of busy time
+    from other processes, on ``cores`` cores."""
+
+    def __init__(self, cores: int = 2) -> None:
+        self.now, self.busy, self.cores, self.reads = 100.0, 0.0, cores, 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def read(self) -> Sample:
+        self.reads += 1
+        return Sample(self.now, self.busy, 0.0, self.cores)
+
+    def run(self, seconds: float, others: float) -> None:
+        self.now += seconds
+        self.busy += seconds * others
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    fake = FakeMachine()
+    monkeypatch.setattr(threads, "_LOAD", threads._Load(fake.read, fake.clock))
+    return fake
+
+
+@pytest.mark.parametrize(
+    "requested, cores, free, expected",
+    [
+        (2, 2, 2.0, 2),  # quiet
+        (2, 2, 1.6, 2),  # others took less than half a core
+        (2, 2, 1.0, 1),  # a busy process on one of two cores
+        (2, 2, 0.0, 1),  # never fewer than one
+        (16, 16, 11.7, 12),
+        (8, 16, 11.7, 8),  # never more than requested
+        (4, 2, 2.0, 4),  # more threads than cores, asked for on a quiet machine: as asked
+        (4, 2, 1.0, 1),
+    ],
+)
+def test_threads_for_leaves_a_quiet_machine_alone_and_fits_a_busy_one(requested, cores, free, expected):
+    assert threads_for(requested, cores, free) == expected
+
+
+def test_free_cores_are_the_cores_less_what_other_processes_used():
+    before = Sample(wall=10.0, busy=100.0, own=5.0, cores=2)
+    after = Sample(wall=10.5, busy=101.5, own=5.7, cores=2)  # 1.5 s busy, 0.7 s of it this process's
+    assert free_cores(before, after) == pytest.approx(2 - 0.8 / 0.5)
+    mine = Sample(wall=10.5, busy=100.9, own=6.0, cores=2)  # tick rounding: own > busy counts as none
+    assert free_cores(before, mine) == 2.0
+
+
+def test_the_load_is_read_once_per_period_and_known_after_two_reads(machine):
+    load = threads._LOAD
+    assert load.free_now() is None and machine.reads == 1  # one reading says nothing yet
+    machine.run(PERIOD / 2, others=1.0)
+    assert load.free_now() is None and machine.reads == 1  # within the period: no read
+    machine.run(STEP, others=1.0)
+    assert load.free_now() == (2, pytest.approx(1.0)) and machine.reads == 2  # one core's worth taken
+    machine.run(STEP, others=0.0)
+    assert load.free_now() == (2, pytest.approx(2.0)) and machine.reads == 3
+
+
+def test_adapted_runs_on_the_free_cores_and_restores_the_count(machine, two_threads):
+    threads._LOAD.free_now()
+    machine.run(STEP, others=1.0)  # a busy process on one of the two cores
+    with adapted(torch.device("cpu")):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+    with pytest.raises(RuntimeError, match="inside"), adapted(torch.device("cpu")):
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == 2
+    with adapted(torch.device("cpu")), adapted(torch.device("cpu")):  # nested: restored once, to 2
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+    with tuned(adaptive_threads=0), adapted(torch.device("cpu")):  # switched off
+        assert torch.get_num_threads() == 2
+    with adapted(torch.device("meta")):  # off the CPU nothing changes
+        assert torch.get_num_threads() == 2
+
+
+def test_a_quiet_machine_or_no_counters_change_nothing(machine, monkeypatch, two_threads):
+    threads._LOAD.free_now()
+    machine.run(STEP, others=0.2)
+    with adapted(torch.device("cpu")):
+        assert torch.get_num_threads() == 2
+    monkeypatch.setattr(threads, "_LOAD", threads._Load(lambda: None))  # not Linux
+    with adapted(torch.device("cpu")):
+        assert torch.get_num_threads() == 2
+    assert threads._LOAD.disabled
+
+
+def test_the_real_counters_can_be_read():
+    sample = threads.read_sample()
+    if sample is None:
+        pytest.skip("no /proc/stat here: the threads are never adapted")
+    assert sample.cores >= 1 and sample.busy >= 0 and sample.own > 0
+
+
+def test_a_call_and_its_backward_run_on_the_free_cores(machine, monkeypatch, two_threads):
+    """The call through the registry, and the block-sparse engine's backward, which runs after the
+    call has returned, both see one thread while a busy process holds one of two cores."""
+    threads._LOAD.free_now()
+    machine.run(STEP, others=1.0)
+    seen = []
+    scatter = blocksparse._add_rows
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return scatter(*args)
+
+    monkeypatch.setattr(blocksparse, "_add_rows", spy)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy_sdpa(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy_sdpa)
+    q, k, v = (torch.randn(1, 2, 40, 8, requires_grad=True) for _ in range(3))
+    subquad.attention(q, k, v, mechanism="full")
+    out = subquad.attention(q, k, v, mechanism="local", window=8)
+    assert torch.get_num_threads() == 2
+    out.sum().backward()
+    assert torch.get_num_threads() == 2
+    assert seen and set(seen) == {1}
+
+
+def _outputs_and_gradients(name: str, causal: bool, threads_: int) -> list[torch.Tensor]:
+    mech = get_mechanism(name)
+    config = mech.config()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 32, generator=gen) for _ in range(3))
+    extra = mech.example_tensors(q, k, v, config, torch.Generator().manual_seed(1)) if mech.example_tensors else {}
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    leaves += [x.requires_grad_() for x in extra.values() if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads_)
+    try:
+        with tuned(adaptive_threads=0):
+            out = mech(q, k, v, is_causal=causal, config=config, **extra)
+            out.backward(torch.randn(out.shape, generator=gen))
+    finally:
+        torch.set_num_threads(saved)
+    return [out.detach()] + [x.grad for x in leaves if x.grad is not None]
+
+
+@pytest.mark.parametrize(
+    "name, causal",
+    [(n, c) for n in mechanism_names() for c in ((False, True) if get_mechanism(n).causal else (False,))],
+)
+def test_outputs_and_gradients_do_not_depend_on_the_thread_count(name, causal):
+    """What lets the thread count follow the machine's load: one thread gives bitwise the two
+    threads' outputs and gradients."""
+    one, two = (_outputs_and_gradients(name, causal, n) for n in (1, 2))
+    assert len(one) == len(two) >= 4
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
