@@ -8,6 +8,7 @@
 - ``linear``: kernel (linear) attention run block by block, non-causal and causal.
 - ``native``: the opt-in C kernel for short blocks (compiled on first use).
 - ``memory``: output assembly and buffers that cost no page faults.
+- ``threads``: calls on the free cores while other processes keep cores busy.
 - ``tuning``: every block size and element budget, documented and overridable.
 
 Modules here import nothing from ``mechanisms``; mechanisms import them.
