@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 
@@ -42,6 +44,7 @@ class FakeMachine:
 def machine(monkeypatch):
     fake = FakeMachine()
     monkeypatch.setattr(threads, "_LOAD", threads._Load(fake.read, fake.clock))
+    monkeypatch.setattr(threads, "_alone", lambda: True)  # threads other tests left running do not count here
     return fake
 
 
@@ -109,6 +112,33 @@ def test_a_quiet_machine_or_no_counters_change_nothing(machine, monkeypatch, two
     with adapted(torch.device("cpu")):
         assert torch.get_num_threads() == 2
     assert threads._LOAD.disabled
+
+
+def test_nothing_is_adapted_while_other_python_threads_run(machine, monkeypatch, two_threads):
+    """A thread that first used torch while a call ran on one thread would keep one thread."""
+    threads._LOAD.free_now()
+    machine.run(STEP, others=1.0)
+    monkeypatch.setattr(threads, "_alone", lambda: False)
+    with adapted(torch.device("cpu")):
+        assert torch.get_num_threads() == 2
+
+
+def test_another_running_python_thread_is_seen():
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not threads._alone()
+    finally:
+        stop.set()
+        other.join()
+
+
+def test_a_forked_child_starts_its_own_readings(machine):
+    threads._LOAD.free_now()
+    parent = threads._LOAD
+    threads._forget_after_fork()  # what os.register_at_fork runs in the child
+    assert threads._LOAD is not parent and threads._LOAD.last is None
 
 
 def test_the_real_counters_can_be_read():

@@ -7,21 +7,26 @@ slice; the waiting threads spin meanwhile, taking CPU from the thread with work 
 region (full attention's) loses about half a core. The mechanisms run many short regions, and lost
 up to 3.6× their quiet speed relative to full attention (docs/performance.md).
 
-``adapted`` runs a call with as many threads as there are cores left free: the CPU time that the
-rest of the machine took over the last ``PERIOD`` seconds, on the cores this process may run on,
-is read from ``/proc/stat`` (busy time of those cores less this process's own, from
-``getrusage``). With a core's worth or more taken, a 2-thread process runs its calls on one thread,
-which then never waits at a barrier. A quiet machine changes nothing. Reads are at most one per
-``PERIOD``, so a call costs a clock read, and the decision lags a change of load by up to a
-``PERIOD``.
+``adapted`` runs a call with as many threads as there are cores left free. The load comes from
+``/proc/stat``: the busy time of the cores this process may run on, less this process's own CPU
+time (``getrusage``), averaged since the previous reading, which is taken when at least ``PERIOD``
+seconds have passed (so a call costs a clock read). With a core's worth or more taken by others, a
+2-thread process runs its calls on one thread, which then never waits at a barrier. A quiet
+machine changes nothing.
 
-Outputs do not depend on the thread count: every mechanism's output and gradients are bitwise the
-same with one thread as with two (``tests/test_threads.py``). Where ``/proc/stat`` cannot be read
-(not Linux) nothing is adapted. Switch it off with ``TUNING.adaptive_threads = 0`` (or
-``tuned(adaptive_threads=0)``): the calls then run on ``torch.get_num_threads()`` threads, as set.
+Where it does nothing:
 
-While a call runs on fewer threads, torch's intra-op thread count is lowered for the whole process
-(it is one setting), and restored when the call returns.
+- off the CPU, where there is no ``/proc/stat`` (not Linux), or with ``TUNING.adaptive_threads = 0``
+  (``tuned(adaptive_threads=0)``): calls run on ``torch.get_num_threads()`` threads, as set;
+- in a process running other Python threads: ``torch.set_num_threads`` also sets the count a
+  thread takes when it first uses torch, so a thread starting while a call ran on fewer threads
+  would keep that count.
+
+The count is lowered for the calling thread for the length of the call (or of a block engine's
+backward), and restored even when the call raises. Outputs and gradients of every mechanism are
+bitwise the same on one thread as on two at the shapes tested (``tests/test_threads.py``); a
+reduction over tens of millions of elements can round differently with the thread count, so on
+very long inputs the last bits may follow the load.
 """
 
 from __future__ import annotations
@@ -137,12 +142,27 @@ class _Load:
 _LOAD = _Load()
 
 
+def _alone() -> bool:
+    """Whether no other Python thread runs in this process (module docstring: where it does nothing)."""
+    return threading.active_count() == 1
+
+
+def _forget_after_fork() -> None:
+    """A forked child starts its own readings: the parent's hold the parent's CPU time."""
+    global _LOAD
+    _LOAD = _Load()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 @contextlib.contextmanager
 def adapted(device: torch.device) -> Iterator[None]:
     """Run the block on fewer intra-op threads while other processes keep cores busy (module
     docstring); on a quiet machine, off the CPU, or with ``TUNING.adaptive_threads = 0``, as it is."""
     requested = torch.get_num_threads()
-    if device.type != "cpu" or requested == 1 or not TUNING.adaptive_threads:
+    if device.type != "cpu" or requested == 1 or not TUNING.adaptive_threads or not _alone():
         yield
         return
     load = _LOAD.free_now()

@@ -174,13 +174,13 @@ def seed_centroids(metric: Hamming | Euclidean, weight: Tensor | None, C: int, d
     """``(G, C)`` indices of C distinct initial centroids, by D² sampling in ``SEED_ROUNDS`` rounds.
 
     The first round draws uniformly among real points; each later round draws a batch without
-    replacement with probability ∝ (distance to the nearest centroid so far)², by Gumbel-top-k. It is
-    k-means++ (Arthur & Vassilvitskii 2007) with several draws per round, as in k-means||: points of
-    clusters that hold no centroid yet are the likely draws, so well-separated groups are not merged
-    by an unlucky uniform draw, and the rounds stay few and batched. ``draws`` come from
-    ``seed_draws``; ``metric.distances`` gives what the rounds call the distance (a squared L2
-    distance for Euclidean, differing bits for Hamming). ``weight`` ``(G, N)``: 0 marks padded
-    points, which are never drawn; None: every point is real.
+    replacement with probability ∝ d², by Gumbel-top-k, where d is ``metric.distances`` to the
+    nearest centroid so far: a squared L2 distance for Euclidean (so ∝ ‖x − c‖⁴, greedier than
+    k-means++'s ‖x − c‖²), differing bits for Hamming. It is k-means++ (Arthur & Vassilvitskii 2007)
+    with several draws per round, as in k-means||: points of clusters that hold no centroid yet are
+    the likely draws, so well-separated groups are not merged by an unlucky uniform draw, and the
+    rounds stay few and batched. ``draws`` come from ``seed_draws``. ``weight`` ``(G, N)``: 0 marks
+    padded points, which are never drawn; None: every point is real.
     """
     sizes = _round_sizes(C)
     first, factors = draws

@@ -41,7 +41,8 @@ def position_uniforms(seed: int, heads: Tensor, positions: Tensor, streams: Sequ
         x = (base + offsets[0]).unsqueeze(0)
     else:
         x = base + torch.tensor(offsets, dtype=base.dtype, device=base.device).view(-1, 1, 1)
-    return ((mix32(x & _MASK) >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    # 23 bits: (k + 0.5)·2^-23 is exact in fp32 and lies in [2^-24, 1 − 2^-24], never 0 or 1
+    return ((mix32(x & _MASK) >> 9).to(torch.float32) + 0.5) * 2.0**-23
 
 
 def seeded_uniform(seed: int, positions: Tensor) -> Tensor:
