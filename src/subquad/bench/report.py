@@ -213,6 +213,7 @@ def _panels(plt: Any, rows: list[dict[str, Any]], key: str, scale: float, ylabel
         _style(ax, sorted({r["length"] for r in rows}), ylabel, f"{pass_}, {'causal' if causal else 'non-causal'}")
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
+    _figure_legend(fig, list(axes.flat)[: len(panels)])
     return fig
 
 
@@ -228,7 +229,17 @@ def _style(ax: Any, lengths: list[int], ylabel: str, title: str) -> None:
     ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: ""))
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+
+
+def _figure_legend(fig: Any, axes: Any) -> None:
+    """One legend for all panels, right of them, where it covers no line (a legend inside each
+    panel hid the short lengths' points). ``_save`` leaves it the room."""
+    entries: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        fig.legend(entries.values(), entries.keys(), loc="center right", fontsize=8, frameon=False)
 
 
 def _add_guides(ax: Any, rows: list[dict[str, Any]], key: str, scale: float) -> None:
@@ -257,11 +268,18 @@ def _error_panels(plt: Any, rows: list[dict[str, Any]], colours: dict):
                     name = f"{label} ({'causal' if causal else 'non-causal'})"
                     ax.plot(*zip(*pts), marker="o", ls=style, color=colours[label], label=name)
         _style(ax, sorted({r["length"] for r in rows}), "‖out − full‖ / ‖full‖", f"{kind} q, k")
+    _figure_legend(fig, list(axes.flat))
     return fig
 
 
 def _save(fig: Any, plt: Any, path: Path) -> Path:
-    fig.tight_layout(rect=(0, 0, 1, 0.96))  # leave room for the suptitle
+    if fig.legends:  # a figure legend on the right: widen the figure by its width, keep the panels
+        width = fig.legends[0].get_window_extent(fig.canvas.get_renderer()).width / fig.dpi + 0.2
+        fig.set_figwidth(fig.get_figwidth() + width)
+        right = 1 - width / fig.get_figwidth()
+    else:
+        right = 1.0
+    fig.tight_layout(rect=(0, 0, right, 0.96))  # leave room for the suptitle (and the legend)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
