@@ -207,3 +207,42 @@ def test_outputs_and_gradients_do_not_depend_on_the_thread_count(name, causal):
     assert len(one) == len(two) >= 4
     for a, b in zip(one, two):
         assert torch.equal(a, b)
+
+
+def _threads_in_backward(mechanism: str, **options) -> list[int]:
+    """The thread count at each use of a saved tensor in the backward of one call (the backward
+    of torch's own operations, which no Function of ours wraps)."""
+    seen = []
+    q, k, v = (torch.randn(1, 2, 40, 8, requires_grad=True) for _ in range(3))
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: seen.append(torch.get_num_threads()) or x):
+        out = subquad.attention(q, k, v, mechanism=mechanism, **options)
+    out.sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize("mechanism, options", [("clustered", {"clusters": 4}), ("full", {})])
+def test_the_backward_of_torch_operations_runs_on_the_free_cores(machine, two_threads, mechanism, options):
+    threads._LOAD.free_now()
+    machine.run(STEP, others=1.0)
+    seen = _threads_in_backward(mechanism, **options)
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == 2  # restored once the inputs have their gradients
+    machine.run(STEP, others=0.0)  # quiet again: as set
+    assert set(_threads_in_backward(mechanism, **options)) == {2}
+
+
+def test_a_partial_backward_restores_the_count(machine, two_threads):
+    threads._LOAD.free_now()
+    machine.run(STEP, others=1.0)
+    q, k, v = (torch.randn(1, 2, 40, 8, requires_grad=True) for _ in range(3))
+    out = subquad.attention(q, k, v, mechanism="clustered", clusters=4)
+    (grad_q,) = torch.autograd.grad(out.sum(), [q])  # k and v's gradients are not needed
+    assert grad_q.shape == q.shape and torch.get_num_threads() == 2
+
+
+def test_a_backward_that_never_reached_its_inputs_is_restored_by_the_next_call(two_threads):
+    threads._lowered.append(2)  # as a backward that raised after lowering the count leaves it
+    torch.set_num_threads(1)
+    q = torch.randn(1, 2, 8, 4)
+    subquad.attention(q, q, q, mechanism="full")
+    assert torch.get_num_threads() == 2 and not threads._lowered
