@@ -36,8 +36,7 @@ from subquad._validate import (
     check_gqa,
     check_query_padding_mask,
 )
-from subquad.kernels.memory import tracks_grad
-from subquad.kernels.threads import adapted, adapted_graph, restore_lowered
+from subquad.kernels.threads import adapted
 
 __all__ = [
     "KEY",
@@ -300,17 +299,12 @@ class Mechanism:
                 state=state, **tensors,
             )  # fmt: skip
 
-        restore_lowered()  # a backward that raised may have left fewer threads
-        if tracks_grad(q, k, v):  # views of the call's own, which the backward's hooks can watch
-            q, k, v = (x.view_as(x) for x in (q, k, v))
         with adapted(q.device):  # fewer threads while other processes keep cores busy
-            out = contained(
+            return contained(
                 run, q, k, v, tensors, positions=self.positions, key_padding_mask=key_padding_mask,
                 query_padding_mask=query_padding_mask, is_causal=is_causal, uses_qk=self.uses_qk,
                 groups_queries=self.groups_queries,
             )  # fmt: skip
-        adapted_graph(out, [q, k, v])  # and its backward, on the same terms
-        return out
 
     def _check_call(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool,

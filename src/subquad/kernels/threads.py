@@ -48,10 +48,7 @@ try:
 except ImportError:  # not POSIX
     resource = None  # type: ignore[assignment]
 
-__all__ = [
-    "PERIOD", "Sample", "adapted", "adapted_backward", "adapted_graph", "free_cores", "read_sample", "restore_lowered",
-    "threads_for",
-]  # fmt: skip
+__all__ = ["PERIOD", "Sample", "adapted", "adapted_backward", "free_cores", "read_sample", "threads_for"]
 
 PERIOD = 0.1  # seconds between two reads of the machine's load
 
@@ -160,20 +157,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _threads_now(device: torch.device) -> tuple[int, int]:
-    """``(requested, threads)``: the count as set, and the count to run on now."""
-    requested = torch.get_num_threads()
-    if device.type != "cpu" or requested == 1 or not TUNING.adaptive_threads or not _alone():
-        return requested, requested
-    load = _LOAD.free_now()
-    return requested, requested if load is None else threads_for(requested, *load)
-
-
 @contextlib.contextmanager
 def adapted(device: torch.device) -> Iterator[None]:
     """Run the block on fewer intra-op threads while other processes keep cores busy (module
     docstring); on a quiet machine, off the CPU, or with ``TUNING.adaptive_threads = 0``, as it is."""
-    requested, threads = _threads_now(device)
+    requested = torch.get_num_threads()
+    if device.type != "cpu" or requested == 1 or not TUNING.adaptive_threads or not _alone():
+        yield
+        return
+    load = _LOAD.free_now()
+    threads = requested if load is None else threads_for(requested, *load)
     if threads == requested:
         yield
         return
@@ -195,36 +188,3 @@ def adapted_backward(backward: Callable) -> Callable:
             return backward(ctx, *grads)
 
     return run
-
-
-_lowered: list[int] = []  # the count a graph's backward lowered, until that backward has reached its inputs
-
-
-def restore_lowered() -> None:
-    """Put back the count a graph's backward lowered and did not restore (it raised, or stopped
-    short of the call's inputs). Calls through the registry do this first."""
-    if _lowered:
-        torch.set_num_threads(_lowered.pop())
-        _lowered.clear()
-
-
-def adapted_graph(out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
-    """Run the backward of the graph from ``inputs`` to ``out`` on the free cores: the count is
-    lowered when ``out``'s gradient arrives and restored once every input that needs one has its
-    gradient. For mechanisms whose backward is torch's own operations rather than a Function of
-    ours. ``inputs`` must be used by this graph only (views made for the call), as the hooks stay
-    with them."""
-    if not (out.requires_grad and out.device.type == "cpu" and torch.is_grad_enabled()):
-        return
-    needed = [x for x in inputs if x.requires_grad]
-    if not needed:
-        return
-
-    def begin(grad: torch.Tensor) -> None:
-        requested, threads = _threads_now(out.device)
-        if threads < requested and not _lowered:
-            _lowered.append(requested)
-            torch.set_num_threads(threads)
-
-    out.register_hook(begin)
-    torch.autograd.graph.register_multi_grad_hook(needed, lambda grads: restore_lowered(), mode="all")
