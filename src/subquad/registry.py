@@ -281,7 +281,7 @@ class Mechanism:
                 tensors["enable_gqa"] = True
         query_padding_mask, shape = self._check_call(q, k, v, key_padding_mask, is_causal, config, tensors, dropout_p)
         exact = self.exact_full is not None and self.exact_full(
-            config or self.config(), shape, is_causal, state, tensors
+            config or _default_config(self.config), shape, is_causal, state, tensors
         )
         if dropout_p:
             tensors["dropout_p"] = dropout_p
@@ -440,6 +440,8 @@ def make_config(mechanism: str | Mechanism, **options: Any) -> Config:
             if new in options:
                 raise ValueError(f"{mech.name}: pass {new} only ({old} is its old name), got both")
             options[new] = options.pop(old)
+    if not options:
+        return _default_config(mech.config)
     valid = [f.name for f in fields(mech.config)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
@@ -447,6 +449,13 @@ def make_config(mechanism: str | Mechanism, **options: Any) -> Config:
         hint = "; a dense attn_mask is accepted by full only" if "attn_mask" in unknown else ""
         raise ValueError(f"unknown option(s) {unknown} for {mech.name}; valid options: {listed or 'none'}{hint}")
     return mech.config(**options)
+
+
+@functools.cache
+def _default_config(cls: type[Config]) -> Config:
+    """``cls()``, built once: configs are frozen, and checking every field of a new one cost more
+    than a short attention call's own kernel."""
+    return cls()
 
 
 def _tensor_arguments(mech: Mechanism, attn_mask: Tensor | None, options: dict[str, Any]) -> dict[str, Any]:
