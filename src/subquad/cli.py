@@ -510,7 +510,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     elapsed = time.time() - started
 
     print(report.format_table(rows))
-    print("\ntime = median per call; × full = time ÷ full attention's in this run; peak MB = above the inputs;")
+    print("\ntime = median per call; × full = median of time ÷ full attention's, timed call for call in the cell;")
+    print("peak MB = above the inputs;", end=" ")
     print("err = ‖out − full‖ / ‖full‖ on iid and clustered q, k (float64 reference on sampled rows).")
     if len(settings.lengths) > 1:
         print("\n" + report.format_crossovers(rows))

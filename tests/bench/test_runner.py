@@ -34,6 +34,9 @@ def test_bench_measures_memory_time_error_and_ratio():
     assert by["full", "forward"]["peak_bytes"] < scores_bytes / 4
     assert by["full", "forward"]["ratio"] == 1.0 and by["full", "forward+backward"]["ratio"] == 1.0
     assert by["full(backend=eager)", "forward"]["ratio"] > 0
+    for r in rows:  # the baseline's rows are its own; every other row's ratio is its paired one
+        paired = r["mechanism"] != "full"
+        assert ("paired_ratio" in r) == paired and (not paired or r["ratio"] == r["paired_ratio"])
     for r in rows:
         assert "error" not in r and r["time_s"] > 0
         if r["pass"] == "forward":
@@ -163,3 +166,37 @@ def test_busy_processes_spin_while_the_grid_runs_and_stop_after():
     with runner._busy_processes(2) as spinners:
         assert len(spinners) == 2 and all(s.poll() is None for s in spinners)
     assert all(s.returncode is not None for s in spinners)
+
+
+def test_ratios_take_the_paired_one_else_the_baseline_cell_else_none():
+    def row(mechanism, length, time_s, **extra):
+        return {"mechanism": mechanism, "length": length, "causal": False, "pass": "forward", "time_s": time_s, **extra}
+
+    rows = [row("full", 8, 2.0), row("linear", 8, 1.0, paired_ratio=0.25), row("sparse", 8, 1.0), row("linear", 64, 3)]
+    runner._add_ratios(rows)
+    assert [r["ratio"] for r in rows] == [1.0, 0.25, 0.5, None]
+
+
+def test_cells_are_paired_with_full_attention_where_the_baseline_runs(monkeypatch):
+    settings = BenchSettings(variants=[Variant("linear")], lengths=[8, 16], baseline_max_length=8, causal=(False,),
+                             backward=(False,))  # fmt: skip
+    sent = []
+
+    class Worker:  # records the payload, answers nothing (each cell then reports the worker's exit)
+        def __init__(self, *args, **kwargs):
+            self.stdin, self.stdout, self.stderr = self, iter(()), iter(())
+
+        def write(self, text):
+            sent.extend(__import__("json").loads(text))
+
+        def close(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(runner.subprocess, "Popen", Worker)
+    list(_run_in_workers(settings, settings.cells()))
+    assert [(c["mechanism"], c["length"], c["paired"]) for c in sent][:3] == [
+        ("full", 8, False), ("linear", 8, True), ("linear", 16, False),
+    ]  # fmt: skip

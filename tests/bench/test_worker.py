@@ -59,3 +59,35 @@ def test_the_warm_up_repeats_the_call_until_its_time_has_passed(monkeypatch):
         # full-size calls: the first (memory), the warm-up's others, the timed ones, the clustered error's
         warm_up = lengths.count(96) - 1 - len(result["times_s"]) - 1
         assert lengths[0] == 64 and (warm_up == 0 if seconds == 0 else warm_up >= 1)
+
+
+def test_a_paired_cell_times_full_attention_call_for_call_and_reports_the_median_ratio():
+    """At least three rounds even when max_seconds allows one, each with a time of both; the ratio is
+    the median of the rounds' ratios (computed from the reported times, not timed here)."""
+    import statistics
+
+    cell = {**CELL, "mechanism": "linear", "causal": False, "paired": True, "max_seconds": 1e-9, "repeats": 10}
+    result = measure_cell(cell)
+    times, base = result["times_s"], result["baseline_times_s"]
+    assert len(times) == len(base) == 3 and min(base) > 0
+    assert result["paired_ratio"] == statistics.median(t / b for t, b in zip(times, base))
+    assert result["baseline_time_s"] == statistics.median(base)
+    unpaired = measure_cell({**cell, "paired": False})
+    assert len(unpaired["times_s"]) == 1 and "paired_ratio" not in unpaired and "baseline_time_s" not in unpaired
+
+
+def test_the_warm_up_of_a_paired_cell_runs_full_attention_too(monkeypatch):
+    from subquad.bench import worker
+
+    names = []
+    make_call = worker._make_call
+
+    def recording(mech, *args):
+        call = make_call(mech, *args)
+        return lambda q, k, v: (names.append((mech.name, q.shape[2])), call(q, k, v))[1]
+
+    monkeypatch.setattr(worker, "_make_call", recording)
+    result = measure_cell({**CELL, "mechanism": "linear", "length": 96, "paired": True, "warmup_seconds": 0.3})
+    full_calls = names.count(("full", 96))
+    assert full_calls > len(result["baseline_times_s"])  # some ran in the warm-up
+    assert names[:2] == [("linear", 64), ("linear", 96)]  # the memory call comes before any of full's

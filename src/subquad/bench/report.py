@@ -23,7 +23,7 @@ __all__ = [
 
 TABLE_HEADERS = ("mechanism", "causal", "pass", "N", "time ms", "× full", "peak MB", "err iid", "err clust", "reps")
 _CSV_FIELDS = (
-    "mechanism", "name", "options", "length", "causal", "pass", "time_s", "ratio", "peak_bytes",
+    "mechanism", "name", "options", "length", "causal", "pass", "time_s", "ratio", "baseline_time_s", "peak_bytes",
     "error_iid", "error_clustered", "zero_rows", "nonfinite", "repeats", "threads", "memory_method", "error",
 )  # fmt: skip
 _PANELS = [("forward", False), ("forward", True), ("forward+backward", False), ("forward+backward", True)]

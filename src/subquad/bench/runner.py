@@ -3,7 +3,9 @@
 The cells of one length run in one worker process (``subquad.bench.worker``), one after another so
 that cells do not compete for cores; a worker that dies or overruns ``timeout`` costs the cell it
 was running, and a fresh worker takes the rest. Full attention with its default config always
-runs: it is the baseline of every ratio, measured in the same run as what it is compared with.
+runs: it is the baseline of every ratio, measured in the same run as what it is compared with, and
+in each other cell it is timed again, call for call with the mechanism (the worker's ``paired``
+cells), so a ratio does not depend on how busy the machine was between two cells.
 
 Two grids: ``GRIDS["default"]`` (N = 256 … 4096, short warm-ups: a few minutes on 2 CPU cores) and
 ``GRIDS["full"]`` (N = 256 … 16384, the longer warm-ups of a fresh process per length).
@@ -253,7 +255,8 @@ def _run_in_workers(settings: BenchSettings, cells: list[Cell]) -> Iterator[dict
     }  # fmt: skip
     while cells:
         payload = [
-            {"mechanism": v.mechanism, "options": dict(v.options), "length": n, "causal": c, "backward": b, **common}
+            {"mechanism": v.mechanism, "options": dict(v.options), "length": n, "causal": c, "backward": b,
+             "paired": v != BASELINE and n <= (settings.baseline_max_length or n), **common}
             for v, n, c, b in cells
         ]  # fmt: skip
         worker = subprocess.Popen(
@@ -317,9 +320,14 @@ def _drain(stream: Any, sink: queue.Queue | list, results: bool = False) -> thre
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each row's ``ratio``: its paired ratio (full attention timed call for call in the same cell),
+    else its time over the baseline cell's; None without either."""
     baseline = {
         (r["length"], r["causal"], r["pass"]): r.get("time_s") for r in rows if r["mechanism"] == BASELINE.label
     }
     for r in rows:
         base = baseline.get((r["length"], r["causal"], r["pass"]))
-        r["ratio"] = r["time_s"] / base if r.get("time_s") and base else None
+        if r.get("paired_ratio") is not None:
+            r["ratio"] = r["paired_ratio"]
+        else:
+            r["ratio"] = r["time_s"] / base if r.get("time_s") and base else None

@@ -9,6 +9,11 @@ warm-up for timing, which repeats the call until ``warmup_seconds`` have passed:
 of a process can run slower than the rest while memory settles (on virtual machines whose host
 backs memory on first use, fresh huge pages cost most of a second of calls before they are reused).
 Then the call repeats until ``repeats`` timings or ``max_seconds``, and the median is reported.
+A ``paired`` cell also times full attention (default config, same causality and pass) on the same
+inputs, one call after each of its own, in the warm-up too: its ``paired_ratio`` is the median of
+the per-round ratios, so a slow spell of the machine (another process, a host's neighbour) slows
+both sides of a ratio alike instead of one cell. It times at least ``_PAIRED_ROUNDS`` rounds, and
+``max_seconds`` counts both calls.
 Forward cells also report the relative error against full attention, computed in float64 on
 evenly spaced query rows (exact for those rows, and cheap at any length), on iid and on clustered
 inputs, and the fraction of queries whose output is all zero.
@@ -52,6 +57,9 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     # Inference mode: a state that learns (routing centroids) must not move between timed calls.
     state = mech.state(config, H, D, cell["seed"]).to(device).eval() if mech.state is not None else None
     call = _make_call(mech, config, state, cell["causal"], cell["backward"], cell["seed"])
+    baseline = None  # full attention, timed call for call alongside: the cell's own ratio
+    if cell.get("paired"):
+        baseline = _make_call(get_mechanism("full"), FullConfig(), None, cell["causal"], cell["backward"], cell["seed"])
 
     call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"]))  # start thread pools
     q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"])
@@ -63,17 +71,24 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.synchronize()
     result: dict[str, Any] = {"peak_bytes": peak_memory(), "memory_method": _memory_method(device)}
     while time.perf_counter() - warmup_start < cell["warmup_seconds"]:
-        out = call(q, k, v)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        out = _timed(call, q, k, v, device)[0]
+        if baseline is not None:
+            _timed(baseline, q, k, v, device)
     times: list[float] = []
-    while not times or (len(times) < cell["repeats"] and sum(times) < cell["max_seconds"]):
-        start = time.perf_counter()
-        out = call(q, k, v)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    base_times: list[float] = []
+    rounds = _PAIRED_ROUNDS if baseline is not None else 1
+    while len(times) < rounds or (len(times) < cell["repeats"] and sum(times) + sum(base_times) < cell["max_seconds"]):
+        out, seconds = _timed(call, q, k, v, device)
+        times.append(seconds)
+        if baseline is not None:
+            base_times.append(_timed(baseline, q, k, v, device)[1])
     result.update(time_s=statistics.median(times), times_s=times, threads=torch.get_num_threads())
+    if baseline is not None:
+        result.update(
+            baseline_time_s=statistics.median(base_times),
+            baseline_times_s=base_times,
+            paired_ratio=statistics.median(t / b for t, b in zip(times, base_times)),
+        )
     if not cell["backward"]:
         result["nonfinite"] = not bool(torch.isfinite(out).all())  # NaN or inf anywhere in the output
         result["zero_rows"] = float((out.detach().abs().amax(dim=-1) == 0).float().mean())
@@ -83,6 +98,18 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
         q, k, v = make_qkv("clustered", (B, H, N, D), dtype, device, cell["seed"] + 1, **structure)
         result["error_clustered"] = _relative_error(call(q, k, v), q, k, v, cell)
     return result
+
+
+_PAIRED_ROUNDS = 3  # the fewest timed rounds of a paired cell, whatever max_seconds says
+
+
+def _timed(call: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, device: torch.device):
+    """``call(q, k, v)`` and its wall time in seconds (the device's work included)."""
+    start = time.perf_counter()
+    out = call(q, k, v)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
 
 
 def _make_call(
