@@ -157,3 +157,28 @@ def test_the_grid_gives_lengths_and_warm_ups_that_are_not_set():
     assert tuple(mixed.lengths) == (64,) and mixed.warmup_seconds == 0 and mixed.max_seconds == 2.0
     with pytest.raises(SystemExit):
         parse("--grid", "huge")
+
+
+def test_list_and_bench_need_no_train_or_hf_extra_and_train_says_which_to_install(tmp_path):
+    """``pip install subquad[bench]`` then ``subquad bench`` (the README's first command) has neither
+    safetensors nor transformers: building the command line must not import them, and a run that
+    needs them stops before any work with the extra to install."""
+    shim = (
+        "import sys\n"
+        "for name in ('safetensors', 'transformers'):\n"
+        "    sys.modules[name] = None  # importing it raises ImportError, as when it is not installed\n"
+        "from subquad.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", shim, *argv], capture_output=True, text=True, timeout=300)
+
+    listed = run("list")
+    assert listed.returncode == 0 and "full:" in listed.stdout
+    assert run("bench", "--help").returncode == 0
+    out = tmp_path / "run"
+    trained = run("train", "--task", "listops", "--out", str(out))
+    assert trained.returncode == 2 and "Traceback" not in trained.stderr
+    assert "checkpoints need safetensors" in trained.stderr and "pip install 'subquad[train]'" in trained.stderr
+    assert not out.exists()

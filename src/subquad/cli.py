@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except (ValueError, FileNotFoundError) as exc:  # bad input: the message says what and how to fix it
         parser.exit(2, f"subquad {args.command}: error: {exc}\n")
+    except ImportError as exc:  # an optional dependency this command needs: the message says which extra
+        parser.exit(2, f"subquad {args.command}: error: {exc}\n")
 
 
 def _build_parser() -> argparse.ArgumentParser:

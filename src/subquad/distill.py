@@ -203,6 +203,8 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     from subquad.train import checkpoint
     from subquad.train.loop import _Progress
 
+    checkpoint.require()  # before any work: a run that cannot save must not start
+
     name, options = parse_spec(config.mechanism)
     hf.LayerAttention.build(name, converted=True, **options)  # a bad spec fails before the model loads
     out = Path(config.out)

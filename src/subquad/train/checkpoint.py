@@ -18,12 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-try:
-    from safetensors.torch import load_model, save_model
-except ImportError as error:  # pragma: no cover - the train extra installs it
-    raise ImportError("checkpoints need safetensors: pip install 'subquad[train]'") from error
-
-__all__ = ["latest", "load", "rng_state", "save", "set_rng_state"]
+__all__ = ["latest", "load", "require", "rng_state", "save", "set_rng_state"]
 
 _PREFIX = "step-"
 
@@ -43,6 +38,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def require() -> Any:
+    """``safetensors.torch``, which writes and reads the weights; an ImportError saying how to install
+    it where it is missing (the ``train`` extra has it; ``subquad bench`` and ``list`` need none of it).
+    Runs call it before any work, so a missing package cannot cost the work done before a checkpoint."""
+    try:
+        import safetensors.torch
+    except ImportError as error:
+        raise ImportError(
+            "checkpoints need safetensors, which is not installed: pip install 'subquad[train]'"
+        ) from error
+    return safetensors.torch
+
+
 def save(folder: Path, step: int, model: nn.Module, state: dict[str, Any], keep: int) -> Path:
     """Write the checkpoint of ``step`` atomically and keep the newest ``keep``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -50,7 +58,7 @@ def save(folder: Path, step: int, model: nn.Module, state: dict[str, Any], keep:
     tmp = folder / f".tmp-{step:09d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
+    require().save_model(model, str(tmp / "model.safetensors"))
     torch.save({**state, "step": step}, tmp / "state.pt")
     for f in tmp.iterdir():  # on disk before the rename makes the checkpoint visible
         with f.open("rb") as handle:
@@ -71,7 +79,7 @@ def latest(folder: Path) -> Path | None:
 
 def load(path: Path, model: nn.Module) -> dict[str, Any]:
     """Load the weights into ``model``; returns the rest of the state."""
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    missing, unexpected = require().load_model(model, str(path / "model.safetensors"), strict=False)
     if missing or unexpected:
         raise ValueError(
             f"the checkpoint {path} does not fit this model: missing {sorted(missing)}, unexpected "

@@ -240,6 +240,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     Under ``torchrun`` (``WORLD_SIZE`` > 1) it joins the process group (gloo on CPU, NCCL on GPU),
     each process computes its slice of every global batch under DDP, and only rank 0 writes.
     """
+    checkpoint.require()  # before any work: a run that cannot save must not start
     device = _device(config.device)
     rank, world = _distributed(device)
     if config.batch % (world * config.accumulate):
