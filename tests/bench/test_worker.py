@@ -62,14 +62,16 @@ def test_the_warm_up_repeats_the_call_until_its_time_has_passed(monkeypatch):
 
 
 def test_a_paired_cell_times_full_attention_call_for_call_and_reports_the_median_ratio():
-    """At least three rounds even when max_seconds allows one, each with a time of both; the ratio is
-    the median of the rounds' ratios (computed from the reported times, not timed here)."""
+    """Several rounds even when max_seconds allows one, each with a time of both; the ratio is the
+    median of the rounds' ratios (computed from the reported times, not timed here)."""
     import statistics
+
+    from subquad.bench import worker
 
     cell = {**CELL, "mechanism": "linear", "causal": False, "paired": True, "max_seconds": 1e-9, "repeats": 10}
     result = measure_cell(cell)
     times, base = result["times_s"], result["baseline_times_s"]
-    assert len(times) == len(base) == 3 and min(base) > 0
+    assert len(times) == len(base) == worker._PAIRED_ROUNDS >= 2 and min(base) > 0
     assert result["paired_ratio"] == statistics.median(t / b for t, b in zip(times, base))
     assert result["baseline_time_s"] == statistics.median(base)
     unpaired = measure_cell({**cell, "paired": False})
@@ -91,3 +93,15 @@ def test_the_warm_up_of_a_paired_cell_runs_full_attention_too(monkeypatch):
     full_calls = names.count(("full", 96))
     assert full_calls > len(result["baseline_times_s"])  # some ran in the warm-up
     assert names[:2] == [("linear", 64), ("linear", 96)]  # the memory call comes before any of full's
+
+
+def test_cells_are_not_paired_where_the_baseline_cell_took_longer_than_max_seconds(monkeypatch):
+    from subquad.bench import worker
+
+    monkeypatch.setattr(worker, "_BASELINE_SECONDS", {})
+    cell = {**CELL, "mechanism": "linear", "causal": False, "paired": True, "max_seconds": 1e-9, "repeats": 2}
+    measure_cell({**cell, "mechanism": "full"})  # the baseline cell: its calls take longer than 1e-9 s
+    assert len(worker._BASELINE_SECONDS) == 1
+    assert "paired_ratio" not in measure_cell(cell)
+    assert "paired_ratio" in measure_cell({**cell, "max_seconds": 1e9})  # calls shorter than this: paired
+    assert "paired_ratio" in measure_cell({**cell, "length": 40})  # another shape: no baseline known

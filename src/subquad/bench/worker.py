@@ -13,7 +13,9 @@ A ``paired`` cell also times full attention (default config, same causality and 
 inputs, one call after each of its own, in the warm-up too: its ``paired_ratio`` is the median of
 the per-round ratios, so a slow spell of the machine (another process, a host's neighbour) slows
 both sides of a ratio alike instead of one cell. It times at least ``_PAIRED_ROUNDS`` rounds, and
-``max_seconds`` counts both calls.
+``max_seconds`` counts both calls. Where the baseline cell, run earlier in the same process, took
+longer than ``max_seconds`` a call, the cell is not paired: each call is then long enough that a
+slow spell weighs little, and pairing would double the cell's time.
 Forward cells also report the relative error against full attention, computed in float64 on
 evenly spaced query rows (exact for those rows, and cheap at any length), on iid and on clustered
 inputs, and the fraction of queries whose output is all zero.
@@ -43,6 +45,8 @@ from subquad.registry import Config, Mechanism, get_mechanism, make_config
 __all__ = ["measure_cell", "reference_rows"]
 
 _STATUS = "/proc/self/status"
+# The baseline cell's time per shape, as measured earlier in this process (it runs first in its group).
+_BASELINE_SECONDS: dict[tuple, float] = {}
 
 
 def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
@@ -57,8 +61,9 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     # Inference mode: a state that learns (routing centroids) must not move between timed calls.
     state = mech.state(config, H, D, cell["seed"]).to(device).eval() if mech.state is not None else None
     call = _make_call(mech, config, state, cell["causal"], cell["backward"], cell["seed"])
+    shape = (cell["device"], cell["dtype"], B, H, N, D, cell["causal"], cell["backward"], torch.get_num_threads())
     baseline = None  # full attention, timed call for call alongside: the cell's own ratio
-    if cell.get("paired"):
+    if cell.get("paired") and _BASELINE_SECONDS.get(shape, 0.0) <= cell["max_seconds"]:
         baseline = _make_call(get_mechanism("full"), FullConfig(), None, cell["causal"], cell["backward"], cell["seed"])
 
     call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"]))  # start thread pools
@@ -83,6 +88,8 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
         if baseline is not None:
             base_times.append(_timed(baseline, q, k, v, device)[1])
     result.update(time_s=statistics.median(times), times_s=times, threads=torch.get_num_threads())
+    if mech.name == "full" and config == FullConfig():  # the baseline cell: what pairing would cost
+        _BASELINE_SECONDS[shape] = result["time_s"]
     if baseline is not None:
         result.update(
             baseline_time_s=statistics.median(base_times),
@@ -100,7 +107,7 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-_PAIRED_ROUNDS = 3  # the fewest timed rounds of a paired cell, whatever max_seconds says
+_PAIRED_ROUNDS = 2  # the fewest timed rounds of a paired cell, whatever max_seconds says
 
 
 def _timed(call: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, device: torch.device):
