@@ -105,7 +105,8 @@ class BenchSettings:
         _DEFAULT["warmup_seconds"], "untimed calls per cell until this long has passed, the first call included"
     )
     max_seconds: float = setting(
-        _DEFAULT["max_seconds"], "stop repeating once a cell's timed calls (and their paired full-attention calls) took this long"
+        _DEFAULT["max_seconds"],
+        "stop repeating once a cell's timed calls (and their paired full-attention calls) took this long",
     )
     error_rows: int = setting(512, "query rows compared with float64 full attention")
     centres: int = setting(16, "centres per head of the clustered inputs of the error column")
