@@ -130,8 +130,12 @@ class Group:
 def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod: MaskMod, device) -> list[Group]:
     """Blocks of consecutive queries, each against the keys from ``left`` before its first query's
     position to ``right`` after its last one; the queries are the last L of the ``L + offset`` keys.
-    Blocks whose window lies inside the sequence read views of the inputs; the few at either end
-    read windows over a zero-padded copy of the keys they reach, with the keys outside masked."""
+    Blocks whose window lies inside the sequence read views of the inputs. Where keys follow the
+    queries (``right > 0``), the few blocks at either end, whose windows cross it, all read the
+    sequence's first (last) W keys, a view repeated for each block, which holds every key their
+    windows reach; the element mask leaves out the rest. Otherwise (a causal band: the keys these
+    blocks list must not pass their last query), or where the sequence is shorter than W, they read
+    windows over a zero-padded copy of the keys they reach, with the keys outside masked."""
     n, W, S = -(-L // block), block + left + right, L + offset
     queries = torch.arange(n * block, device=device).view(n, block)
     keys = (queries[:, :1] + offset - left) + torch.arange(W, device=device)  # (n, W)
@@ -140,10 +144,10 @@ def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod
     # Inner blocks: their whole window lies inside the sequence.
     inner_lo, inner_hi = max(0, -(-(left - offset) // block)), max(0, (L - right) // block)
     groups = []
-    for lo, hi in ((0, inner_lo), (inner_lo, inner_hi), (max(inner_lo, inner_hi), n)):
+    for where, lo, hi in (("start", 0, inner_lo), ("inner", inner_lo, inner_hi), ("end", max(inner_lo, inner_hi), n)):
         if lo >= hi:
             continue
-        inner = (lo, hi) == (inner_lo, inner_hi)
+        inner = where == "inner"
         rows, cols = queries[lo:hi], keys[lo:hi]
 
         def allowed(start: int, stop: int, rows=rows, cols=cols) -> Tensor:
@@ -158,6 +162,16 @@ def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod
         if inner:  # views, and one element mask for all (the pattern depends on p − j only)
             views = Views(key_view, query_view, writes=True)
             facts = MaskFacts(in_range=True, uniform=True)
+        elif W <= S and right > 0:  # the first (last) W keys hold every key these blocks' windows reach
+            first = 0 if where == "start" else S - W
+            cols = (first + torch.arange(W, device=device)).expand(rows.shape[0], W)
+            whole = (lo + rows.shape[0]) * block <= L  # no empty query slot: written through the query view
+
+            def allowed(start: int, stop: int, rows=rows, cols=cols) -> Tensor:
+                return mask_mod(zero, zero, rows[start:stop, :, None], cols[start:stop, None, :])
+
+            views = Views(_repeated_view(first, W), query_view if whole else None, writes=whole)
+            facts = MaskFacts(in_range=True)
         else:  # windows over a copy of the few keys the end blocks read, zero-padded past the ends
             begin, blocks = offset - left + lo * block, rows.shape[0]  # hi may pass n when w > L
             views = Views(_edge_view(block, W), key_source=_edge_source(begin, (blocks - 1) * block + W, S))
@@ -193,6 +207,17 @@ def sink_groups(L: int, sinks: int, block: int, heads: int, mask_mod: MaskMod, d
         return mask_mod(zero, head, rows, cols) & (rows < L)  # (H, n, bq, W)
 
     return [Group(queries, keys, allowed, MaskFacts(in_range=True))]
+
+
+def _repeated_view(first: int, W: int) -> Callable[[Tensor, int, int, int], Tensor]:
+    """Keys ``first : first + W`` of the sequence for each of blocks ``start:stop``, as a
+    ``(B, H, n, W, F)`` view that repeats them (no copy)."""
+
+    def key_view(x: Tensor, pad: int, start: int, stop: int) -> Tensor:
+        window = x.narrow(2, pad + first, W).unsqueeze(2)
+        return window.expand(*window.shape[:2], stop - start, *window.shape[3:])
+
+    return key_view
 
 
 def _edge_source(begin: int, length: int, S: int) -> Callable[[Tensor, int], Tensor]:
