@@ -131,8 +131,12 @@ def first_argmax_(scores: Tensor, dim: int) -> Tensor:
 
 
 def gather_rows(x: Tensor, index: Tensor) -> Tensor:
-    """Rows ``x[g, index[g]]``: ``(G, N, F)`` by ``(G, n)`` -> ``(G, n, F)``."""
-    return torch.gather(x, 1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    """Rows ``x[g, index[g]]``: ``(G, N, F)`` by ``(G, n)`` -> ``(G, n, F)``. An ``index_select`` of
+    whole rows of the ``(G·N, F)`` matrix: on CPU several times faster than ``gather`` along dim 1,
+    which indexes element by element."""
+    G, N, F_ = x.shape
+    flat = (index + torch.arange(G, device=x.device).unsqueeze(-1) * N).reshape(-1)
+    return x.reshape(G * N, F_).index_select(0, flat).view(G, index.shape[1], F_)
 
 
 def cluster_sums(x: Tensor, assign: Tensor, C: int) -> Tensor:
