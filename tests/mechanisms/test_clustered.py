@@ -571,3 +571,36 @@ def test_junk_at_padded_queries_does_not_reach_real_rows(name, metric, junk):
     dirty = run(name, torch.where(qpm[:, None, :, None], q, junk), k, v, clusters=4, kmeans=metric,
                 query_padding_mask=qpm)  # fmt: skip
     assert torch.equal(clean, dirty)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_every_query_goes_to_its_nearest_final_centroid_when_fitted_on_a_sample(metric, padded, monkeypatch):
+    """The sampled queries keep Lloyd's last assignment and only the others are assigned after it:
+    together, each query's nearest of the centroids Lloyd returned, sampled or not."""
+    from subquad.mechanisms import clustered
+
+    fitted = []
+    lloyd = clustered.lloyd
+
+    def recording(*args, **kwargs):
+        result = lloyd(*args, **kwargs)
+        fitted.append(result[0])
+        return result
+
+    monkeypatch.setattr(clustered, "lloyd", recording)
+    q = randn(3, 120, 8)
+    config = ClusteredConfig(clusters=6, kmeans=metric, fit_per_cluster=4)  # a sample of 24 of 120
+    state = ClusteredState(config, 3, 8, seed=2)
+    weight = None
+    if padded:
+        weight = torch.ones(3, 120)
+        weight[1, 100:] = 0
+    assign = cluster_queries(q, config, state, weight, torch.arange(3))
+    if metric == "euclidean":
+        every = clustering.Euclidean(q)
+    else:
+        real = torch.ones(3, 120) if weight is None else weight
+        codes = clustering.sign_codes(q, real.to(q.dtype), state.planes.to(q.dtype), state.offsets.to(q.dtype))
+        every = clustering.Hamming(codes)
+    assert torch.equal(assign, every.nearest(fitted[0]))
