@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 
 import pytest
@@ -175,6 +176,86 @@ def test_a_call_and_its_backward_run_on_the_free_cores(machine, monkeypatch, two
     out.sum().backward()
     assert torch.get_num_threads() == 2
     assert seen and set(seen) == {1}
+
+
+def _count_threads_in(monkeypatch, module, name: str) -> list[int]:
+    """Record the thread count whenever ``module.name`` (a torch function) runs."""
+    seen, original = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["clustered", "improved-clustered", "multires", "agglomerative"])
+def test_a_backward_of_torchs_own_operations_runs_on_the_free_cores(machine, monkeypatch, two_threads, name):
+    """Mechanisms whose backward is autograd's (``plain_backward``) run it on one thread while a busy
+    process holds one of two cores, with the gradients autograd gives without the bracket; the
+    count is back to two after the backward."""
+    mech = get_mechanism(name)
+    assert mech.plain_backward
+    config = mech.config(**({"clusters": 4} if "clustered" in name else {}))  # not exactly full attention
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1, 4, 48, 8, generator=gen, requires_grad=True)  # q, k and v come from x
+    q, k, v = x.unbind(0)
+    extra = {}
+    if mech.example_tensors is not None:
+        extra = mech.example_tensors(q, k, v, config, torch.Generator().manual_seed(1))
+    grad = torch.randn(1, 4, 48, 8, generator=gen)
+    with tuned(adaptive_threads=0):
+        (expected,) = torch.autograd.grad(mech(q, k, v, config=config, **extra), (x,), grad)
+    threads._LOAD.free_now()
+    machine.run(STEP, others=1.0)
+    seen = []
+
+    def fn(*args, **kwargs):  # the mechanism, with a hook inside its backward
+        out = mech.fn(*args, **kwargs)
+        out.register_hook(lambda g: seen.append(torch.get_num_threads()))
+        return out.view_as(out)
+
+    out = dataclasses.replace(mech, fn=fn)(q, k, v, config=config, **extra)
+    assert torch.get_num_threads() == 2
+    x.register_hook(lambda g: seen.append(torch.get_num_threads()))  # after q's, k's and v's: restored
+    out.backward(grad)
+    assert seen == [1, 2] and torch.get_num_threads() == 2
+    assert torch.allclose(x.grad, expected, atol=1e-6)
+
+
+def test_the_bracket_restores_the_count_when_only_some_inputs_take_a_gradient(machine, two_threads):
+    threads._LOAD.free_now()
+    machine.run(STEP, others=1.0)
+    q, k, v = (torch.randn(1, 2, 48, 8, requires_grad=True) for _ in range(3))
+    out = subquad.attention(q, k, v, mechanism="clustered", clusters=4)
+    (dq,) = torch.autograd.grad(out.sum(), (q,), retain_graph=True)  # k's and v's hooks never run
+    assert torch.get_num_threads() == 2 and dq.shape == q.shape
+    out.sum().backward()  # the kept graph runs again, bracketed again
+    assert torch.get_num_threads() == 2 and v.grad is not None
+
+
+def test_no_bracket_on_a_quiet_machine(machine, two_threads):
+    """Quiet, the call is autograd's own: no identity views or hooks are added."""
+    threads._LOAD.free_now()
+    machine.run(STEP, others=0.0)
+    q, k, v = (torch.randn(1, 2, 48, 8, requires_grad=True) for _ in range(3))
+    calls = []
+    threads.backward_adapted(lambda *xs: calls.append(xs) or xs[0] * 2, [q, k, v])
+    assert all(x is y for x, y in zip(calls[0], (q, k, v)))
+    machine.run(STEP, others=1.0)
+    threads.backward_adapted(lambda *xs: calls.append(xs) or xs[0] * 2, [q, k, v])
+    assert all(x is not y and torch.equal(x, y) for x, y in zip(calls[1], (q, k, v)))
+
+
+def test_double_backward_goes_through_the_bracket(machine, two_threads):
+    threads._LOAD.free_now()
+    machine.run(STEP, others=1.0)
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = threads.backward_adapted(lambda t: (t**3).sum(), [x])
+    (g,) = torch.autograd.grad(y, (x,), create_graph=True)
+    (h,) = torch.autograd.grad(g.sum(), (x,))
+    assert torch.allclose(h, 6 * x) and torch.get_num_threads() == 2
 
 
 def _outputs_and_gradients(name: str, causal: bool, threads_: int) -> list[torch.Tensor]:

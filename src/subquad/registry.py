@@ -36,7 +36,7 @@ from subquad._validate import (
     check_gqa,
     check_query_padding_mask,
 )
-from subquad.kernels.threads import adapted
+from subquad.kernels.threads import adapted, backward_adapted
 
 __all__ = [
     "KEY",
@@ -205,6 +205,9 @@ class Mechanism:
         dropout: ``fn`` takes ``dropout_p`` (attention dropout on its weights).
         scaled: whether ``scale`` means something (a softmax temperature): a bool, or a function of
             the config where it depends on it. False: ``fn`` takes only ``scale=None``.
+        plain_backward: its backward is torch's own operations, run by autograd (no autograd
+            Function of its own): the call runs through ``kernels.threads.backward_adapted``, so
+            that backward too runs on the cores other processes leave free.
         exact_full: ``exact_full(config, shape, is_causal, state, tensors) -> bool``: whether the
             call (its ``AttentionShape``) is exactly full attention (a window that covers every key,
             clusters >= L, top-k >= S). Such a call runs full attention's kernel instead: the same
@@ -232,6 +235,7 @@ class Mechanism:
     dropout: bool = False
     scaled: bool | Callable[[Config], bool] = True
     exact_full: Callable[[Config, AttentionShape, bool, Any, typing.Mapping[str, Any]], bool] | None = None
+    plain_backward: bool = False
     positions: typing.Mapping[str, str] = field(default_factory=dict, hash=False)
     examples: tuple[typing.Mapping[str, Any], ...] = field(default=({},), hash=False)
 
@@ -294,6 +298,8 @@ class Mechanism:
                 )  # fmt: skip
                 # padded queries return zeros, as from the mechanisms that take a query mask
                 return out if query_padding_mask is None else out.masked_fill(~query_padding_mask[:, None, :, None], 0)
+            if self.plain_backward:
+                return self._backward_adapted(q, k, v, key_padding_mask, is_causal, scale, config, state, tensors)
             return self.fn(
                 q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, config=config,
                 state=state, **tensors,
@@ -305,6 +311,25 @@ class Mechanism:
                 query_padding_mask=query_padding_mask, is_causal=is_causal, uses_qk=self.uses_qk,
                 groups_queries=self.groups_queries,
             )  # fmt: skip
+
+    def _backward_adapted(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool,
+        scale: float | None, config: Config | None, state: torch.nn.Module | None, tensors: dict[str, Any],
+    ) -> Tensor:  # fmt: skip
+        """``fn`` through ``backward_adapted``, with the extra tensors that take a gradient among its
+        inputs (and q and k only where it reads them)."""
+        names = [name for name, x in tensors.items() if isinstance(x, Tensor) and x.requires_grad]
+        qk = [q, k] if self.uses_qk else []
+
+        def call(*inputs: Tensor) -> Tensor:
+            q_, k_ = inputs[:2] if self.uses_qk else (q, k)
+            v_, *extra = inputs[len(qk) :]
+            return self.fn(
+                q_, k_, v_, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale, config=config,
+                state=state, **{**tensors, **dict(zip(names, extra))},
+            )  # fmt: skip
+
+        return backward_adapted(call, [*qk, v, *(tensors[name] for name in names)])
 
     def _check_call(
         self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool,

@@ -48,7 +48,16 @@ try:
 except ImportError:  # not POSIX
     resource = None  # type: ignore[assignment]
 
-__all__ = ["PERIOD", "Sample", "adapted", "adapted_backward", "free_cores", "read_sample", "threads_for"]
+__all__ = [
+    "PERIOD",
+    "Sample",
+    "adapted",
+    "adapted_backward",
+    "backward_adapted",
+    "free_cores",
+    "read_sample",
+    "threads_for",
+]
 
 PERIOD = 0.1  # seconds between two reads of the machine's load
 
@@ -140,6 +149,7 @@ class _Load:
 
 
 _LOAD = _Load()
+_LOWERED = False  # inside an ``adapted`` block that lowered the thread count (one Python thread: ``_alone``)
 
 
 def _alone() -> bool:
@@ -149,8 +159,8 @@ def _alone() -> bool:
 
 def _forget_after_fork() -> None:
     """A forked child starts its own readings: the parent's hold the parent's CPU time."""
-    global _LOAD
-    _LOAD = _Load()
+    global _LOAD, _LOWERED
+    _LOAD, _LOWERED = _Load(), False
 
 
 if hasattr(os, "register_at_fork"):
@@ -170,10 +180,13 @@ def adapted(device: torch.device) -> Iterator[None]:
     if threads == requested:
         yield
         return
+    global _LOWERED
     torch.set_num_threads(threads)
+    outer, _LOWERED = _LOWERED, True
     try:
         yield
     finally:
+        _LOWERED = outer
         torch.set_num_threads(requested)
 
 
@@ -188,3 +201,70 @@ def adapted_backward(backward: Callable) -> Callable:
             return backward(ctx, *grads)
 
     return run
+
+
+def backward_adapted(call: Callable[..., torch.Tensor], inputs: list[torch.Tensor]) -> torch.Tensor:
+    """``call(*inputs)``, whose backward (torch's own operations, run by autograd) runs on the cores
+    other processes leave free, as ``adapted`` would run it. Hooks bracket it: one on the output's
+    gradient, which autograd computes before any of the call's backward, lowers the thread count;
+    one on the gradient of each input that takes one (an identity view of it), computed after all
+    of the call's backward for it, restores the count once they all have run, and a callback at the
+    end of the backward pass restores it where some never run (a gradient taken for some inputs
+    only). Autograd's semantics are unchanged (double backward, ``retain_graph``). Without a
+    gradient to take, or where ``adapted`` would change nothing at the time of the call (a quiet
+    machine, off the CPU), the call as it is, without hooks."""
+    if not torch.is_grad_enabled() or not any(x.requires_grad for x in inputs) or not _lowers(inputs[0].device):
+        return call(*inputs)
+    bracket = _Bracket()
+    views = [x.view_as(x) if x.requires_grad else x for x in inputs]
+    for view in views:
+        if view.requires_grad:
+            view.register_hook(bracket.input_done)
+            bracket.inputs += 1
+    out = call(*views)
+    if out.requires_grad:
+        out.register_hook(bracket.start)
+    return out
+
+
+def _lowers(device: torch.device) -> bool:
+    """Whether ``adapted`` would run a call on ``device`` on fewer threads now (or already does)."""
+    if _LOWERED:
+        return True
+    requested = torch.get_num_threads()
+    if device.type != "cpu" or requested == 1 or not TUNING.adaptive_threads or not _alone():
+        return False
+    load = _LOAD.free_now()
+    return load is not None and threads_for(requested, *load) < requested
+
+
+class _Bracket:
+    """The hooks of one ``backward_adapted`` call (see there)."""
+
+    def __init__(self) -> None:
+        self.inputs = 0  # inputs whose gradient ends the bracket
+        self.pending = 0
+        self.restore_to: int | None = None  # the thread count to restore, while lowered
+
+    def start(self, grad: torch.Tensor) -> None:
+        requested = torch.get_num_threads()
+        if self.restore_to is not None or requested == 1 or not _alone():
+            return
+        load = _LOAD.free_now()
+        threads = requested if load is None else threads_for(requested, *load)
+        if threads == requested:
+            return
+        torch.set_num_threads(threads)
+        self.restore_to, self.pending = requested, self.inputs
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish)  # the end of this backward
+
+    def input_done(self, grad: torch.Tensor) -> None:
+        if self.restore_to is not None:
+            self.pending -= 1
+            if self.pending <= 0:
+                self.finish()
+
+    def finish(self) -> None:
+        if self.restore_to is not None:
+            torch.set_num_threads(self.restore_to)
+            self.restore_to = None

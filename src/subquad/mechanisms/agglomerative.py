@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from subquad._validate import AttentionShape, check_attention_inputs, check_logits
 from subquad.decoding import Decoder
 from subquad.kernels.memory import Scratch, new_output
+from subquad.kernels.threads import adapted_backward
 from subquad.kernels.tuning import TUNING, block_elements
 from subquad.ops import softmax
 from subquad.ops.scan import prefix_sums
@@ -172,6 +173,7 @@ class _CausalAgglomerative(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @adapted_backward
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         c_q, c_r, values = ctx.saved_tensors
         offset, clip = ctx.offset, ctx.clip
@@ -296,4 +298,5 @@ MECHANISM = Mechanism(
     decoder=AgglomerativeDecoder,
     uses_qk=False,
     scaled=False,
+    plain_backward=True,
 )

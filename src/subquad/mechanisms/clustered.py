@@ -383,6 +383,7 @@ CLUSTERED = Mechanism(
     groups_queries=True,
     state=ClusteredState,
     exact_full=exactly_full,
+    plain_backward=True,
     examples=(
         {},
         {"clusters": 3},

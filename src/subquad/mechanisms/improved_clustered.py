@@ -147,5 +147,6 @@ MECHANISM = Mechanism(
     groups_queries=True,
     state=ClusteredState,
     exact_full=exactly_full,
+    plain_backward=True,
     examples=({}, {"clusters": 3, "topk": 4}, {"clusters": 2, "kmeans": "hamming", "bits": 8, "topk": 2}),
 )

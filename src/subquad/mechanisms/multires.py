@@ -387,4 +387,5 @@ MECHANISM = Mechanism(
     example_tensors=_example_logits,
     decoder=KVCache,
     scaled=lambda config: config.similarity == "softmax",
+    plain_backward=True,
 )
