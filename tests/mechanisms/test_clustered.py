@@ -604,3 +604,19 @@ def test_every_query_goes_to_its_nearest_final_centroid_when_fitted_on_a_sample(
         codes = clustering.sign_codes(q, real.to(q.dtype), state.planes.to(q.dtype), state.offsets.to(q.dtype))
         every = clustering.Hamming(codes)
     assert torch.equal(assign, every.nearest(fitted[0]))
+
+
+def test_rows_are_split_into_as_few_groups_of_equal_size_as_the_budgets_allow(monkeypatch):
+    from subquad._validate import AttentionShape
+    from subquad.mechanisms.clustered import _rows_per_group
+
+    shape = AttentionShape(2, 4, 1024, 1024, 64, 64, 0.125)  # 8 rows
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(TUNING, "clustered_group", 5 * 100 * 1024)  # 5 rows of (C × S) scores at most
+    assert _rows_per_group(shape, 100, None, cpu) == 4  # two groups of 4, not 5 and 3
+    monkeypatch.setattr(TUNING, "clustered_group", 1 << 30)
+    assert _rows_per_group(shape, 100, None, cpu) == 8
+    tiles = 1024 * 64 + (1024 // TUNING.clustered_tile + 100) * 32 * 128  # one row's tiles
+    monkeypatch.setattr(TUNING, "clustered_tiles", 3 * tiles)
+    assert _rows_per_group(shape, 100, 32, cpu) == 3  # three groups: 3, 3 and 2
+    assert _rows_per_group(shape, 100, None, cpu) == 8  # without re-scoring no tiles count

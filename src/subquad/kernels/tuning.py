@@ -85,6 +85,9 @@ class Tuning:
         16, "improved-clustered: queries per tile sharing their cluster's top-k keys (twice that for large clusters)"
     )
     clustered_group: int = _knob(1 << 22, "(C × S) score elements per group of (batch × head) rows")
+    clustered_tiles: int = _knob(
+        1 << 23, "improved-clustered: tile elements (queries, top keys and values) per group of rows"
+    )
     # kernel attention and its causal scan (linear, multires, agglomerative)
     linear_state_block: int = _knob(1 << 18, "causal scan: chunk states (rows × chunks × D × Dc) held at once")
     linear_block: int = _knob(1 << 19, "non-causal linear: positions × rows × width per block of keys or queries")

@@ -321,15 +321,20 @@ def _clustered(
 
 
 def _rows_per_group(shape: AttentionShape, C: int, topk: int | None, device: torch.device) -> int:
-    """(batch × head) rows computed together: their largest temporaries, scores (C × S),
-    assignment scores (L × C) and, when re-scoring the top-k, the tiles of queries and of each
-    cluster's top keys and values, fit the ``TUNING.clustered_group`` budget."""
+    """(batch × head) rows computed together, in groups of equal size: their scores (C × S) and
+    assignment scores (L × C) fit the ``TUNING.clustered_group`` budget and, when re-scoring the
+    top-k, their tiles of queries and of each cluster's top keys and values the
+    ``TUNING.clustered_tiles`` one. Every group repeats the clustering's hundred-odd small
+    operations, so groups are as few as the budgets allow (docs/performance.md)."""
     L, S, D, Dv = shape.queries, shape.keys, shape.head_dim, shape.value_dim
-    per_row = max(C * S, L * C)
+    rows = shape.batch * shape.heads
+    most = block_elements(TUNING.clustered_group, device) // max(C * S, L * C)
     if topk is not None:
         kk = min(topk, S)
-        per_row = max(per_row, L * D + (L // TUNING.clustered_tile + C) * kk * (D + Dv))
-    return max(1, min(shape.batch * shape.heads, block_elements(TUNING.clustered_group, device) // per_row))
+        tiles = L * D + (L // TUNING.clustered_tile + C) * kk * (D + Dv)
+        most = min(most, block_elements(TUNING.clustered_tiles, device) // tiles)
+    groups = -(-rows // max(1, min(rows, most)))
+    return -(-rows // groups)
 
 
 def clustered_attention(
