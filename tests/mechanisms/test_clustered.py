@@ -620,3 +620,20 @@ def test_rows_are_split_into_as_few_groups_of_equal_size_as_the_budgets_allow(mo
     monkeypatch.setattr(TUNING, "clustered_tiles", 3 * tiles)
     assert _rows_per_group(shape, 100, 32, cpu) == 3  # three groups: 3, 3 and 2
     assert _rows_per_group(shape, 100, None, cpu) == 8  # without re-scoring no tiles count
+
+
+@pytest.mark.parametrize("S", [1000, 1024, 1500, 2047, 512, 4096])
+def test_top_keys_are_the_k_largest_entries_of_each_row(S):
+    """The two-stage selection (1024 <= S < 2048 for k = 32) takes the same values as torch's top-k,
+    ties included (rows of many equal entries), at indices that hold them."""
+    from subquad.mechanisms.improved_clustered import top_keys
+
+    gen = torch.Generator().manual_seed(S)
+    probs = torch.softmax(torch.randn(3, 5, S, generator=gen) * 3, -1)
+    probs[0, 0] = 0.25  # every entry tied
+    probs[1, 2, ::7] = probs[1, 2].max()  # many tied at the top
+    values, index = top_keys(probs, 32)
+    expected = probs.topk(32, dim=-1).values
+    assert torch.equal(values.sort(-1).values, expected.sort(-1).values)
+    assert torch.equal(probs.gather(-1, index), values)
+    assert all(row.unique().numel() == 32 for row in index.view(-1, 32))  # distinct indices in every row
