@@ -235,6 +235,18 @@ def test_the_bracket_restores_the_count_when_only_some_inputs_take_a_gradient(ma
     assert torch.get_num_threads() == 2 and v.grad is not None
 
 
+def test_a_backward_that_raises_leaves_the_count_lowered_only_until_the_next_call(machine, two_threads):
+    threads._LOAD.free_now()
+    machine.run(STEP, others=1.0)
+    q, k, v = (torch.randn(1, 2, 48, 8, requires_grad=True) for _ in range(3))
+    out = subquad.attention(q, k, v, mechanism="clustered", clusters=4)
+    v.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("in the backward")))
+    with pytest.raises(RuntimeError, match="in the backward"):
+        out.sum().backward()
+    subquad.attention(q, k, v, mechanism="local", window=4)  # any call restores what was left lowered
+    assert torch.get_num_threads() == 2 and not threads._OPEN
+
+
 def test_no_bracket_on_a_quiet_machine(machine, two_threads):
     """Quiet, the call is autograd's own: no identity views or hooks are added."""
     threads._LOAD.free_now()

@@ -161,6 +161,7 @@ def _forget_after_fork() -> None:
     """A forked child starts its own readings: the parent's hold the parent's CPU time."""
     global _LOAD, _LOWERED
     _LOAD, _LOWERED = _Load(), False
+    _OPEN.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -171,6 +172,7 @@ if hasattr(os, "register_at_fork"):
 def adapted(device: torch.device) -> Iterator[None]:
     """Run the block on fewer intra-op threads while other processes keep cores busy (module
     docstring); on a quiet machine, off the CPU, or with ``TUNING.adaptive_threads = 0``, as it is."""
+    _close_left_open()
     requested = torch.get_num_threads()
     if device.type != "cpu" or requested == 1 or not TUNING.adaptive_threads or not _alone():
         yield
@@ -238,6 +240,17 @@ def _lowers(device: torch.device) -> bool:
     return load is not None and threads_for(requested, *load) < requested
 
 
+_OPEN: set[_Bracket] = set()  # brackets whose backward lowered the count and has not restored it yet
+
+
+def _close_left_open() -> None:
+    """Restore the count a bracket lowered whose backward pass never ended (it raised): seen at the
+    next call made outside any backward pass."""
+    if _OPEN and torch._C._current_graph_task_id() == -1:
+        for bracket in list(_OPEN):
+            bracket.finish()
+
+
 class _Bracket:
     """The hooks of one ``backward_adapted`` call (see there)."""
 
@@ -256,6 +269,7 @@ class _Bracket:
             return
         torch.set_num_threads(threads)
         self.restore_to, self.pending = requested, self.inputs
+        _OPEN.add(self)
         torch.autograd.Variable._execution_engine.queue_callback(self.finish)  # the end of this backward
 
     def input_done(self, grad: torch.Tensor) -> None:
@@ -268,3 +282,4 @@ class _Bracket:
         if self.restore_to is not None:
             torch.set_num_threads(self.restore_to)
             self.restore_to = None
+        _OPEN.discard(self)
