@@ -22,8 +22,10 @@ Where it does nothing:
   thread takes when it first uses torch, so a thread starting while a call ran on fewer threads
   would keep that count.
 
-The count is lowered for the calling thread for the length of the call (or of a block engine's
-backward), and restored even when the call raises. Outputs and gradients of every mechanism are
+The count is lowered for the calling thread for the length of the call, or of its backward: an
+autograd Function's backward runs under ``adapted`` (``adapted_backward``), and where a mechanism's
+backward is autograd's own operations, hooks bracket it (``backward_adapted``). It is restored even
+when the call raises (a backward that raised: at the next call). Outputs and gradients of every mechanism are
 bitwise the same on one thread as on two at the shapes tested (``tests/test_threads.py``); a
 reduction over tens of millions of elements can round differently with the thread count, so on
 very long inputs the last bits may follow the load.
