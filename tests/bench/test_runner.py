@@ -200,3 +200,26 @@ def test_cells_are_paired_with_full_attention_where_the_baseline_runs(monkeypatc
     assert [(c["mechanism"], c["length"], c["paired"]) for c in sent][:3] == [
         ("full", 8, False), ("linear", 8, True), ("linear", 16, False),
     ]  # fmt: skip
+
+
+_NO_FULL_WORKER = textwrap.dedent("""
+    import json, os, sys
+    for cell in json.load(sys.stdin):
+        if cell["mechanism"] == "full":
+            print(json.dumps({"error": "MemoryError: full attention does not fit"}), flush=True)
+        elif cell["paired"]:
+            os._exit(3)  # full attention's paired call took the worker down
+        else:
+            print(json.dumps({"paired": False, "time_s": 1.0}), flush=True)
+""")
+
+
+def test_where_the_baseline_cell_failed_the_rest_of_its_group_is_not_paired(monkeypatch):
+    """A cell paired with a full attention that cannot run would fail with it: after the baseline
+    cell failed, or a cell's worker died, the cells of that length, causality and pass left to run
+    go without full attention's calls."""
+    monkeypatch.setattr(runner, "_WORKER", [sys.executable, "-c", _NO_FULL_WORKER])
+    cells = [(BASELINE, 8, False, False), (Variant("linear"), 8, False, False), (Variant("sparse"), 8, False, False)]
+    results = list(_run_in_workers(BenchSettings(timeout=30.0), cells))
+    assert results[0]["error"].startswith("MemoryError") and results[1]["error"].startswith("worker exited")
+    assert results[2] == {"paired": False, "time_s": 1.0}

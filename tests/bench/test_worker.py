@@ -105,3 +105,20 @@ def test_cells_are_not_paired_where_the_baseline_cell_took_longer_than_max_secon
     assert "paired_ratio" not in measure_cell(cell)
     assert "paired_ratio" in measure_cell({**cell, "max_seconds": 1e9})  # calls shorter than this: paired
     assert "paired_ratio" in measure_cell({**cell, "length": 40})  # another shape: no baseline known
+
+
+def test_a_paired_cell_whose_full_attention_fails_is_measured_unpaired(monkeypatch):
+    from subquad.bench import worker
+
+    make_call = worker._make_call
+
+    def failing_full(mech, *args):
+        call = make_call(mech, *args)
+        if mech.name != "full":
+            return call
+        return lambda q, k, v: (_ for _ in ()).throw(RuntimeError("DefaultCPUAllocator: not enough memory"))
+
+    monkeypatch.setattr(worker, "_make_call", failing_full)
+    result = measure_cell({**CELL, "mechanism": "linear", "causal": False, "paired": True})
+    assert "paired_ratio" not in result and result["time_s"] > 0
+    assert result["paired_error"] == "RuntimeError: DefaultCPUAllocator: not enough memory"

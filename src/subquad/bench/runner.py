@@ -249,15 +249,20 @@ def _run_cell(settings: BenchSettings, variant: Variant, length: int, causal: bo
 
 def _run_in_workers(settings: BenchSettings, cells: list[Cell]) -> Iterator[dict[str, Any]]:
     """Run ``cells`` in one worker, reading each result as it comes; a worker that exits or
-    overruns ``settings.timeout`` on a cell gets an error for that cell, and a new worker the rest."""
+    overruns ``settings.timeout`` on a cell gets an error for that cell, and a new worker the rest.
+    Cells are paired with full attention's calls (the worker's ``paired``) unless their baseline
+    cell failed, or a cell of their (length, causality, pass) ended its worker: there full
+    attention may not run, and each cell would fail with it."""
     common = {
         k: v for k, v in asdict(settings).items()
         if k not in ("variants", "lengths", "causal", "backward", "baseline_max_length")
     }  # fmt: skip
+    unpaired: set[tuple[int, bool, bool]] = set()  # where the baseline cell failed: full attention cannot run
     while cells:
         payload = [
             {"mechanism": v.mechanism, "options": dict(v.options), "length": n, "causal": c, "backward": b,
-             "paired": v != BASELINE and n <= (settings.baseline_max_length or n), **common}
+             "paired": v != BASELINE and n <= (settings.baseline_max_length or n) and (n, c, b) not in unpaired,
+             **common}
             for v, n, c, b in cells
         ]  # fmt: skip
         worker = subprocess.Popen(
@@ -275,11 +280,12 @@ def _run_in_workers(settings: BenchSettings, cells: list[Cell]) -> Iterator[dict
             pass  # the worker died at once: its exit code tells why, below
         done = 0
         try:
-            for _ in cells:
+            for variant, n, c, b in cells:
                 try:
                     line = lines.get(timeout=settings.timeout)
                 except queue.Empty:
                     worker.kill()
+                    unpaired.add((n, c, b))  # the rest of its group runs without full attention's calls
                     yield {"error": f"timed out after {settings.timeout:g} s"}
                     done += 1
                     break
@@ -288,10 +294,14 @@ def _run_in_workers(settings: BenchSettings, cells: list[Cell]) -> Iterator[dict
                     stderr.join(timeout=5)  # its last words may still be in the pipe when stdout ends
                     killed = " (killed: out of memory?)" if code < 0 else ""
                     tail = "".join(errors).strip().splitlines()[-1:] or [""]
+                    unpaired.add((n, c, b))
                     yield {"error": f"worker exited with code {code}{killed} {tail[0]}".strip()}
                     done += 1
                     break
-                yield json.loads(line)
+                result = json.loads(line)
+                if variant == BASELINE and "error" in result:
+                    unpaired.add((n, c, b))
+                yield result
                 done += 1
         finally:
             try:

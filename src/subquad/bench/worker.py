@@ -75,6 +75,11 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     result: dict[str, Any] = {"peak_bytes": peak_memory(), "memory_method": _memory_method(device)}
+    if baseline is not None:
+        try:  # full attention may not run where the mechanism does (memory): then the cell is not paired
+            _timed(baseline, q, k, v, device)
+        except Exception as exc:
+            baseline, result["paired_error"] = None, f"{type(exc).__name__}: {exc}"[:200]
     while time.perf_counter() - warmup_start < cell["warmup_seconds"]:
         out = _timed(call, q, k, v, device)[0]
         if baseline is not None:
