@@ -150,9 +150,6 @@ def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod
         inner = where == "inner"
         rows, cols = queries[lo:hi], keys[lo:hi]
 
-        def allowed(start: int, stop: int, rows=rows, cols=cols) -> Tensor:
-            return mask_mod(zero, zero, rows[start:stop, :, None], cols[start:stop, None, :])  # (n, bq, W)
-
         def query_view(q: Tensor, start: int, stop: int, lo=lo) -> Tensor:
             return q.narrow(2, (lo + start) * block, (stop - start) * block).unflatten(2, (stop - start, block))
 
@@ -166,16 +163,16 @@ def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod
             first = 0 if where == "start" else S - W
             cols = (first + torch.arange(W, device=device)).expand(rows.shape[0], W)
             whole = (lo + rows.shape[0]) * block <= L  # no empty query slot: written through the query view
-
-            def allowed(start: int, stop: int, rows=rows, cols=cols) -> Tensor:
-                return mask_mod(zero, zero, rows[start:stop, :, None], cols[start:stop, None, :])
-
             views = Views(_repeated_view(first, W), query_view if whole else None, writes=whole)
             facts = MaskFacts(in_range=True)
         else:  # windows over a copy of the few keys the end blocks read, zero-padded past the ends
             begin, blocks = offset - left + lo * block, rows.shape[0]  # hi may pass n when w > L
             views = Views(_edge_view(block, W), key_source=_edge_source(begin, (blocks - 1) * block + W, S))
             facts = MaskFacts()
+
+        def allowed(start: int, stop: int, rows=rows, cols=cols) -> Tensor:
+            return mask_mod(zero, zero, rows[start:stop, :, None], cols[start:stop, None, :])  # (n, bq, W)
+
         groups.append(Group(rows, cols.unsqueeze(0), allowed, facts, views))
     return groups
 

@@ -175,12 +175,7 @@ def adapted(device: torch.device) -> Iterator[None]:
     """Run the block on fewer intra-op threads while other processes keep cores busy (module
     docstring); on a quiet machine, off the CPU, or with ``TUNING.adaptive_threads = 0``, as it is."""
     _close_left_open()
-    requested = torch.get_num_threads()
-    if device.type != "cpu" or requested == 1 or not TUNING.adaptive_threads or not _alone():
-        yield
-        return
-    load = _LOAD.free_now()
-    threads = requested if load is None else threads_for(requested, *load)
+    requested, threads = _counts(device)
     if threads == requested:
         yield
         return
@@ -192,6 +187,16 @@ def adapted(device: torch.device) -> Iterator[None]:
     finally:
         _LOWERED = outer
         torch.set_num_threads(requested)
+
+
+def _counts(device: torch.device) -> tuple[int, int]:
+    """The thread count set now, and the one ``adapted`` runs a call on ``device`` on (the same
+    where it does nothing: off the CPU, one thread, switched off, other Python threads, no load)."""
+    requested = torch.get_num_threads()
+    if device.type != "cpu" or requested == 1 or not TUNING.adaptive_threads or not _alone():
+        return requested, requested
+    load = _LOAD.free_now()
+    return requested, requested if load is None else threads_for(requested, *load)
 
 
 def adapted_backward(backward: Callable) -> Callable:
@@ -235,11 +240,8 @@ def _lowers(device: torch.device) -> bool:
     """Whether ``adapted`` would run a call on ``device`` on fewer threads now (or already does)."""
     if _LOWERED:
         return True
-    requested = torch.get_num_threads()
-    if device.type != "cpu" or requested == 1 or not TUNING.adaptive_threads or not _alone():
-        return False
-    load = _LOAD.free_now()
-    return load is not None and threads_for(requested, *load) < requested
+    requested, threads = _counts(device)
+    return threads < requested
 
 
 _OPEN: set[_Bracket] = set()  # brackets whose backward lowered the count and has not restored it yet
@@ -262,11 +264,9 @@ class _Bracket:
         self.restore_to: int | None = None  # the thread count to restore, while lowered
 
     def start(self, grad: torch.Tensor) -> None:
-        requested = torch.get_num_threads()
-        if self.restore_to is not None or requested == 1 or not _alone():
+        if self.restore_to is not None:
             return
-        load = _LOAD.free_now()
-        threads = requested if load is None else threads_for(requested, *load)
+        requested, threads = _counts(grad.device)
         if threads == requested:
             return
         torch.set_num_threads(threads)
