@@ -247,6 +247,18 @@ def test_a_backward_that_raises_leaves_the_count_lowered_only_until_the_next_cal
     assert torch.get_num_threads() == 2 and not threads._OPEN
 
 
+def test_gradcheck_through_the_bracket_under_load(machine, two_threads):
+    """gradcheck's checks, undefined output gradients among them (the hooks get None), pass with
+    the bracket on: a busy process holds one of two cores throughout."""
+    threads._LOAD.free_now()
+    machine.run(STEP, others=1.0)
+    q, k, v = (torch.randn(1, 2, 12, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    assert threads._lowers(q.device)
+    fn = lambda *xs: subquad.attention(*xs, mechanism="improved-clustered", clusters=3, topk=4)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5, fast_mode=True)
+    assert torch.get_num_threads() == 2 and not threads._OPEN
+
+
 def test_no_bracket_on_a_quiet_machine(machine, two_threads):
     """Quiet, the call is autograd's own: no identity views or hooks are added."""
     threads._LOAD.free_now()

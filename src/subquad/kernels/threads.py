@@ -224,7 +224,7 @@ def backward_adapted(call: Callable[..., torch.Tensor], inputs: list[torch.Tenso
     machine, off the CPU), the call as it is, without hooks."""
     if not torch.is_grad_enabled() or not any(x.requires_grad for x in inputs) or not _lowers(inputs[0].device):
         return call(*inputs)
-    bracket = _Bracket()
+    bracket = _Bracket(inputs[0].device)
     views = [x.view_as(x) if x.requires_grad else x for x in inputs]
     for view in views:
         if view.requires_grad:
@@ -258,15 +258,16 @@ def _close_left_open() -> None:
 class _Bracket:
     """The hooks of one ``backward_adapted`` call (see there)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device  # the call's: a hook may be given no gradient (an undefined one) to read it from
         self.inputs = 0  # inputs whose gradient ends the bracket
         self.pending = 0
         self.restore_to: int | None = None  # the thread count to restore, while lowered
 
-    def start(self, grad: torch.Tensor) -> None:
+    def start(self, grad: torch.Tensor | None) -> None:
         if self.restore_to is not None:
             return
-        requested, threads = _counts(grad.device)
+        requested, threads = _counts(self.device)
         if threads == requested:
             return
         torch.set_num_threads(threads)
@@ -274,7 +275,7 @@ class _Bracket:
         _OPEN.add(self)
         torch.autograd.Variable._execution_engine.queue_callback(self.finish)  # the end of this backward
 
-    def input_done(self, grad: torch.Tensor) -> None:
+    def input_done(self, grad: torch.Tensor | None) -> None:
         if self.restore_to is not None:
             self.pending -= 1
             if self.pending <= 0:
