@@ -254,7 +254,7 @@ def test_gradcheck_through_the_bracket_under_load(machine, two_threads):
     machine.run(STEP, others=1.0)
     q, k, v = (torch.randn(1, 2, 12, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
     assert threads._lowers(q.device)
-    fn = lambda *xs: subquad.attention(*xs, mechanism="improved-clustered", clusters=3, topk=4)  # noqa: E731
+    fn = lambda *xs: subquad.attention(*xs, mechanism="improved-clustered", clusters=3, topk=4)
     assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5, fast_mode=True)
     assert torch.get_num_threads() == 2 and not threads._OPEN
 

@@ -8,7 +8,7 @@ from torch.autograd import gradcheck
 
 import subquad
 import subquad.nn
-from subquad.kernels.tuning import TUNING
+from subquad.kernels.tuning import TUNING, tuned
 from subquad.mechanisms.clustered import (
     ClusteredConfig,
     ClusteredState,
@@ -117,10 +117,12 @@ def dense_rows(q, k, kpm, qpm, assign, C, topk, scale):
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("pad", [False, True])
 @pytest.mark.parametrize(("seed", "L", "C"), [(0, 40, 5), (1, 40, 5), (2, 40, 5), (3, 200, 3)])
-def test_outputs_are_the_papers_rows_and_proposition_2_holds(metric, pad, seed, L, C):
+@pytest.mark.parametrize("chunk", [None, 1, 500])
+def test_outputs_are_the_papers_rows_and_proposition_2_holds(metric, pad, seed, L, C, chunk):
     """Both outputs equal A·V for A^c (eq. 3-6) and A^t (eq. 9-10) built densely from the clustering's
     own assignment; and for every query ‖A^t_i − A_i‖₁ ≤ ‖A^c_i − A_i‖₁ (Proposition 2). L=200, C=3
-    gives clusters of several tiles of the re-scoring."""
+    gives clusters of several tiles of the re-scoring. Without autograd the tiles go in chunks:
+    one chunk (None), a tile per chunk (1) or two (500); with autograd, all at once."""
     B, H, S, D, topk = 2, 2, 33, 6, 7
     q, k, v = qkv(B, H, L, S, D, seed=seed)
     kpm = padding(B, S, seed) if pad else None
@@ -137,11 +139,18 @@ def test_outputs_are_the_papers_rows_and_proposition_2_holds(metric, pad, seed, 
     clustered = run(
         "clustered", q, k, v, state, clusters=C, kmeans=metric, key_padding_mask=kpm, query_padding_mask=qpm
     )
-    improved = improved_clustered_attention(
-        q, k, v, key_padding_mask=kpm, config=config, state=state, query_padding_mask=qpm
-    )
+    with tuned(**({} if chunk is None else {"clustered_chunk": chunk})):
+        improved = improved_clustered_attention(
+            q, k, v, key_padding_mask=kpm, config=config, state=state, query_padding_mask=qpm
+        )
     assert (clustered - real_rows(a_c @ v, qpm)).abs().max() <= 1e-10
     assert (improved - real_rows(a_t @ v, qpm)).abs().max() <= 1e-10
+    if chunk is None:
+        tracked = improved_clustered_attention(
+            *(x.clone().requires_grad_() for x in (q, k, v)),
+            key_padding_mask=kpm, config=config, state=state, query_padding_mask=qpm,
+        )  # fmt: skip
+        assert (tracked.detach() - real_rows(a_t @ v, qpm)).abs().max() <= 1e-10
     exact = attention_weights(q, k, key_padding_mask=kpm)
     l1_clustered = (a_c - exact).abs().sum(-1)
     l1_improved = (a_t - exact).abs().sum(-1)
@@ -202,6 +211,20 @@ def test_euclidean_nearest_is_the_lowest_index_nearest_centroid():
     distance = torch.cdist(points, centroids)
     expected = torch.stack([torch.tensor([row.tolist().index(min(row.tolist())) for row in g]) for g in distance])
     assert torch.equal(clustering.Euclidean(points).nearest(centroids), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nearest_distance_is_the_least_of_the_distances(dtype):
+    """The seeding's distance to the nearest centroid, from one max over the scores, equals the least
+    of the distances to each centroid bit for bit (``‖x‖² − 2·s`` rounds monotonically in s)."""
+    gen = torch.Generator().manual_seed(0)
+    points = (torch.randn(3, 300, 16, generator=gen) * 10).to(dtype)
+    centroids = torch.cat([points[:, :5], torch.randn(3, 20, 16, generator=gen).to(dtype)], 1)  # some at 0
+    euclidean = clustering.Euclidean(points)
+    assert torch.equal(euclidean.nearest_distance(centroids), euclidean.distances(centroids).amin(1))
+    codes = torch.where(points > 0, 1.0, -1.0).to(dtype)
+    hamming = clustering.Hamming(codes)
+    assert torch.equal(hamming.nearest_distance(codes[:, :7]), hamming.distances(codes[:, :7]).amin(1))
 
 
 def test_hamming_majority_update_keeps_tied_bits():

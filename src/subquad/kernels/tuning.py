@@ -88,6 +88,9 @@ class Tuning:
     clustered_tiles: int = _knob(
         1 << 23, "improved-clustered: tile elements (queries, top keys and values) per group of rows"
     )
+    clustered_chunk: int = _knob(
+        1 << 20, "improved-clustered without autograd: tile elements gathered and multiplied at once, about 4 MB"
+    )
     # kernel attention and its causal scan (linear, multires, agglomerative)
     linear_state_block: int = _knob(1 << 18, "causal scan: chunk states (rows × chunks × D × Dc) held at once")
     linear_block: int = _knob(1 << 19, "non-causal linear: positions × rows × width per block of keys or queries")

@@ -204,51 +204,42 @@ def cluster_queries(
         fit_size = config.fit_per_cluster * C
     # Fit on a seeded random sample of the real queries (all of them when fewer), then assign all.
     if weight is None:  # the draws depend on the shape alone: made once per shape
-        sample, rest, first, factors = _all_real_draws(seed, state.planes.shape[0], L, fit_size, C, q.device)
+        sample, first, factors = _all_real_draws(seed, state.planes.shape[0], L, fit_size, C, q.device)
         if sample is not None:
-            sample, rest = sample[heads], rest[heads]
+            sample = sample[heads]
         draws, fit_weight = (first[heads], factors[:, heads]), None
     else:
-        sample, rest, draws, fit_weight = _draws(seed, heads, weight, fit_size, C)
+        sample, draws, fit_weight = _draws(seed, heads, weight, fit_size, C)
     fit = metric if sample is None else metric.subset(sample)
     init = seed_centroids(fit, fit_weight, C, draws)
     if fit_weight is None:
         fit_weight = fit.points.new_ones(G, fit_size)
-    centroids, assign = lloyd(fit, fit_weight, init, config.iterations)
-    if sample is None:
-        return assign
-    # The sample's assignment to the final centroids is Lloyd's last; only the rest remain.
-    everyone = torch.empty(G, L, dtype=assign.dtype, device=assign.device).scatter_(1, sample, assign)
-    return everyone.scatter_(1, rest, metric.subset(rest).nearest(centroids))
+    return lloyd(fit, fit_weight, init, config.iterations, None if sample is None else metric)[1]
 
 
 def _draws(
     seed: int, heads: Tensor, weight: Tensor, fit_size: int, C: int
-) -> tuple[Tensor | None, Tensor | None, tuple[Tensor, Tensor], Tensor]:
-    """The fitting sample ``(G, n)`` of real queries and the other queries ``(G, L − n)`` in
-    ascending order (both None: all queries are fitted), the seeding draws and the sample's
-    weights: a fixed function of (seed, head, position, weight)."""
+) -> tuple[Tensor | None, tuple[Tensor, Tensor], Tensor]:
+    """The fitting sample ``(G, n)`` of real queries (None: all queries are fitted), the seeding
+    draws and the sample's weights: a fixed function of (seed, head, position, weight)."""
     positions = torch.arange(weight.shape[1], device=weight.device).expand_as(weight)
-    sample = rest = None
+    sample = None
     if fit_size < weight.shape[1]:
         draw = torch.where(weight > 0, position_uniform(seed, heads, positions, 0), 2.0)  # real queries first
         sample = draw.topk(fit_size, largest=False).indices
-        outside = torch.ones_like(weight, dtype=torch.uint8).scatter_(1, sample, 0)
-        # the unsampled positions first, each in ascending order (a sort: no wait for the device)
-        rest = outside.argsort(dim=1, descending=True, stable=True)[:, : weight.shape[1] - fit_size]
         positions, weight = sample, torch.gather(weight, 1, sample)
-    return sample, rest, seed_draws(weight, positions, C, seed, heads), weight
+    return sample, seed_draws(weight, positions, C, seed, heads), weight
 
 
 @functools.lru_cache(maxsize=64)
 def _all_real_draws(
     seed: int, heads: int, L: int, fit_size: int, C: int, device: torch.device
-) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor]:
+) -> tuple[Tensor | None, Tensor, Tensor]:
     """``_draws`` of every head ``0 … heads − 1`` over L real queries, made once per shape and
     never modified: on short sequences the draws cost more than the clustering."""
     weight = torch.ones(heads, L, device=device)
-    sample, rest, (first, factors), _ = _draws(seed, torch.arange(heads, device=device), weight, fit_size, C)
-    return sample, rest, first, factors
+    sample, (first, factors), _ = _draws(seed, torch.arange(heads, device=device), weight, fit_size, C)
+    return sample, first, factors
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,6 +54,12 @@ class Hamming:
         B = self.points.shape[-1]
         return (B - torch.bmm(centroids, self.points_t[:, :-1])) * 0.5
 
+    def nearest_distance(self, centroids: Tensor) -> Tensor:
+        """``(G, N)`` differing bits to the nearest of ``r`` centroids: ``distances(...).amin(1)``
+        from the largest dot product."""
+        B = self.points.shape[-1]
+        return (B - torch.bmm(centroids, self.points_t[:, :-1]).amax(1)) * 0.5
+
     def nearest(self, centroids: Tensor) -> Tensor:
         # Hamming distance = (B − dot) / 2, so the nearest code has the largest dot. Tagging centroid
         # j with −j/2^p (p bits hold any j < C) makes the max of dot − j/2^p the largest dot at its
@@ -100,6 +106,14 @@ class Euclidean:
         if self._norms is None:  # the same for every call: seeding asks once per round
             self._norms = self.points.square().sum(-1).unsqueeze(1)
         return (self._norms - 2 * self._scores(centroids)).clamp_min(0)
+
+    def nearest_distance(self, centroids: Tensor) -> Tensor:
+        """``(G, N)`` squared distance to the nearest of ``r`` centroids, from the largest score:
+        equal to ``distances(...).amin(1)``, as rounding keeps ‖x‖² − 2·s monotone in s."""
+        if self._norms is None:
+            self._norms = self.points.square().sum(-1).unsqueeze(1)
+        best = self._scores(centroids).amax(1)
+        return best.mul_(-2).add_(self._norms.squeeze(1)).clamp_min_(0)
 
     def nearest(self, centroids: Tensor) -> Tensor:
         return first_argmax_(self._scores(centroids), 1)  # argmin ‖x − c‖²; the first on ties
@@ -191,7 +205,7 @@ def seed_centroids(metric: Hamming | Euclidean, weight: Tensor | None, C: int, d
     picks = [first]
     if len(sizes) == 1:
         return first
-    nearest = metric.distances(gather_rows(metric.points, first)).amin(1)  # (G, N)
+    nearest = metric.nearest_distance(gather_rows(metric.points, first))  # (G, N)
     padded = None if weight is None else weight == 0
     for r, factor in zip(sizes[1:], factors):
         keys = nearest * factor  # ≥ 0 for real points
@@ -200,23 +214,35 @@ def seed_centroids(metric: Hamming | Euclidean, weight: Tensor | None, C: int, d
         chosen = keys.topk(r, dim=1).indices
         picks.append(chosen)
         if len(picks) < len(sizes):
-            nearest = torch.minimum(nearest, metric.distances(gather_rows(metric.points, chosen)).amin(1))
+            nearest = torch.minimum(nearest, metric.nearest_distance(gather_rows(metric.points, chosen)))
     return torch.cat(picks, dim=1)
 
 
-def lloyd(metric: Hamming | Euclidean, weight: Tensor, init: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
+def lloyd(
+    metric: Hamming | Euclidean,
+    weight: Tensor,
+    init: Tensor,
+    iterations: int,
+    everyone: Hamming | Euclidean | None = None,
+) -> tuple[Tensor, Tensor]:
     """Lloyd's iterations from the points at ``init``; stops at a fixed point. Returns the centroids
-    and the assignment of ``metric``'s points to them."""
+    and the assignment of ``metric``'s points to them or, given ``everyone`` (all the points, of
+    which ``metric`` holds a sample), of everyone's: then the last step assigns all of them at once,
+    one product where the sample's and then the others' would be two."""
     centroids = gather_rows(metric.points, init)
+    if iterations == 0 and everyone is not None:
+        return centroids, everyone.nearest(centroids)
     assign = metric.nearest(centroids)
     members = metric.members(weight)
-    for _ in range(iterations):
+    for step in range(iterations):
         centroids = metric.update(centroids, assign, members)
+        if step == iterations - 1 and everyone is not None:
+            return centroids, everyone.nearest(centroids)
         new = metric.nearest(centroids)
         if torch.equal(new, assign):
             break
         assign = new
-    return centroids, assign
+    return centroids, (assign if everyone is None else everyone.nearest(centroids))
 
 
 def sign_codes(q: Tensor, weight: Tensor, planes: Tensor, offsets: Tensor | None) -> Tensor:
