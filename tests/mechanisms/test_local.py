@@ -101,6 +101,56 @@ def test_blocks_one_at_a_time_give_the_same_values_and_gradients(monkeypatch):
         assert (got - want).abs().max() <= 1e-10
 
 
+@pytest.fixture
+def counted_masks(monkeypatch):
+    """Counts evaluations of the window's mask_mod, from a fresh cache of band layouts."""
+    calls = []
+    window_mask = local.window_mask
+
+    def counting(*args):
+        mask_mod = window_mask(*args)
+        return lambda *idx: calls.append(1) or mask_mod(*idx)
+
+    monkeypatch.setattr(local, "window_mask", counting)
+    local._band.cache_clear()
+    yield calls
+    local._band.cache_clear()
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_second_call_of_a_shape_builds_no_mask_and_padding_uses_none_kept(counted_masks, is_causal):
+    """The band layout of a shape is kept with the masks its chunks derive (``Group.memo``): a second
+    call evaluates no mask and returns the same; a call with key padding keeps none of its masks
+    and still equals the dense band; the kept ones serve the next call without padding."""
+    q, k, v = qkv(2, 2, 300, 300, 8, seed=1)
+    config = LocalConfig(window=40)
+    first = local_attention(q, k, v, is_causal=is_causal, config=config)
+    assert counted_masks and (first - dense_local(q, k, v, None, is_causal, 40)).abs().max() <= 1e-10
+    built = len(counted_masks)
+    assert torch.equal(local_attention(q, k, v, is_causal=is_causal, config=config), first)
+    assert len(counted_masks) == built
+    kpm = padding(2, 300, seed=3)
+    padded = local_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config)
+    assert (padded - dense_local(q, k, v, kpm, is_causal, 40)).abs().max() <= 1e-10
+    assert torch.equal(local_attention(q, k, v, is_causal=is_causal, config=config), first)
+
+
+def test_masks_kept_in_inference_mode_serve_a_call_with_gradients(counted_masks, monkeypatch):
+    """A layout kept by a first call under ``torch.inference_mode`` serves a later call that records
+    a graph, with the dense band's gradients (one block size for both, so that they share it)."""
+    monkeypatch.setattr(TUNING, "local_inference_block", TUNING.local_block)
+    q, k, v = qkv(1, 2, 200, 200, 8, seed=2)
+    config = LocalConfig(window=30)
+    with torch.inference_mode():
+        local_attention(q, k, v, config=config)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = local_attention(*leaves, config=config)
+    expected = dense_local(*leaves, None, False, 30)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    for got, want in zip(grads, torch.autograd.grad(expected.square().sum(), leaves), strict=True):
+        assert (got - want).abs().max() <= 1e-10
+
+
 def test_a_window_with_only_padded_keys_returns_zeros_with_finite_gradients():
     q, k, v = (x.requires_grad_(True) for x in qkv(1, 1, 12, 12, 4))
     kpm = torch.ones(1, 12, dtype=torch.bool)

@@ -38,7 +38,7 @@ Key and value gradients are scattered back with ``index_add_``. Memory stays lin
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -122,12 +122,18 @@ class _Chunk:
         keys = group.keys[:, start:stop]  # (Hk, n, W)
         self.keys, self.H, self.S = keys, H, S
         self.shape = (H, *keys.shape[1:])  # (H, n, W)
-        if group.facts.uniform:
-            allowed = group.allowed(start, start + 1)  # (.., 1, bq, W): broadcast over the blocks
-        elif group.facts.in_range:
-            allowed = group.allowed(start, stop)
-        else:
-            allowed = group.allowed(start, stop) & (keys >= 0).unsqueeze(-2) & (keys < S).unsqueeze(-2)
+        # Without key padding, the masks below depend on the layout alone: a group kept across calls
+        # keeps them too (Group.memo), and a later call of the same shape builds none.
+        self.memo = group.memo if key_padding_mask is None else None
+
+        def layout_mask() -> Tensor:
+            if group.facts.uniform:
+                return group.allowed(start, start + 1)  # (.., 1, bq, W): broadcast over the blocks
+            if group.facts.in_range:
+                return group.allowed(start, stop)
+            return group.allowed(start, stop) & (keys >= 0).unsqueeze(-2) & (keys < S).unsqueeze(-2)
+
+        allowed = self.kept(("allowed",), layout_mask)
         self.causal = group.facts.causal and key_padding_mask is None
         # Nothing masked: the fused kernel runs without a mask.
         self.open = group.facts.dense and group.facts.in_range and key_padding_mask is None
@@ -135,6 +141,26 @@ class _Chunk:
             real = key_padding_mask[:, keys.clamp(0, S - 1)]  # (B, Hk, n, W)
             allowed = allowed & real.unsqueeze(-2)  # (B, Hk, n, 1, W)
         self.allowed = allowed
+
+    def kept(self, key: tuple, build: Callable[[], Tensor]) -> Tensor:
+        """``build()``, from the group's memo where it has one."""
+        if self.memo is None:
+            return build()
+        key = (self.start, self.stop, *key)
+        value = self.memo.get(key)
+        if value is None:
+            if len(self.memo) >= 256:  # chunkings of many batch sizes: bounded all the same
+                self.memo.clear()
+            value = self.memo[key] = build()
+        return value
+
+    def additive(self, B: int, H: int, dtype: torch.dtype) -> Tensor:
+        """The element mask as the fused kernel's additive one (``_additive``)."""
+        return self.kept(("additive", B, H, dtype), lambda: _additive(self.allowed, B, H, dtype))
+
+    def keyless(self) -> Tensor:
+        """Rows that see no key ``(.., n, bq)``, where the fused kernel reports lse = 0."""
+        return self.kept(("keyless",), lambda: ~self.allowed.any(-1))
 
     @functools.cached_property
     def flat(self) -> Tensor:
@@ -267,11 +293,11 @@ def _chunk_forward(q_ext, kf, vf, sources, c: _Chunk, scale: float, kernel: str)
         o, lse = _native.block_attention(_as_batch(qc), _as_batch(kc), _as_batch(vc), *_native_masks(c, B, H), scale)
         return _from_batch(o, B, H), _from_batch(lse.squeeze(-1), B, H)
     if kernel == "fused":
-        mask = None if c.causal or c.open else _additive(c.allowed, B, H, qc.dtype)
+        mask = None if c.causal or c.open else c.additive(B, H, qc.dtype)
         o, lse = fused_forward(_as_batch(qc), _as_batch(kc), _as_batch(vc), mask, c.causal, scale)
         lse = _from_batch(lse, B, H)
         if mask is not None:  # the kernel reports lse = 0 for a row with no key
-            lse = lse.masked_fill(~c.allowed.any(-1), float("-inf"))
+            lse = lse.masked_fill(c.keyless(), float("-inf"))
         return _from_batch(o, B, H), lse
     return eager_forward(qc, kc, vc, c.allowed, scale)
 
@@ -280,7 +306,7 @@ def _native_masks(c: _Chunk, B: int, H: int) -> tuple[Tensor | None, bool]:
     """The native kernel's additive mask and causal flag for a chunk. Its causal flag only skips
     keys, so it also serves triangular blocks that need their element mask (padding, the keys past
     the sequence's end): they skip the keys past each query block, as exact causal ones do."""
-    mask = None if c.causal or c.open else _additive(c.allowed, B, H, torch.float32)
+    mask = None if c.causal or c.open else c.additive(B, H, torch.float32)
     return mask, c.causal or c.group.facts.triangular
 
 
@@ -426,7 +452,7 @@ def _add_rows(target: Tensor, index: Tensor, rows: Tensor) -> None:
 def _chunk_backward_fused(qc, kc, vc, gc, oc, lse, c: _Chunk, scale: float):
     """The same through the fused kernel's backward, given the merged output and log-sum-exp."""
     B, H = qc.shape[:2]
-    mask = None if c.causal or c.open else _additive(c.allowed, B, H, qc.dtype)
+    mask = None if c.causal or c.open else c.additive(B, H, qc.dtype)
     dq, dk, dv = fused_backward(
         _as_batch(qc), _as_batch(kc), _as_batch(vc), _as_batch(gc), _as_batch(oc),
         _as_batch(lse.unsqueeze(-1)).squeeze(-1), mask, c.causal, scale,

@@ -25,7 +25,7 @@ for content-based routing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +106,9 @@ class Group:
     allowed: Callable[[int, int], Tensor]  # (start, stop) -> bool broadcastable to (B, H, stop-start, bq, W)
     facts: MaskFacts = MaskFacts()
     views: Views | None = None
+    # A group kept across calls (a layout cached per shape) holds here the masks its chunks derive
+    # from the layout alone, so that later calls without key padding reuse them; None: not kept.
+    memo: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.queries.dim() != 2 or self.keys.dim() != 3 or self.keys.shape[1] != self.queries.shape[0]:
@@ -127,7 +130,9 @@ class Group:
         return 0 if self.views is None else self.views.key_pad
 
 
-def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod: MaskMod, device) -> list[Group]:
+def band_groups(
+    L: int, offset: int, left: int, right: int, block: int, mask_mod: MaskMod, device, kept: bool = False
+) -> list[Group]:
     """Blocks of consecutive queries, each against the keys from ``left`` before its first query's
     position to ``right`` after its last one; the queries are the last L of the ``L + offset`` keys.
     Blocks whose window lies inside the sequence read views of the inputs. Where keys follow the
@@ -135,7 +140,8 @@ def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod
     sequence's first (last) W keys, a view repeated for each block, which holds every key their
     windows reach; the element mask leaves out the rest. Otherwise (a causal band: the keys these
     blocks list must not pass their last query), or where the sequence is shorter than W, they read
-    windows over a zero-padded copy of the keys they reach, with the keys outside masked."""
+    windows over a zero-padded copy of the keys they reach, with the keys outside masked. ``kept``:
+    the caller keeps the groups for later calls of this shape (``Group.memo``)."""
     n, W, S = -(-L // block), block + left + right, L + offset
     queries = torch.arange(n * block, device=device).view(n, block)
     keys = (queries[:, :1] + offset - left) + torch.arange(W, device=device)  # (n, W)
@@ -173,7 +179,7 @@ def band_groups(L: int, offset: int, left: int, right: int, block: int, mask_mod
         def allowed(start: int, stop: int, rows=rows, cols=cols) -> Tensor:
             return mask_mod(zero, zero, rows[start:stop, :, None], cols[start:stop, None, :])  # (n, bq, W)
 
-        groups.append(Group(rows, cols.unsqueeze(0), allowed, facts, views))
+        groups.append(Group(rows, cols.unsqueeze(0), allowed, facts, views, {} if kept else None))
     return groups
 
 

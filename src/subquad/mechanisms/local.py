@@ -37,6 +37,7 @@ token attends to them and itself, so decoding cost and memory do not grow with t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,7 +48,7 @@ from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
 from subquad.kernels import native as _native
 from subquad.kernels.blocksparse import band_block, block_sparse_attention
-from subquad.kernels.layouts import band_groups, sink_groups, sink_mask
+from subquad.kernels.layouts import Group, band_groups, sink_groups, sink_mask
 from subquad.masks import MaskMod, window_covers
 from subquad.mechanisms._options import kernel_option
 from subquad.registry import Config, Mechanism, option
@@ -108,17 +109,26 @@ def local_attention(
     L, S = shape.queries, shape.keys
     w = min(config.window, L + S)  # a wider window sees no more keys: the same result, bounded work
     offset = S - L
-    left, right = (w - 1, 0) if is_causal else (w - 1, w - 1)
     native = config.kernel == "native" and _native.supports(q, k, v) is None  # runs Dv != D too
     block = band_block(q, k, v, config.kernel, native)
     window = window_mask(w, is_causal, offset)
-    parts = [band_groups(L, offset, left, right, min(block, L), window, q.device)]
+    parts = [_band(L, offset, w, is_causal, min(block, L), q.device)]
     sinks = min(config.sinks, S)
     # the part is needed where some query's window leaves out a sink: the last query misses key 0,
     # or (non-causal, L > S) the first query, before the keys, misses the last sink
     if sinks and (offset + L - 1 >= w or (not is_causal and sinks - 1 - offset >= w)):
         parts.append(sink_groups(L, sinks, min(block, L), 1, sink_mask(sinks, window, is_causal, offset), q.device))
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel)
+
+
+@functools.lru_cache(maxsize=32)
+def _band(L: int, offset: int, w: int, is_causal: bool, block: int, device: torch.device) -> list[Group]:
+    """The window's band layout for this shape, built once and kept with the masks its chunks
+    derive from it (``Group.memo``): building them took about a tenth of a call at N = 1024
+    (docs/performance.md). They enter no autograd graph (the engine's Function recomputes from its
+    saved inputs), so those built in inference mode serve calls that record one."""
+    left, right = (w - 1, 0) if is_causal else (w - 1, w - 1)
+    return band_groups(L, offset, left, right, block, window_mask(w, is_causal, offset), device, kept=True)
 
 
 class WindowCache(Decoder):
