@@ -127,12 +127,23 @@ def test_a_second_call_of_a_shape_builds_no_mask_and_padding_uses_none_kept(coun
     first = local_attention(q, k, v, is_causal=is_causal, config=config)
     assert counted_masks and (first - dense_local(q, k, v, None, is_causal, 40)).abs().max() <= 1e-10
     built = len(counted_masks)
-    assert torch.equal(local_attention(q, k, v, is_causal=is_causal, config=config), first)
+    assert (local_attention(q, k, v, is_causal=is_causal, config=config) - first).abs().max() <= 1e-12
     assert len(counted_masks) == built
     kpm = padding(2, 300, seed=3)
     padded = local_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config)
     assert (padded - dense_local(q, k, v, kpm, is_causal, 40)).abs().max() <= 1e-10
-    assert torch.equal(local_attention(q, k, v, is_causal=is_causal, config=config), first)
+    assert (local_attention(q, k, v, is_causal=is_causal, config=config) - first).abs().max() <= 1e-12
+
+
+def test_masks_over_the_kept_size_are_built_every_call(counted_masks, monkeypatch):
+    from subquad.kernels import blocksparse
+
+    monkeypatch.setattr(blocksparse, "_KEPT_ELEMENTS", 0)
+    q, k, v = qkv(1, 2, 300, 300, 8, seed=1)
+    first = local_attention(q, k, v, config=LocalConfig(window=40))
+    built = len(counted_masks)
+    assert (local_attention(q, k, v, config=LocalConfig(window=40)) - first).abs().max() <= 1e-12
+    assert len(counted_masks) == 2 * built
 
 
 def test_masks_kept_in_inference_mode_serve_a_call_with_gradients(counted_masks, monkeypatch):

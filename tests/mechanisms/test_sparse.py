@@ -673,3 +673,31 @@ def test_block_0_picks_32_without_gradients_and_64_with(monkeypatch):
     assert seen == [32, 64, 5]
     torch.testing.assert_close(grad_out, out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(explicit, out, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(
+    "name, options", [("sparse", {"stride": 16}), ("sparse", {"pattern": "fixed", "stride": 16}), ("pattern", {})]
+)
+def test_masks_kept_with_a_cached_layout_change_no_result(name, options, is_causal):
+    """The cached layouts keep the masks their chunks derive (``Group.memo``) for calls without key
+    padding: a repeated call returns the same, a padded call between them the same as with no
+    layout cached, and a call with another batch size (other chunks) the same as its own rows.
+    (Up to rounding: the thread count a call runs on follows the machine's load.)"""
+    from subquad.mechanisms import pattern
+
+    def clear():
+        sparse._sparse_parts.cache_clear()
+        pattern._named_pattern_groups.cache_clear()
+
+    clear()
+    q, k, v = qkv(2, 2, 200, 200, 8, seed=4)
+    kpm = padding(2, 200, seed=5)
+    run = lambda *xs, **kw: subquad.attention(*xs, mechanism=name, is_causal=is_causal, **options, **kw)
+    first = run(q, k, v)
+    padded = run(q, k, v, key_padding_mask=kpm)
+    assert (run(q, k, v) - first).abs().max() <= 1e-12
+    assert (run(q[:1], k[:1], v[:1]) - first[:1]).abs().max() <= 1e-12
+    clear()
+    assert (run(q, k, v, key_padding_mask=kpm) - padded).abs().max() <= 1e-12
+    clear()

@@ -105,6 +105,9 @@ def block_sparse_attention(
     return _BlockSparse.apply(q, k, v, key_padding_mask, tuple(parts), scale, forward, fused)
 
 
+_KEPT_ELEMENTS = 1 << 20  # the largest mask a kept group keeps (Group.memo), 4 MB as an additive mask
+
+
 class _Chunk:
     """One chunk of a group: the gathered indices and the element mask, shared by both passes."""
 
@@ -143,15 +146,19 @@ class _Chunk:
         self.allowed = allowed
 
     def kept(self, key: tuple, build: Callable[[], Tensor]) -> Tensor:
-        """``build()``, from the group's memo where it has one."""
+        """``build()``, from the group's memo where it has one. Masks of more than ``_KEPT_ELEMENTS``
+        elements are built each time (a long sequence's layout would hold them all), and a memo of
+        many chunkings (many batch sizes) starts again once it holds 256."""
         if self.memo is None:
             return build()
         key = (self.start, self.stop, *key)
         value = self.memo.get(key)
         if value is None:
-            if len(self.memo) >= 256:  # chunkings of many batch sizes: bounded all the same
-                self.memo.clear()
-            value = self.memo[key] = build()
+            value = build()
+            if value.numel() <= _KEPT_ELEMENTS:
+                if len(self.memo) >= 256:
+                    self.memo.clear()
+                self.memo[key] = value
         return value
 
     def additive(self, B: int, H: int, dtype: torch.dtype) -> Tensor:

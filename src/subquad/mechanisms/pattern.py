@@ -135,8 +135,11 @@ def _occupancy(mask_mod: MaskMod, shape: AttentionShape, block: int, head_offset
     return torch.cat(tiles, dim=1)
 
 
-def _pattern_groups(mask_mod: MaskMod, shape: AttentionShape, block: int, head_offset: int, device) -> list[Group]:
-    """Each query block against its non-empty key blocks, blocks bucketed by how many they have."""
+def _pattern_groups(
+    mask_mod: MaskMod, shape: AttentionShape, block: int, head_offset: int, device, kept: bool = False
+) -> list[Group]:
+    """Each query block against its non-empty key blocks, blocks bucketed by how many they have.
+    ``kept``: the caller keeps the groups for later calls of this shape (``Group.memo``)."""
     H, L, S = shape.heads, shape.queries, shape.keys
     occupied = _occupancy(mask_mod, shape, block, head_offset, device)  # (Hm, nq, nk)
     counts = occupied.sum(-1)  # (Hm, nq)
@@ -163,7 +166,7 @@ def _pattern_groups(mask_mod: MaskMod, shape: AttentionShape, block: int, head_o
             kv_idx = keys[:, start:stop].clamp(0, S - 1)[None, :, :, None, :]  # (1, Hm, n, 1, W)
             return _evaluate(mask_mod, b, h, q_idx, kv_idx)
 
-        groups.append(Group(queries, keys, allowed))
+        groups.append(Group(queries, keys, allowed, memo={} if kept else None))
     return groups
 
 
@@ -173,7 +176,7 @@ def _named_pattern_groups(
 ) -> list[Group]:
     """The layout of a registered pattern (``factory``: a replaced registration is a new key)."""
     mod = pattern_mask_mod(config, shape.queries, shape.keys, is_causal)
-    return _pattern_groups(mod, shape, config.block, config.head_offset, device)
+    return _pattern_groups(mod, shape, config.block, config.head_offset, device, kept=True)
 
 
 def pattern_attention(

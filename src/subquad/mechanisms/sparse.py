@@ -295,7 +295,7 @@ def _sparse_parts(
         right = 0 if causal else l - 1
         if config.step == "merged":  # j = p belongs to the column part
             local = and_masks(local, _not(column))
-        parts.append(band_groups(L, offset, l - 1, right, block, local, device))
+        parts.append(band_groups(L, offset, l - 1, right, block, local, device, kept=True))
     if config.step in ("column", "merged"):
         rows = -(-S // l)
         columns = torch.arange(l, device=device)[:, None] + l * torch.arange(rows, device=device)  # (l, rows)
