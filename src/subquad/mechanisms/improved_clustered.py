@@ -96,7 +96,10 @@ def rescore_topk(
 
     # Sort the queries by cluster and cut each cluster into tiles of at most `tile` queries.
     cluster = (assign + (torch.arange(G, device=device) * C).unsqueeze(-1)).view(-1)  # (G·L,) in [0, G·C)
-    order = torch.sort(cluster, stable=True).indices
+    # the order of a stable sort of `cluster`, row by row: the rows' sorts run in parallel
+    order = (torch.sort(assign, dim=1, stable=True).indices + (torch.arange(G, device=device) * L).unsqueeze(-1)).view(
+        -1
+    )
     counts = torch.bincount(cluster, minlength=G * C)
     # Tiles of TUNING.clustered_tile queries; clusters of 4 tiles or more on average take tiles
     # twice as long, which repeat each cluster's top keys half as often (docs/performance.md).
