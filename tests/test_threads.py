@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 import threading
 
 import pytest
@@ -306,9 +307,18 @@ def _outputs_and_gradients(name: str, causal: bool, threads_: int) -> list[torch
     [(n, c) for n in mechanism_names() for c in ((False, True) if get_mechanism(n).causal else (False,))],
 )
 def test_outputs_and_gradients_do_not_depend_on_the_thread_count(name, causal):
-    """What lets the thread count follow the machine's load: one thread gives bitwise the two
-    threads' outputs and gradients."""
+    """What lets the thread count follow the machine's load: one thread gives the two threads'
+    outputs and gradients, bitwise wherever torch's own attention kernel does (as on the 2-core
+    machines CI runs on); on CPUs where torch's kernel itself rounds differently with the thread
+    count (seen on a 16-core server), within fp32 rounding."""
     one, two = (_outputs_and_gradients(name, causal, n) for n in (1, 2))
     assert len(one) == len(two) >= 4
+    bitwise = _torch_is_bitwise_across_thread_counts()
     for a, b in zip(one, two):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b) if bitwise else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@functools.cache
+def _torch_is_bitwise_across_thread_counts() -> bool:
+    pairs = [(_outputs_and_gradients("full", c, 1), _outputs_and_gradients("full", c, 2)) for c in (False, True)]
+    return all(torch.equal(a, b) for x, y in pairs for a, b in zip(x, y))

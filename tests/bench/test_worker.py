@@ -122,3 +122,28 @@ def test_a_paired_cell_whose_full_attention_fails_is_measured_unpaired(monkeypat
     result = measure_cell({**CELL, "mechanism": "linear", "causal": False, "paired": True})
     assert "paired_ratio" not in result and result["time_s"] > 0
     assert result["paired_error"] == "RuntimeError: DefaultCPUAllocator: not enough memory"
+
+
+def test_a_backward_call_takes_one_gradient_of_ones_made_once(monkeypatch):
+    """The gradient fed to the backward is made once per output shape, outside the calls that are
+    timed, and is ones: the leaves' gradients are those of ``out.sum()``."""
+    from subquad.bench import worker
+    from subquad.mechanisms.full import FullConfig
+    from subquad.registry import get_mechanism
+
+    seen = []
+    backward = torch.Tensor.backward
+
+    def spy(self, gradient=None, *args, **kwargs):
+        seen.append(gradient)
+        return backward(self, gradient, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", spy)
+    call = worker._make_call(get_mechanism("full"), FullConfig(), None, True, True, 0)
+    q, k, v = qkv(1, 2, 12, 12, 4)
+    for _ in range(3):
+        call(q, k, v)
+    assert len(seen) == 3 and all(g is seen[0] for g in seen)
+    assert torch.equal(seen[0], torch.ones(1, 2, 12, 4, dtype=q.dtype))
+    call(*qkv(1, 2, 20, 20, 4))  # another shape: another gradient
+    assert seen[-1].shape == (1, 2, 20, 4) and seen[-1] is not seen[0]

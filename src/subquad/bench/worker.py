@@ -127,7 +127,11 @@ def _timed(call: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tenso
 def _make_call(
     mech: Mechanism, config: Config, state: torch.nn.Module | None, causal: bool, backward: bool, seed: int
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """One attention call (plus backward for fwd+bwd cells), fed extra tensors the mechanism needs."""
+    """One attention call (plus backward for fwd+bwd cells), fed extra tensors the mechanism needs.
+    The backward takes a gradient of ones made once per output shape, outside the timed calls, as
+    the gradient a model's layer receives comes from above it: filling it each call under load (on
+    threads that wait for a busy core) cost more than agglomerative's whole backward at N = 1024."""
+    grads: dict[tuple, Tensor] = {}
 
     def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         tensors = {}
@@ -138,7 +142,10 @@ def _make_call(
                 return mech(q, k, v, is_causal=causal, config=config, state=state, **tensors)
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
         out = mech(q, k, v, is_causal=causal, config=config, state=state, **tensors)
-        out.backward(torch.ones_like(out))
+        key = (out.shape, out.dtype, out.device)
+        if key not in grads:
+            grads[key] = torch.ones_like(out)
+        out.backward(grads[key])
         # Detached: the graph's leaves (and their gradients) would otherwise stay alive through
         # `out` while the next call runs, doubling the measured footprint of long cells.
         return out.detach()
