@@ -13,7 +13,9 @@ Proposition 2: ``‖A^t_i − A_i‖₁ ≤ ‖A^c_j − A_i‖₁`` for every q
 
 **Computation.** The queries are sorted by cluster and each cluster cut into tiles of
 ``TUNING.clustered_tile`` queries that share the cluster's k keys: one batched matmul per step,
-with no (L × k × D) gather. ``topk >= S`` makes it exact (m̂ = 1): clamped, not an error.
+with no (L × k × D) gather. Without autograd the tiles go in chunks of ``TUNING.clustered_chunk``
+elements, so that the rows a chunk gathers are still in cache when its products read them.
+``topk >= S`` makes it exact (m̂ = 1): clamped, not an error.
 """
 
 from __future__ import annotations
@@ -97,9 +99,8 @@ def rescore_topk(
     # Sort the queries by cluster and cut each cluster into tiles of at most `tile` queries.
     cluster = (assign + (torch.arange(G, device=device) * C).unsqueeze(-1)).view(-1)  # (G·L,) in [0, G·C)
     # the order of a stable sort of `cluster`, row by row: the rows' sorts run in parallel
-    order = (torch.sort(assign, dim=1, stable=True).indices + (torch.arange(G, device=device) * L).unsqueeze(-1)).view(
-        -1
-    )
+    order = torch.sort(assign, dim=1, stable=True).indices + (torch.arange(G, device=device) * L).unsqueeze(-1)
+    order = order.view(-1)
     counts = torch.bincount(cluster, minlength=G * C)
     # Tiles of TUNING.clustered_tile queries; clusters of 4 tiles or more on average take tiles
     # twice as long, which repeat each cluster's top keys half as often (docs/performance.md).

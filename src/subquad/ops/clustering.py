@@ -101,19 +101,21 @@ class Euclidean:
         half_norms = centroids.square().sum(-1, keepdim=True).mul_(-0.5)
         return torch.baddbmm(half_norms, centroids, self.points.transpose(1, 2))
 
+    def _point_norms(self) -> Tensor:
+        """``(G, 1, N)`` ‖x‖², the same for every call: seeding asks once per round."""
+        if self._norms is None:
+            self._norms = self.points.square().sum(-1).unsqueeze(1)
+        return self._norms
+
     def distances(self, centroids: Tensor) -> Tensor:
         """``(G, r, N)`` squared distances to ``r`` centroids."""
-        if self._norms is None:  # the same for every call: seeding asks once per round
-            self._norms = self.points.square().sum(-1).unsqueeze(1)
-        return (self._norms - 2 * self._scores(centroids)).clamp_min(0)
+        return (self._point_norms() - 2 * self._scores(centroids)).clamp_min(0)
 
     def nearest_distance(self, centroids: Tensor) -> Tensor:
         """``(G, N)`` squared distance to the nearest of ``r`` centroids, from the largest score:
         equal to ``distances(...).amin(1)``, as rounding keeps ‖x‖² − 2·s monotone in s."""
-        if self._norms is None:
-            self._norms = self.points.square().sum(-1).unsqueeze(1)
         best = self._scores(centroids).amax(1)
-        return best.mul_(-2).add_(self._norms.squeeze(1)).clamp_min_(0)
+        return best.mul_(-2).add_(self._point_norms().squeeze(1)).clamp_min_(0)
 
     def nearest(self, centroids: Tensor) -> Tensor:
         return first_argmax_(self._scores(centroids), 1)  # argmin ‖x − c‖²; the first on ties
