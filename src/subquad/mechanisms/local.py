@@ -111,12 +111,12 @@ def local_attention(
     offset = S - L
     native = config.kernel == "native" and _native.supports(q, k, v) is None  # runs Dv != D too
     block = band_block(q, k, v, config.kernel, native)
-    window = window_mask(w, is_causal, offset)
     parts = [_band(L, offset, w, is_causal, min(block, L), q.device)]
     sinks = min(config.sinks, S)
     # the part is needed where some query's window leaves out a sink: the last query misses key 0,
     # or (non-causal, L > S) the first query, before the keys, misses the last sink
     if sinks and (offset + L - 1 >= w or (not is_causal and sinks - 1 - offset >= w)):
+        window = window_mask(w, is_causal, offset)
         parts.append(sink_groups(L, sinks, min(block, L), 1, sink_mask(sinks, window, is_causal, offset), q.device))
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel)
 
