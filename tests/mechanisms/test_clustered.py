@@ -325,6 +325,42 @@ def test_seeding_never_draws_a_padded_point():
     assert init.unique().numel() == 9 and int(init.max()) < 10
 
 
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("C", [3, 9, 30])  # one round (C <= SEED_ROUNDS), rounds of 3, rounds of 8
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_seeding_assigns_each_point_to_its_nearest_seed(metric, C, padded):
+    """``seed_and_assign`` draws the seeds ``seed_centroids`` draws and assigns every point, padded or
+    not, to the first of its nearest seeds, as Lloyd's first step would (``metric.nearest``). Points
+    repeated in the data make tied seeds, which resolve to the lower index."""
+    x = torch.cat([randn(2, 40, 6), randn(2, 40, 6)[:, :20].repeat(1, 2, 1)], dim=1)  # 40 points twice each
+    points = clustering.Euclidean(x) if metric == "euclidean" else clustering.Hamming(torch.where(x > 0, 1.0, -1.0))
+    weight = torch.ones(2, 80)
+    if padded:
+        weight[1, 50:] = 0
+    draws = clustering.seed_draws(weight, torch.arange(80).expand(2, 80), C, 7, torch.tensor([0, 1]))
+    init, assign = clustering.seed_and_assign(points, None if not padded else weight, C, draws)
+    assert torch.equal(init, clustering.seed_centroids(points, None if not padded else weight, C, draws))
+    seeds = clustering.gather_rows(points.points, init)
+    assert torch.equal(assign, points.nearest(seeds))
+    if metric == "hamming":  # integer dots: ties are exact, and the lowest index takes them
+        dots = torch.bmm(seeds, points.points.transpose(1, 2))
+        first = (dots == dots.amax(1, keepdim=True)).int().argmax(1)
+        assert torch.equal(assign, first)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_lloyd_from_the_seedings_assignment_equals_lloyd_from_its_own(metric):
+    q = randn(3, 200, 5)
+    points = clustering.Euclidean(q) if metric == "euclidean" else clustering.Hamming(torch.where(q > 0, 1.0, -1.0))
+    weight = torch.ones(3, 200)
+    draws = clustering.seed_draws(weight, torch.arange(200).expand(3, 200), 12, 1, torch.arange(3))
+    init, assign = clustering.seed_and_assign(points, None, 12, draws)
+    for iterations in (0, 1, 3):
+        given_ = clustering.lloyd(points, weight, init, iterations, assign=assign)
+        own = clustering.lloyd(points, weight, init, iterations)
+        assert torch.equal(given_[0], own[0]) and torch.equal(given_[1], own[1])
+
+
 def test_lloyd_stops_at_a_fixed_point():
     q = randn(3, 300, 4)
     state = ClusteredState(ClusteredConfig(), 3, 4)

@@ -67,6 +67,7 @@ from subquad.ops.clustering import (
     Hamming,
     cluster_sums,
     lloyd,
+    seed_and_assign,
     seed_centroids,
     seed_draws,
     sign_codes,
@@ -211,10 +212,13 @@ def cluster_queries(
     else:
         sample, draws, fit_weight = _draws(seed, heads, weight, fit_size, C)
     fit = metric if sample is None else metric.subset(sample)
-    init = seed_centroids(fit, fit_weight, C, draws)
+    if config.iterations == 0 and sample is not None:  # Lloyd assigns everyone to the seeds
+        init, first = seed_centroids(fit, fit_weight, C, draws), None
+    else:
+        init, first = seed_and_assign(fit, fit_weight, C, draws)
     if fit_weight is None:
         fit_weight = fit.points.new_ones(G, fit_size)
-    return lloyd(fit, fit_weight, init, config.iterations, None if sample is None else metric)[1]
+    return lloyd(fit, fit_weight, init, config.iterations, None if sample is None else metric, first)[1]
 
 
 def _draws(

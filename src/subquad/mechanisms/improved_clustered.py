@@ -91,32 +91,15 @@ def rescore_topk(
     S, Dv = k.shape[1], v.shape[2]
     C = probs.shape[1]
     device = q.device
+    # Tiles of TUNING.clustered_tile queries; clusters of 4 tiles or more on average take tiles
+    # twice as long, which repeat each cluster's top keys half as often (docs/performance.md).
+    tile = TUNING.clustered_tile * (2 if L >= 4 * TUNING.clustered_tile * C else 1)
+    rows, tile_cluster, slot = _tile_layout(assign, C, tile)  # before the top-k: a sort after one runs slower
+    T = tile_cluster.numel()
     top_probs, top_idx = top_keys(probs, min(topk, S))  # (G, C, k), in no particular order
     kk = top_idx.shape[-1]
     top_rows = (top_idx + (torch.arange(G, device=device) * S).view(G, 1, 1)).view(G * C, kk)  # into (G·S)
     mass = top_probs.sum(-1).view(G * C, 1, 1)  # m̂_j
-
-    # Sort the queries by cluster and cut each cluster into tiles of at most `tile` queries.
-    cluster = (assign + (torch.arange(G, device=device) * C).unsqueeze(-1)).view(-1)  # (G·L,) in [0, G·C)
-    # the order of a stable sort of `cluster`, row by row: the rows' sorts run in parallel
-    order = torch.sort(assign, dim=1, stable=True).indices + (torch.arange(G, device=device) * L).unsqueeze(-1)
-    order = order.view(-1)
-    counts = torch.bincount(cluster, minlength=G * C)
-    # Tiles of TUNING.clustered_tile queries; clusters of 4 tiles or more on average take tiles
-    # twice as long, which repeat each cluster's top keys half as often (docs/performance.md).
-    tile = TUNING.clustered_tile * (2 if L >= 4 * TUNING.clustered_tile * C else 1)
-    starts = torch.cumsum(counts, 0) - counts
-    tiles = (counts + tile - 1) // tile
-    tile_cluster = torch.repeat_interleave(torch.arange(G * C, device=device), tiles)  # (T,)
-    first_tile = torch.cumsum(tiles, 0) - tiles
-    rank = torch.arange(tile_cluster.numel(), device=device) - first_tile[tile_cluster]
-    pos = (starts[tile_cluster] + rank * tile).unsqueeze(-1) + torch.arange(tile, device=device)  # (T, tile)
-    rows = order.index_select(0, pos.clamp_max(G * L - 1).view(-1))  # query per tile slot, into (G·L)
-    T = tile_cluster.numel()
-    # Where each query's row lands among the tile slots (the inverse of `rows` on the valid slots).
-    sorted_cluster = cluster.index_select(0, order)
-    sorted_slot = first_tile[sorted_cluster] * tile + torch.arange(G * L, device=device) - starts[sorted_cluster]
-    slot = torch.empty_like(sorted_slot).scatter_(0, order, sorted_slot)
 
     key_rows = top_rows.index_select(0, tile_cluster)  # (T, k), into (G·S)
     neg_top = -top_probs.view(G * C, 1, kk).index_select(0, tile_cluster)  # −A^c on each tile's keys
@@ -124,7 +107,6 @@ def rescore_topk(
     tile_base = centroid_out.view(G * C, 1, Dv).index_select(0, tile_cluster)  # V^c_j
     qf, kf, vf = q.reshape(G * L, D), k.reshape(G * S, D), v.reshape(G * S, Dv)
     kr = None if key_real is None else key_real.reshape(G * S)
-    rows = rows.view(T, tile)
     if tracks_grad(q, k, v):  # all tiles at once: out= takes no gradient
         out = _tiles(qf, kf, vf, kr, rows, key_rows, neg_top, tile_mass, tile_base, scale)
     else:
@@ -135,11 +117,36 @@ def rescore_topk(
         n = min(step, T)
         buffers = new_buffers([(n * tile, D), (n * kk, D), (n * kk, Dv), (T, tile, Dv)], q.dtype, device, zero=False)
         out = buffers[3]
-        for a in range(0, T, step):
-            b = min(T, a + step)
-            _tiles(qf, kf, vf, kr, rows[a:b], key_rows[a:b], neg_top[a:b], tile_mass[a:b], tile_base[a:b], scale,
-                   buffers=buffers[:3], out=out[a:b])  # fmt: skip
+        for part in zip(*(x.split(step) for x in (rows, key_rows, neg_top, tile_mass, tile_base, out))):
+            _tiles(qf, kf, vf, kr, *part[:5], scale, buffers=buffers[:3], out=part[5])
     return out.view(T * tile, Dv).index_select(0, slot).view(G, L, Dv)
+
+
+def _tile_layout(assign: Tensor, C: int, tile: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The queries of ``assign`` ``(G, L)`` sorted by cluster, each cluster cut into tiles of at
+    most ``tile``. Returns the query of each tile slot ``(T, tile)``, each tile's cluster ``(T,)``
+    and each query's slot ``(G·L,)``, into the flattened (G·L) queries and (G·C) clusters. The
+    unused slots of a cluster's last tile hold queries of the clusters after it, whose results
+    there are never read."""
+    G, L = assign.shape
+    device = assign.device
+    cluster = (assign + (torch.arange(G, device=device) * C).unsqueeze(-1)).view(-1)  # (G·L,) in [0, G·C)
+    # the order of a stable sort of `cluster`, row by row: the rows' sorts run in parallel
+    order = torch.sort(assign, dim=1, stable=True).indices + (torch.arange(G, device=device) * L).unsqueeze(-1)
+    order = order.view(-1)
+    counts = torch.bincount(cluster, minlength=G * C)
+    starts = torch.cumsum(counts, 0) - counts
+    tiles = (counts + tile - 1) // tile
+    tile_cluster = torch.repeat_interleave(torch.arange(G * C, device=device), tiles)  # (T,)
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    rank = torch.arange(tile_cluster.numel(), device=device) - first_tile[tile_cluster]
+    pos = (starts[tile_cluster] + rank * tile).unsqueeze(-1) + torch.arange(tile, device=device)  # (T, tile)
+    rows = order.index_select(0, pos.clamp_max(G * L - 1).view(-1)).view(-1, tile)
+    # Where each query's row lands among the tile slots (the inverse of `rows` on the valid slots).
+    sorted_cluster = cluster.index_select(0, order)
+    sorted_slot = first_tile[sorted_cluster] * tile + torch.arange(G * L, device=device) - starts[sorted_cluster]
+    slot = torch.empty_like(sorted_slot).scatter_(0, order, sorted_slot)
+    return rows, tile_cluster, slot
 
 
 def _tiles(

@@ -28,12 +28,13 @@ __all__ = [
     "gather_rows",
     "lloyd",
     "nearest_direction",
+    "seed_and_assign",
     "seed_centroids",
     "seed_draws",
     "sign_codes",
 ]
 
-SEED_ROUNDS = 8  # rounds of D² sampling that choose the initial centroids
+SEED_ROUNDS = 4  # rounds of D² sampling that choose the initial centroids
 
 
 class Hamming:
@@ -54,11 +55,19 @@ class Hamming:
         B = self.points.shape[-1]
         return (B - torch.bmm(centroids, self.points_t[:, :-1])) * 0.5
 
+    def scores(self, centroids: Tensor) -> Tensor:
+        """``(G, r, N)`` dot products of the codes, larger for nearer: the nearest centroid has the
+        largest (``distance_of`` its maximum is the distance to it)."""
+        return torch.bmm(centroids, self.points_t[:, :-1])
+
+    def distance_of(self, best: Tensor) -> Tensor:
+        """Differing bits from the largest dot product ``best`` ``(G, N)``, in place."""
+        return best.sub_(self.points.shape[-1]).mul_(-0.5)
+
     def nearest_distance(self, centroids: Tensor) -> Tensor:
         """``(G, N)`` differing bits to the nearest of ``r`` centroids: ``distances(...).amin(1)``
         from the largest dot product."""
-        B = self.points.shape[-1]
-        return (B - torch.bmm(centroids, self.points_t[:, :-1]).amax(1)) * 0.5
+        return self.distance_of(self.scores(centroids).amax(1))
 
     def nearest(self, centroids: Tensor) -> Tensor:
         # Hamming distance = (B − dot) / 2, so the nearest code has the largest dot. Tagging centroid
@@ -94,8 +103,8 @@ class Euclidean:
     def subset(self, index: Tensor) -> Euclidean:
         return Euclidean(gather_rows(self.points, index))
 
-    def _scores(self, centroids: Tensor) -> Tensor:
-        """``(G, r, N)`` c·x − ‖c‖²/2, centroids by points: one ``baddbmm`` on the points' transposed
+    def scores(self, centroids: Tensor) -> Tensor:
+        """``(G, r, N)`` c·x − ‖c‖²/2, larger for nearer, centroids by points: one ``baddbmm`` on the points' transposed
         view (no copy). With N innermost the product runs about twice as fast on CPU as points by
         centroids, and reductions over r vectorise along N."""
         half_norms = centroids.square().sum(-1, keepdim=True).mul_(-0.5)
@@ -109,16 +118,19 @@ class Euclidean:
 
     def distances(self, centroids: Tensor) -> Tensor:
         """``(G, r, N)`` squared distances to ``r`` centroids."""
-        return (self._point_norms() - 2 * self._scores(centroids)).clamp_min(0)
+        return (self._point_norms() - 2 * self.scores(centroids)).clamp_min(0)
 
-    def nearest_distance(self, centroids: Tensor) -> Tensor:
-        """``(G, N)`` squared distance to the nearest of ``r`` centroids, from the largest score:
-        equal to ``distances(...).amin(1)``, as rounding keeps ‖x‖² − 2·s monotone in s."""
-        best = self._scores(centroids).amax(1)
+    def distance_of(self, best: Tensor) -> Tensor:
+        """Squared distance ``(G, N)`` from the largest score ``best``, in place: equal to the least
+        of ``distances``, as rounding keeps ‖x‖² − 2·s monotone in s."""
         return best.mul_(-2).add_(self._point_norms().squeeze(1)).clamp_min_(0)
 
+    def nearest_distance(self, centroids: Tensor) -> Tensor:
+        """``(G, N)`` squared distance to the nearest of ``r`` centroids: ``distances(...).amin(1)``."""
+        return self.distance_of(self.scores(centroids).amax(1))
+
     def nearest(self, centroids: Tensor) -> Tensor:
-        return first_argmax_(self._scores(centroids), 1)  # argmin ‖x − c‖²; the first on ties
+        return first_argmax_(self.scores(centroids), 1)  # argmin ‖x − c‖²; the first on ties
 
     def members(self, weight: Tensor) -> Tensor:
         """What ``update`` sums: the points times their weight, then the weight (padded points have
@@ -132,8 +144,9 @@ class Euclidean:
         return torch.where(counts > 0, sums[..., :-1] / counts.clamp_min(1), centroids)
 
 
-def first_argmax_(scores: Tensor, dim: int) -> Tensor:
-    """The index of the first maximum of ``scores`` along ``dim`` (long), overwriting ``scores``.
+def first_argmax_(scores: Tensor, dim: int, top: Tensor | None = None) -> Tensor:
+    """The index of the first maximum of ``scores`` along ``dim`` (long), overwriting ``scores``;
+    ``top``: their maximum along ``dim`` (kept), when the caller has it.
 
     On CPU, ``max(dim).indices`` and ``argmax`` reduce about ten times slower than ``amax``: this
     takes two ``amax`` and two in-place passes instead, as ``n − max_j (n − j)·[s_j = max]``. A row
@@ -142,7 +155,7 @@ def first_argmax_(scores: Tensor, dim: int) -> Tensor:
     n = scores.shape[dim]
     weight = torch.arange(n, 0, -1, dtype=scores.dtype, device=scores.device)
     weight = weight.view([n if d == dim % scores.dim() else 1 for d in range(scores.dim())])
-    top = scores.ge_(scores.amax(dim, keepdim=True)).mul_(weight).amax(dim)
+    top = scores.ge_(scores.amax(dim, keepdim=True) if top is None else top).mul_(weight).amax(dim)
     return (n - top).clamp_(max=n - 1).long()
 
 
@@ -202,22 +215,43 @@ def seed_centroids(metric: Hamming | Euclidean, weight: Tensor | None, C: int, d
     rounds stay few and batched. ``draws`` come from ``seed_draws``. ``weight`` ``(G, N)``: 0 marks
     padded points, which are never drawn; None: every point is real.
     """
+    return _seed(metric, weight, C, draws, assign=False)[0]
+
+
+def seed_and_assign(
+    metric: Hamming | Euclidean, weight: Tensor | None, C: int, draws: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """``seed_centroids``, and each point's nearest of the C initial centroids ``(G, N)`` (the first
+    on ties), Lloyd's first assignment: each round's scores serve both, so the points meet every
+    centroid once, in the seeding's products, not again in a product of all C."""
+    return _seed(metric, weight, C, draws, assign=True)
+
+
+def _seed(
+    metric: Hamming | Euclidean, weight: Tensor | None, C: int, draws: tuple[Tensor, Tensor], assign: bool
+) -> tuple[Tensor, Tensor | None]:
     sizes = _round_sizes(C)
     first, factors = draws
     picks = [first]
-    if len(sizes) == 1:
-        return first
-    nearest = metric.nearest_distance(gather_rows(metric.points, first))  # (G, N)
     padded = None if weight is None else weight == 0
-    for r, factor in zip(sizes[1:], factors):
-        keys = nearest * factor  # ≥ 0 for real points
-        if padded is not None:
-            keys.masked_fill_(padded, -1.0)
-        chosen = keys.topk(r, dim=1).indices
-        picks.append(chosen)
-        if len(picks) < len(sizes):
-            nearest = torch.minimum(nearest, metric.nearest_distance(gather_rows(metric.points, chosen)))
-    return torch.cat(picks, dim=1)
+    best = nearest = None  # (G, N): the largest score so far and, with assign, its first centroid
+    offset = 0
+    for r, size in enumerate(sizes):
+        if r > 0:  # draw this round's centroids ∝ d², by Gumbel-top-k
+            keys = metric.distance_of(best.clone()).mul_(factors[r - 1])  # ≥ 0 for real points
+            if padded is not None:
+                keys.masked_fill_(padded, -1.0)
+            picks.append(keys.topk(size, dim=1).indices)
+        if r == len(sizes) - 1 and not assign:
+            break
+        scores = metric.scores(gather_rows(metric.points, picks[-1]))  # (G, size, N)
+        top = scores.amax(1)
+        if assign:  # strictly larger: a tie keeps the earlier centroid
+            index = first_argmax_(scores, 1, top.unsqueeze(1)).add_(offset)
+            nearest = index if nearest is None else torch.where(top > best, index, nearest)
+        best = top if best is None else torch.maximum(best, top)
+        offset += size
+    return torch.cat(picks, dim=1), nearest
 
 
 def lloyd(
@@ -226,15 +260,18 @@ def lloyd(
     init: Tensor,
     iterations: int,
     everyone: Hamming | Euclidean | None = None,
+    assign: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Lloyd's iterations from the points at ``init``; stops at a fixed point. Returns the centroids
     and the assignment of ``metric``'s points to them or, given ``everyone`` (all the points, of
     which ``metric`` holds a sample), of everyone's: then the last step assigns all of them at once,
-    one product where the sample's and then the others' would be two."""
+    one product where the sample's and then the others' would be two. ``assign``: the points'
+    nearest initial centroids, when the seeding found them (``seed_and_assign``)."""
     centroids = gather_rows(metric.points, init)
     if iterations == 0 and everyone is not None:
         return centroids, everyone.nearest(centroids)
-    assign = metric.nearest(centroids)
+    if assign is None:
+        assign = metric.nearest(centroids)
     members = metric.members(weight)
     for step in range(iterations):
         centroids = metric.update(centroids, assign, members)
