@@ -147,3 +147,50 @@ def test_a_backward_call_takes_one_gradient_of_ones_made_once(monkeypatch):
     assert torch.equal(seen[0], torch.ones(1, 2, 12, 4, dtype=q.dtype))
     call(*qkv(1, 2, 20, 20, 4))  # another shape: another gradient
     assert seen[-1].shape == (1, 2, 20, 4) and seen[-1] is not seen[0]
+
+
+def test_a_round_times_a_short_call_as_often_as_it_fits_in_one_of_full_attentions(monkeypatch):
+    """Times are scripted (nothing is timed here): full attention's calls take 5 units, the
+    mechanism's 1, so each round times the mechanism 5 times and reports their median; at 20 units
+    against 1, the rounds stop at ``_ROUND_CALLS``; where the mechanism is the slower, one call."""
+    import itertools
+    import statistics
+
+    from subquad.bench import worker
+
+    def scripted(own, full):
+        counts = {"linear": 0, "full": 0}
+        own_times = itertools.cycle(own)
+
+        def timed(call, q, k, v, device):
+            name = call.mechanism_name
+            counts[name] += 1
+            return call(q, k, v), (next(own_times) if name == "linear" else full)
+
+        return counts, timed
+
+    make_call = worker._make_call
+
+    def tagged(mech, *args):
+        call = make_call(mech, *args)
+
+        def run(q, k, v):
+            return call(q, k, v)
+
+        run.mechanism_name = mech.name
+        return run
+
+    monkeypatch.setattr(worker, "_make_call", tagged)
+    cell = {**CELL, "mechanism": "linear", "causal": False, "paired": True, "warmup_seconds": 1e-9, "repeats": 3}
+    cell["max_seconds"] = 1e9
+    scripts = (([1.0, 1.0, 9.0, 1.0, 1.0], 5.0, 5), ([1.0], 20.0, worker._ROUND_CALLS), ([6.0], 5.0, 1))
+    for own, full, per_round in scripts:
+        counts, timed = scripted(own, full)
+        monkeypatch.setattr(worker, "_timed", timed)
+        result = measure_cell(cell)
+        assert result["calls_per_round"] == per_round
+        assert len(result["times_s"]) == len(result["baseline_times_s"]) == 3
+        assert counts["linear"] - 3 * per_round >= 1  # the warm-up's calls, then the rounds'
+        median = statistics.median(own[:per_round]) if per_round == 5 else own[0]
+        assert result["times_s"] == [median] * 3  # a slow call (9) is not the round's time
+        assert result["paired_ratio"] == median / full

@@ -12,8 +12,13 @@ Then the call repeats until ``repeats`` timings or ``max_seconds``, and the medi
 A ``paired`` cell also times full attention (default config, same causality and pass) on the same
 inputs, one call after each of its own, in the warm-up too: its ``paired_ratio`` is the median of
 the per-round ratios, so a slow spell of the machine (another process, a host's neighbour) slows
-both sides of a ratio alike instead of one cell. It times at least ``_PAIRED_ROUNDS`` rounds, and
-``max_seconds`` counts both calls. Where the baseline cell, run earlier in the same process, took
+both sides of a ratio alike instead of one cell. Where the mechanism's call is shorter than half of
+full attention's (as the warm-up timed them), a round times it several times, up to
+``_ROUND_CALLS``, as many as fit in one of full's, and takes their median: a slow spell short
+enough to hit one call of a few milliseconds no longer is the round's mechanism time, and where
+full's calls are long enough that the cell has only a few rounds, the short calls still fill the
+time those rounds take. ``times_s`` holds one time per round. It times at least ``_PAIRED_ROUNDS``
+rounds, and ``max_seconds`` counts all the calls. Where the baseline cell, run earlier in the same process, took
 longer than ``max_seconds`` a call, the cell is not paired: each call is then long enough that a
 slow spell weighs little, and pairing would double the cell's time.
 Forward cells also report the relative error against full attention, computed in float64 on
@@ -80,19 +85,29 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
             _timed(baseline, q, k, v, device)
         except Exception as exc:
             baseline, result["paired_error"] = None, f"{type(exc).__name__}: {exc}"[:200]
-    while time.perf_counter() - warmup_start < cell["warmup_seconds"]:
-        out = _timed(call, q, k, v, device)[0]
+    own, base = 0.0, 0.0  # the latest warm-up times of a call of each (a paired cell times one at least)
+    while time.perf_counter() - warmup_start < cell["warmup_seconds"] or (baseline is not None and not own):
+        out, own = _timed(call, q, k, v, device)
         if baseline is not None:
-            _timed(baseline, q, k, v, device)
-    times: list[float] = []
+            base = _timed(baseline, q, k, v, device)[1]
+    calls = 1 if baseline is None else max(1, min(_ROUND_CALLS, int(base / max(own, 1e-9))))
+    times: list[float] = []  # the mechanism's time in each round: the median of its calls there
     base_times: list[float] = []
+    spent = 0.0
     rounds = _PAIRED_ROUNDS if baseline is not None else 1
-    while len(times) < rounds or (len(times) < cell["repeats"] and sum(times) + sum(base_times) < cell["max_seconds"]):
-        out, seconds = _timed(call, q, k, v, device)
-        times.append(seconds)
+    while len(times) < rounds or (len(times) < cell["repeats"] and spent < cell["max_seconds"]):
+        own_times = []
+        for _ in range(calls):
+            out, seconds = _timed(call, q, k, v, device)
+            own_times.append(seconds)
+        times.append(statistics.median(own_times))
+        spent += sum(own_times)
         if baseline is not None:
             base_times.append(_timed(baseline, q, k, v, device)[1])
+            spent += base_times[-1]
     result.update(time_s=statistics.median(times), times_s=times, threads=torch.get_num_threads())
+    if baseline is not None:
+        result["calls_per_round"] = calls
     if mech.name == "full" and config == FullConfig():  # the baseline cell: what pairing would cost
         _BASELINE_SECONDS[shape] = result["time_s"]
     if baseline is not None:
@@ -113,6 +128,7 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
 
 
 _PAIRED_ROUNDS = 2  # the fewest timed rounds of a paired cell, whatever max_seconds says
+_ROUND_CALLS = 8  # the most calls of the mechanism in one round of a paired cell
 
 
 def _timed(call: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, device: torch.device):
