@@ -227,6 +227,30 @@ def test_nearest_distance_is_the_least_of_the_distances(dtype):
     assert torch.equal(hamming.nearest_distance(codes[:, :7]), hamming.distances(codes[:, :7]).amin(1))
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cluster_counts_count_each_point_with_its_weight(weighted):
+    gen = torch.Generator().manual_seed(0)
+    assign = torch.randint(0, 6, (3, 40), generator=gen)
+    weight = (torch.rand(3, 40, generator=gen) > 0.3).double() if weighted else None
+    counts = clustering.cluster_counts(assign, 6, weight, torch.float64)
+    expected = torch.zeros(3, 6, dtype=torch.float64)
+    for g in range(3):
+        for i in range(40):
+            expected[g, assign[g, i]] += 1.0 if weight is None else weight[g, i]
+    assert counts.dtype == torch.float64 and torch.equal(counts, expected)
+
+
+def test_the_euclidean_update_is_the_weighted_mean_and_an_empty_cluster_keeps_its_centroid():
+    x = torch.tensor([[[0.0, 0.0], [2.0, 2.0], [4.0, 0.0], [9.0, 9.0]]])
+    assign = torch.tensor([[0, 0, 0, 1]])
+    centroids = torch.tensor([[[1.0, 1.0], [5.0, 5.0], [7.0, 7.0]]])
+    metric = clustering.Euclidean(x)
+    updated = metric.update(centroids, assign, metric.members(None))
+    assert torch.equal(updated, torch.tensor([[[2.0, 2.0 / 3], [9.0, 9.0], [7.0, 7.0]]]))
+    padded = metric.update(centroids, assign, metric.members(torch.tensor([[1.0, 1.0, 0.0, 0.0]])))
+    assert torch.equal(padded, torch.tensor([[[1.0, 1.0], [5.0, 5.0], [7.0, 7.0]]]))  # 1 (padded): kept
+
+
 def test_hamming_majority_update_keeps_tied_bits():
     codes = torch.tensor([[[1.0, 1, -1], [1, -1, -1], [-1, -1, 1]]])
     assign = torch.tensor([[0, 0, 1]])

@@ -65,6 +65,7 @@ from subquad.kernels.tuning import TUNING, block_elements
 from subquad.ops.clustering import (
     Euclidean,
     Hamming,
+    cluster_counts,
     cluster_sums,
     lloyd,
     seed_and_assign,
@@ -216,8 +217,6 @@ def cluster_queries(
         init, first = seed_centroids(fit, fit_weight, C, draws), None
     else:
         init, first = seed_and_assign(fit, fit_weight, C, draws)
-    if fit_weight is None:
-        fit_weight = fit.points.new_ones(G, fit_size)
     return lloyd(fit, fit_weight, init, config.iterations, None if sample is None else metric, first)[1]
 
 
@@ -299,8 +298,8 @@ def _clustered(
             qg = torch.where(query_real[sl].unsqueeze(-1), qg, 0.0)
         with torch.no_grad():
             assign = cluster_queries(qg.detach(), config, state, None if query_real is None else weight, heads[sl])
-        sums = cluster_sums(torch.cat([qg, weight.unsqueeze(-1)], -1), assign, C)  # padded queries are zero
-        centroids = sums[..., :-1] / sums[..., -1:].clamp_min(1)  # eq. 3, (G, C, D)
+        counts = cluster_counts(assign, C, None if query_real is None else weight, work).unsqueeze(-1)
+        centroids = cluster_sums(qg, assign, C) / counts.clamp_min(1)  # eq. 3, (G, C, D); padded queries are 0
         kr = None if key_real is None else key_real[sl].unsqueeze(1)  # (G, 1, S)
         probs = _masked_softmax(torch.bmm(centroids * shape.scale, kg.transpose(1, 2)), kr)  # A^c, eq. 4
         centroid_out = torch.bmm(probs, vg)  # V^c, eq. 5

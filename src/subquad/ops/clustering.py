@@ -21,6 +21,7 @@ __all__ = [
     "SEED_ROUNDS",
     "Euclidean",
     "Hamming",
+    "cluster_counts",
     "cluster_sums",
     "commitment_loss",
     "ema_centroids",
@@ -83,9 +84,10 @@ class Hamming:
         best = torch.bmm(tagged, self.points_t).amax(1)  # (G, N): max_j dot_j − j/2^p
         return ((torch.ceil(best) - best) * 2.0**p).round_().long()
 
-    def members(self, weight: Tensor) -> Tensor:
-        """What ``update`` sums: the codes times their weight (0 for padded points, which do not vote)."""
-        return self.points * weight.unsqueeze(-1)
+    def members(self, weight: Tensor | None) -> Tensor:
+        """What ``update`` sums: the codes times their weight (0 for padded points, which do not
+        vote); None: every point is real."""
+        return self.points if weight is None else self.points * weight.unsqueeze(-1)
 
     def update(self, centroids: Tensor, assign: Tensor, members: Tensor) -> Tensor:
         votes = cluster_sums(members, assign, centroids.shape[1])
@@ -132,16 +134,21 @@ class Euclidean:
     def nearest(self, centroids: Tensor) -> Tensor:
         return first_argmax_(self.scores(centroids), 1)  # argmin ‖x − c‖²; the first on ties
 
-    def members(self, weight: Tensor) -> Tensor:
-        """What ``update`` sums: the points times their weight, then the weight (padded points have
-        weight 0 and do not count), so one pass gives each cluster's sum and its count."""
-        w = weight.unsqueeze(-1).to(self.points.dtype)
-        return torch.cat([self.points * w, w], dim=-1)
+    def members(self, weight: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """What ``update`` sums: the points times their weight, and the weight (padded points have
+        weight 0 and do not count); None: every point is real, and the points are summed as they
+        are (no copy)."""
+        if weight is None:
+            return self.points, None
+        w = weight.to(self.points.dtype)
+        return self.points * w.unsqueeze(-1), w
 
-    def update(self, centroids: Tensor, assign: Tensor, members: Tensor) -> Tensor:
-        sums = cluster_sums(members, assign, centroids.shape[1])
-        counts = sums[..., -1:]
-        return torch.where(counts > 0, sums[..., :-1] / counts.clamp_min(1), centroids)
+    def update(self, centroids: Tensor, assign: Tensor, members: tuple[Tensor, Tensor | None]) -> Tensor:
+        points, weight = members
+        C = centroids.shape[1]
+        sums = cluster_sums(points, assign, C)
+        counts = cluster_counts(assign, C, weight, points.dtype).unsqueeze(-1)
+        return torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
 
 
 def first_argmax_(scores: Tensor, dim: int, top: Tensor | None = None) -> Tensor:
@@ -175,6 +182,18 @@ def cluster_sums(x: Tensor, assign: Tensor, C: int) -> Tensor:
         return torch.bmm(torch.nn.functional.one_hot(assign, C).to(x.dtype).transpose(1, 2), x)
     index = (assign + (torch.arange(G, device=x.device) * C).unsqueeze(-1)).view(-1)
     return x.new_zeros(G * C, F).index_add(0, index, x.reshape(G * N, F)).view(G, C, F)
+
+
+def cluster_counts(assign: Tensor, C: int, weight: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """Per-cluster counts ``(G, C)`` of ``assign`` ``(G, N)``, each point counted with its ``weight``
+    ``(G, N)`` (None: 1), in ``dtype``."""
+    G, N = assign.shape
+    if assign.device.type != "cpu":  # deterministic there too
+        ones = torch.ones(G, N, 1, dtype=dtype, device=assign.device) if weight is None else weight.unsqueeze(-1)
+        return cluster_sums(ones.to(dtype), assign, C).squeeze(-1)
+    index = (assign + (torch.arange(G, device=assign.device) * C).unsqueeze(-1)).view(-1)
+    w = None if weight is None else weight.reshape(-1).to(dtype)
+    return torch.bincount(index, weights=w, minlength=G * C).to(dtype).view(G, C)
 
 
 def seed_draws(weight: Tensor, positions: Tensor, C: int, seed: int, heads: Tensor) -> tuple[Tensor, Tensor]:
@@ -223,7 +242,8 @@ def seed_and_assign(
 ) -> tuple[Tensor, Tensor]:
     """``seed_centroids``, and each point's nearest of the C initial centroids ``(G, N)`` (the first
     on ties), Lloyd's first assignment: each round's scores serve both, so the points meet every
-    centroid once, in the seeding's products, not again in a product of all C."""
+    centroid once, in the seeding's products, not again in a product of all C. The rounds' scores
+    are kept for one argmax at the end."""
     return _seed(metric, weight, C, draws, assign=True)
 
 
@@ -234,8 +254,8 @@ def _seed(
     first, factors = draws
     picks = [first]
     padded = None if weight is None else weight == 0
-    best = nearest = None  # (G, N): the largest score so far and, with assign, its first centroid
-    offset = 0
+    best = None  # (G, N): the largest score so far
+    kept = []  # with assign, each round's scores, in the order of the picks
     for r, size in enumerate(sizes):
         if r > 0:  # draw this round's centroids ∝ d², by Gumbel-top-k
             keys = metric.distance_of(best.clone()).mul_(factors[r - 1])  # ≥ 0 for real points
@@ -246,17 +266,17 @@ def _seed(
             break
         scores = metric.scores(gather_rows(metric.points, picks[-1]))  # (G, size, N)
         top = scores.amax(1)
-        if assign:  # strictly larger: a tie keeps the earlier centroid
-            index = first_argmax_(scores, 1, top.unsqueeze(1)).add_(offset)
-            nearest = index if nearest is None else torch.where(top > best, index, nearest)
         best = top if best is None else torch.maximum(best, top)
-        offset += size
+        if assign:
+            kept.append(scores)
+    # one first argmax over all the rounds' scores: fewer passes than one per round
+    nearest = first_argmax_(torch.cat(kept, dim=1), 1, best.unsqueeze(1)) if assign else None
     return torch.cat(picks, dim=1), nearest
 
 
 def lloyd(
     metric: Hamming | Euclidean,
-    weight: Tensor,
+    weight: Tensor | None,
     init: Tensor,
     iterations: int,
     everyone: Hamming | Euclidean | None = None,
@@ -265,8 +285,9 @@ def lloyd(
     """Lloyd's iterations from the points at ``init``; stops at a fixed point. Returns the centroids
     and the assignment of ``metric``'s points to them or, given ``everyone`` (all the points, of
     which ``metric`` holds a sample), of everyone's: then the last step assigns all of them at once,
-    one product where the sample's and then the others' would be two. ``assign``: the points'
-    nearest initial centroids, when the seeding found them (``seed_and_assign``)."""
+    one product where the sample's and then the others' would be two. ``weight`` ``(G, N)``: 0 for
+    padded points, which do not move the centroids; None: every point is real. ``assign``: the
+    points' nearest initial centroids, when the seeding found them (``seed_and_assign``)."""
     centroids = gather_rows(metric.points, init)
     if iterations == 0 and everyone is not None:
         return centroids, everyone.nearest(centroids)
