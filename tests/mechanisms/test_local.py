@@ -240,6 +240,27 @@ def test_the_block_is_small_only_for_a_call_that_takes_no_gradient_on_the_flash_
     assert (out - expected).abs().max() <= 1e-10
 
 
+@pytest.mark.parametrize(
+    "window, is_causal, wide",
+    [(129, False, True), (128, False, False), (257, True, True), (256, True, False)],
+)
+def test_a_band_of_more_than_four_blocks_of_keys_takes_blocks_twice_as_wide_with_gradients(
+    monkeypatch, window, is_causal, wide
+):
+    """With gradients the block is ``local_block``, doubled where a query sees more than
+    ``4 · local_block`` keys (2·window − 1 non-causal, window causal); values and gradients stay
+    those of the dense band mask."""
+    q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 700, 700, 8, seed=2))
+    seen = _record_blocks(monkeypatch)
+    out = local_attention(q, k, v, is_causal=is_causal, config=LocalConfig(window=window))
+    assert {shape[1] for shape, _ in seen} == {TUNING.local_block * (2 if wide else 1)}
+    expected = dense_local(q, k, v, None, is_causal, window)
+    assert (out - expected).abs().max() <= 1e-10
+    g = randn(*out.shape, dtype=out.dtype, seed=4)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g), strict=True):
+        assert (a - b).abs().max() <= 1e-10
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(("L", "S"), [(40, 64), (64, 40), (150, 150)])
 def test_gradients_equal_the_dense_band_mask_on_the_flash_kernel(is_causal, L, S):

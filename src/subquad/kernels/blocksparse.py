@@ -253,14 +253,18 @@ def _chunks(
         yield _Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask, groups)
 
 
-def band_block(q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool) -> int:
-    """Queries per block of a band (local, strided sparse): ``TUNING.local_inference_block`` where
-    the fused or native kernel runs a call that takes no gradient (fewer keys computed outside the
-    band), else ``TUNING.local_block`` (blocks that share keys scatter their key gradients twice,
-    so wider ones halve that). ``native``: the native kernel takes these inputs."""
+def band_block(q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool, keys: int) -> int:
+    """Queries per block of a band (local, strided sparse) whose queries see ``keys`` keys each:
+    ``TUNING.local_inference_block`` where the fused or native kernel runs a call that takes no
+    gradient (fewer keys computed outside the band), else ``TUNING.local_block``, twice that where
+    ``keys > 4 · TUNING.local_block``. With gradients, each block's keys get a key gradient of their
+    own, which the backward zero-fills and scatters: the blocks' keys overlap by the band's width, so
+    a wider band repays wider blocks (docs/performance.md). ``native``: the native kernel takes
+    these inputs."""
     fused = kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
-    inference = (fused or native) and not tracks_grad(q, k, v)
-    return TUNING.local_inference_block if inference else TUNING.local_block
+    if (fused or native) and not tracks_grad(q, k, v):
+        return TUNING.local_inference_block
+    return TUNING.local_block * (2 if keys > 4 * TUNING.local_block else 1)
 
 
 def native_runs(queries: int, keys: int) -> bool:

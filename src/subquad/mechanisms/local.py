@@ -19,7 +19,8 @@ blocks, never O(N·window).
 
 The block is ``TUNING.local_inference_block`` (32) where the CPU flash kernel (or the native one)
 runs a call that can take no gradient (gradients disabled, or no input requiring one), and
-``TUNING.local_block`` (64) otherwise. Smaller
+``TUNING.local_block`` (64) otherwise, 128 where a query sees more than 256 keys (non-causal
+windows above 128, causal ones above 256: ``kernels.blocksparse.band_block``). Smaller
 blocks compute fewer keys outside the window (``block − 1`` of ``block + 2·window − 2`` per query),
 which makes a forward faster, but their overlapping key windows double the key gradients the
 backward scatters, which makes forward+backward slower (docs/performance.md). The two
@@ -110,7 +111,7 @@ def local_attention(
     w = min(config.window, L + S)  # a wider window sees no more keys: the same result, bounded work
     offset = S - L
     native = config.kernel == "native" and _native.supports(q, k, v) is None  # runs Dv != D too
-    block = band_block(q, k, v, config.kernel, native)
+    block = band_block(q, k, v, config.kernel, native, w if is_causal else 2 * w - 1)
     parts = [_band(L, offset, w, is_causal, min(block, L), q.device)]
     sinks = min(config.sinks, S)
     # the part is needed where some query's window leaves out a sink: the last query misses key 0,

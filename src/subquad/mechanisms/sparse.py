@@ -354,7 +354,8 @@ def sparse_attention(
         )
     native = config.kernel == "native" and _native.supports(q, k, v) is None
     if not config.block:
-        config = dataclasses.replace(config, block=band_block(q, k, v, config.kernel, native))
+        band = config.stride if is_causal else 2 * config.stride - 1  # keys per query of the local step
+        config = dataclasses.replace(config, block=band_block(q, k, v, config.kernel, native, band))
     parts = _sparse_parts(config, dataclasses.replace(shape, scale=1.0), is_causal, q.device, native)
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel)
 
