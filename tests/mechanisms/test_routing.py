@@ -138,9 +138,9 @@ def test_outputs_and_gradients_equal_full_attention_under_the_mask_in_chunks_of_
     monkeypatch, is_causal, Dv, window
 ):
     """Query blocks run in chunks of one width and similar need with reused buffers
-    (subquad.kernels.tiles): with one block per chunk, as with all in one, and with chunks cut by width
-    only (as off the CPU), outputs and gradients equal those of full attention under the dense
-    mask. A window of 60 makes blocks of every width."""
+    (subquad.kernels.tiles): with one block per chunk, with at most 2 chunks, as with all in one,
+    and with chunks cut by width only (as off the CPU), outputs and gradients equal those of full
+    attention under the dense mask. A window of 60 makes blocks of every width."""
     q, k, v = (x.requires_grad_(True) for x in qkv(2, 2, 150, 160, 6, Dv, seed=11))
     kpm = padding(2, 160, seed=4)
     st_ = state(3)
@@ -149,8 +149,10 @@ def test_outputs_and_gradients_equal_full_attention_under_the_mask_in_chunks_of_
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
     config = RoutingConfig(clusters=3, tile=window)
     cut = subquad.kernels.tiles._chunks
-    for elements, tight in ((1, True), (1 << 20, True), (1 << 20, False)):
+    # one block per chunk, the chunks capped at 2 (each then of many small ones), all in one, cut by width only
+    for elements, most, tight in ((1, 1 << 30, True), (1, 2, True), (1 << 20, 32, True), (1 << 20, 32, False)):
         monkeypatch.setattr(TUNING, "tiles_group", elements)
+        monkeypatch.setattr(TUNING, "tiles_chunks", most)
         monkeypatch.setattr(subquad.kernels.tiles, "_chunks", lambda w, n, step, _, tight=tight: cut(w, n, step, tight))
         out = routing_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config, state=st_)
         grads = torch.autograd.grad(out.square().sum(), (q, k, v))
@@ -477,3 +479,27 @@ def test_the_old_option_name_window_still_works_and_warns():
     assert config == RoutingConfig(clusters=3, tile=5)
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="pass tile only"):
         subquad.make_config("routing", window=5, tile=6)
+
+
+@pytest.mark.parametrize(("elements", "most", "expected"), [(1, 4, "cap"), (1, 1 << 30, 1), (1 << 30, 4, "all")])
+def test_a_plan_takes_chunks_of_tiles_group_scores_but_no_more_than_tiles_chunks(monkeypatch, elements, most, expected):
+    """Chunks hold about ``tiles_group`` scores (at least one block), but a plan of many small
+    chunks takes larger ones, ``blocks / tiles_chunks`` blocks, instead."""
+    import subquad.kernels.tiles as tiles
+
+    plans = []
+    init = tiles._Plan.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        plans.append(self)
+
+    monkeypatch.setattr(tiles._Plan, "__init__", recording)
+    monkeypatch.setattr(TUNING, "tiles_group", elements)
+    monkeypatch.setattr(TUNING, "tiles_chunks", most)
+    q, k, v = qkv(2, 2, 150, 150, 6, seed=1)
+    routing_attention(q, k, v, is_causal=True, config=RoutingConfig(clusters=3, tile=8), state=state(3))
+    (plan,) = plans
+    blocks = plan.queries.shape[0]
+    want = {"cap": -(-blocks // most), "all": elements // (plan.Tq * plan.longest)}.get(expected, expected)
+    assert blocks > 4 and plan.step == want

@@ -120,7 +120,10 @@ class _Plan:
         self.start = (start * tile + rows * M).flatten()[order]  # each window's first slot
         self.seen = seen.reshape(R * nb, -1)[order]  # (R·nb, Tq or 1)
         self.longest = _key_slots(int(need.max()))  # buffers hold `step` blocks of Tq queries and this many keys
-        self.Tq, self.step = Tq, max(1, block_elements(TUNING.tiles_group, table.device) // (Tq * self.longest))
+        # Chunks of about `tiles_group` scores (within a core's L2), but not more than about
+        # `tiles_chunks` of them: each costs its dozens of small operations (docs/performance.md).
+        step = block_elements(TUNING.tiles_group, table.device) // (Tq * self.longest)
+        self.Tq, self.step = Tq, max(1, step, -(-R * nb // TUNING.tiles_chunks))
         # Off the CPU each chunk costs dozens of kernel launches, more than computing unseen slots.
         tight = table.device.type == "cpu"
         self.chunks = _chunks(width[order].tolist(), need[order].tolist(), self.step, tight)

@@ -76,7 +76,8 @@ class Tuning:
         1 << 19, "fixed pattern, off the CPU: scores per call against the summaries, scaled by accelerator_scale"
     )
     # gathered tiles (routing)
-    tiles_group: int = _knob(1 << 20, "score entries computed at once, about 4 MB in fp32")
+    tiles_group: int = _knob(1 << 18, "score entries computed at once, about 1 MB in fp32: within one core's L2")
+    tiles_chunks: int = _knob(32, "window attention: the most chunks of about tiles_group, larger ones past it")
     tiles_min_block: int = _knob(16, "the narrowest query block run: narrower ones cost more per query than they save")
     routing_query_block: int = _knob(64, "causal routing: queries sharing a window, computed together")
     routing_assign: int = _knob(1 << 19, "position × centroid scores held at once while routing")
