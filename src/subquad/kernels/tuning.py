@@ -51,7 +51,7 @@ class Tuning:
         1 << 19, "eager kernel: scores (B·H·blocks·bq·W) held at once, about 2 MB in fp32, within L2"
     )
     blocksparse_fused_tile: int = _knob(
-        1 << 22, "torch's flash kernel never holds a chunk's scores at once: larger chunks, fewer calls"
+        1 << 20, "torch's flash kernel: a gathered chunk's keys, values and additive mask (scores-sized) in cache"
     )
     blocksparse_backward_tile: int = _knob(
         1 << 20, "the fused backward returns key gradients per block before they are summed: keep them small"
