@@ -67,6 +67,7 @@ from subquad.ops.clustering import (
     Hamming,
     cluster_counts,
     cluster_sums,
+    flat_clusters,
     lloyd,
     seed_and_assign,
     seed_centroids,
@@ -293,12 +294,12 @@ def _clustered(
         sl = slice(r, r + group)
         qg, kg, vg = qg.to(work), kg.to(work), vg.to(work)
         G = qg.shape[0]
-        weight = qg.new_ones(G, L) if query_real is None else query_real[sl].to(work)
+        weight = None if query_real is None else query_real[sl].to(work)  # None: every query is real
         if query_real is not None:  # whatever sits at padded queries (even inf or NaN) stays out
             qg = torch.where(query_real[sl].unsqueeze(-1), qg, 0.0)
         with torch.no_grad():
-            assign = cluster_queries(qg.detach(), config, state, None if query_real is None else weight, heads[sl])
-        counts = cluster_counts(assign, C, None if query_real is None else weight, work).unsqueeze(-1)
+            assign = cluster_queries(qg.detach(), config, state, weight, heads[sl])
+        counts = cluster_counts(assign, C, weight, work).unsqueeze(-1)
         centroids = cluster_sums(qg, assign, C) / counts.clamp_min(1)  # eq. 3, (G, C, D); padded queries are 0
         kr = None if key_real is None else key_real[sl].unsqueeze(1)  # (G, 1, S)
         probs = _masked_softmax(torch.bmm(centroids * shape.scale, kg.transpose(1, 2)), kr)  # A^c, eq. 4
@@ -306,9 +307,8 @@ def _clustered(
         if rescore is not None:
             out = rescore(qg, kg, vg, assign, probs, centroid_out, kr, shape.scale)
         else:
-            index = (assign + (torch.arange(G, device=q.device) * C).unsqueeze(-1)).view(-1)
-            out = centroid_out.view(G * C, Dv).index_select(0, index).view(G, L, Dv)  # eq. 6
-        if query_real is not None:
+            out = centroid_out.view(G * C, Dv).index_select(0, flat_clusters(assign, C)).view(G, L, Dv)  # eq. 6
+        if weight is not None:
             out = out * weight.unsqueeze(-1)
         result.put(out.to(q.dtype))
     return result.result().view(B, H, L, Dv)

@@ -37,6 +37,7 @@ from subquad.mechanisms.clustered import (
     _masked_softmax,
     exactly_full,
 )
+from subquad.ops.clustering import flat_clusters
 from subquad.registry import Mechanism, option
 
 __all__ = ["ImprovedClusteredConfig", "improved_clustered_attention", "rescore_topk", "top_keys"]
@@ -130,7 +131,7 @@ def _tile_layout(assign: Tensor, C: int, tile: int) -> tuple[Tensor, Tensor, Ten
     there are never read."""
     G, L = assign.shape
     device = assign.device
-    cluster = (assign + (torch.arange(G, device=device) * C).unsqueeze(-1)).view(-1)  # (G·L,) in [0, G·C)
+    cluster = flat_clusters(assign, C)  # (G·L,) in [0, G·C)
     # the order of a stable sort of `cluster`, row by row: the rows' sorts run in parallel
     order = torch.sort(assign, dim=1, stable=True).indices + (torch.arange(G, device=device) * L).unsqueeze(-1)
     order = order.view(-1)

@@ -26,6 +26,7 @@ __all__ = [
     "commitment_loss",
     "ema_centroids",
     "first_argmax_",
+    "flat_clusters",
     "gather_rows",
     "lloyd",
     "nearest_direction",
@@ -53,8 +54,7 @@ class Hamming:
 
     def distances(self, centroids: Tensor) -> Tensor:
         """``(G, r, N)`` differing bits to ``r`` centroids."""
-        B = self.points.shape[-1]
-        return (B - torch.bmm(centroids, self.points_t[:, :-1])) * 0.5
+        return (self.points.shape[-1] - self.scores(centroids)) * 0.5
 
     def scores(self, centroids: Tensor) -> Tensor:
         """``(G, r, N)`` dot products of the codes, larger for nearer: the nearest centroid has the
@@ -106,9 +106,9 @@ class Euclidean:
         return Euclidean(gather_rows(self.points, index))
 
     def scores(self, centroids: Tensor) -> Tensor:
-        """``(G, r, N)`` c·x − ‖c‖²/2, larger for nearer, centroids by points: one ``baddbmm`` on the points' transposed
-        view (no copy). With N innermost the product runs about twice as fast on CPU as points by
-        centroids, and reductions over r vectorise along N."""
+        """``(G, r, N)`` c·x − ‖c‖²/2, larger for nearer, centroids by points: one ``baddbmm`` on the
+        points' transposed view (no copy). With N innermost the product runs about twice as fast on
+        CPU as points by centroids, and reductions over r vectorise along N."""
         half_norms = centroids.square().sum(-1, keepdim=True).mul_(-0.5)
         return torch.baddbmm(half_norms, centroids, self.points.transpose(1, 2))
 
@@ -175,13 +175,17 @@ def gather_rows(x: Tensor, index: Tensor) -> Tensor:
     return x.reshape(G * N, F_).index_select(0, flat).view(G, index.shape[1], F_)
 
 
+def flat_clusters(assign: Tensor, C: int) -> Tensor:
+    """``assign`` ``(G, N)`` as indices ``(G·N,)`` into the G rows' C clusters each, flattened (G·C)."""
+    return (assign + (torch.arange(assign.shape[0], device=assign.device) * C).unsqueeze(-1)).view(-1)
+
+
 def cluster_sums(x: Tensor, assign: Tensor, C: int) -> Tensor:
     """Per-cluster sums ``(G, C, F)`` of ``x`` ``(G, N, F)`` under ``assign`` ``(G, N)``."""
     G, N, F = x.shape
     if x.device.type != "cpu":  # index_add uses atomics there: a one-hot matmul is deterministic
         return torch.bmm(torch.nn.functional.one_hot(assign, C).to(x.dtype).transpose(1, 2), x)
-    index = (assign + (torch.arange(G, device=x.device) * C).unsqueeze(-1)).view(-1)
-    return x.new_zeros(G * C, F).index_add(0, index, x.reshape(G * N, F)).view(G, C, F)
+    return x.new_zeros(G * C, F).index_add(0, flat_clusters(assign, C), x.reshape(G * N, F)).view(G, C, F)
 
 
 def cluster_counts(assign: Tensor, C: int, weight: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -191,9 +195,8 @@ def cluster_counts(assign: Tensor, C: int, weight: Tensor | None, dtype: torch.d
     if assign.device.type != "cpu":  # deterministic there too
         ones = torch.ones(G, N, 1, dtype=dtype, device=assign.device) if weight is None else weight.unsqueeze(-1)
         return cluster_sums(ones.to(dtype), assign, C).squeeze(-1)
-    index = (assign + (torch.arange(G, device=assign.device) * C).unsqueeze(-1)).view(-1)
     w = None if weight is None else weight.reshape(-1).to(dtype)
-    return torch.bincount(index, weights=w, minlength=G * C).to(dtype).view(G, C)
+    return torch.bincount(flat_clusters(assign, C), weights=w, minlength=G * C).to(dtype).view(G, C)
 
 
 def seed_draws(weight: Tensor, positions: Tensor, C: int, seed: int, heads: Tensor) -> tuple[Tensor, Tensor]:
