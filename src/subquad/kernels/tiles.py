@@ -15,15 +15,17 @@ A query that sees no key returns zeros.
 
 ``window_attention`` is one autograd Function. It runs the blocks in chunks of similar shape: a
 block at most half full runs narrower (the next power of two holding its queries, at least
-``TUNING.tiles_min_block``), and the keys of a chunk's windows are cut to the longest need in it, so blocks
-whose queries see few keys cost few. On the CPU a chunk holds blocks of similar need; elsewhere it
-holds every block of one width (up to the chunk size), as each chunk costs dozens of kernel
-launches there. Each chunk goes through torch's CPU flash-attention kernel where it exists (the
-unseen slots as an additive mask), else an eager softmax (both in ``kernels.softmax``). Chunk buffers are
-allocated once per call, as large as the largest chunk, and reused: on CPU a fresh large tensor
-costs more in page faults than the copy into it, so they are carved from huge pages
-(``kernels.memory.new_buffers``). The slots no query of a block sees are zeroed by index. The Function saves its inputs, the output and the log-sum-exp; the backward
-recomputes each chunk's probabilities. Scores and softmax are fp32 for fp16/bf16 inputs.
+``TUNING.tiles_min_block``), and the keys of a chunk's windows are cut to the longest need in it, so
+blocks whose queries see few keys cost few. On the CPU a chunk holds blocks of similar need;
+elsewhere it holds every block of one width (up to the chunk size), as each chunk costs dozens of
+kernel launches there. Each chunk goes through torch's CPU flash-attention kernel where it exists
+(the unseen slots as an additive mask), else an eager softmax (both in ``kernels.softmax``). Chunk
+buffers are allocated once per call, as large as the largest chunk, and reused: on CPU a fresh large
+tensor costs more in page faults than the copy into it, so they are carved from huge pages
+(``kernels.memory.new_buffers``). The slots no query of a block sees are zeroed by index. The
+chunks' outputs are put in query order by one gather at the end. The Function saves its inputs, the
+output and the log-sum-exp; the backward recomputes each chunk's probabilities. Scores and softmax
+are fp32 for fp16/bf16 inputs.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class _Plan:
         self.queries = torch.where(queries >= 0, queries + rows[..., None] * L, R * L).view(R * nb, Tq)[order]
         self.start = (start * tile + rows * M).flatten()[order]  # each window's first slot
         self.seen = seen.reshape(R * nb, -1)[order]  # (R·nb, Tq or 1)
+        self.need = need[order, None]  # (R·nb, 1): the slots a block's queries see at most
         self.longest = _key_slots(int(need.max()))  # buffers hold `step` blocks of Tq queries and this many keys
         # Chunks of about `tiles_group` scores (within a core's L2), but not more than about
         # `tiles_chunks` of them: each costs its dozens of small operations (docs/performance.md).
@@ -146,15 +149,39 @@ class _Plan:
         # Off the CPU each chunk costs dozens of kernel launches, more than computing unseen slots.
         tight = table.device.type == "cpu"
         self.chunks = _chunks(width[order].tolist(), need[order].tolist(), self.step, tight)
+        # The fewest slots a query of each block sees (an empty query slot: 0), read once on the
+        # CPU so that each chunk knows without a check whether it needs a mask.
+        self.least = self.seen.amin(-1).tolist() if tight else None
+        self._slot: Tensor | None = None
+        self._lookup: dict[int, Tensor] = {}
+
+    def in_query_order(self, parts: list[Tensor]) -> Tensor:
+        """The chunks' per-slot rows ``parts`` (in chunk order, each ``(n·Tq, ·)``), as ``(R·L, ·)``
+        in query order: one gather. Writing each chunk into place instead (``index_copy_``) is
+        several times slower on the CPU (docs/performance.md)."""
+        if self._slot is None:  # each query's slot among the chunks' slots, in chunk order
+            rows = torch.cat([self.queries[first:end, :Tq].reshape(-1) for first, end, Tq, _ in self.chunks])
+            slots = torch.arange(len(rows), device=rows.device)
+            self._slot = torch.empty(self.dummy + 1, dtype=torch.long, device=rows.device).index_copy_(0, rows, slots)
+        return torch.cat(parts).index_select(0, self._slot[: self.dummy])
 
     def chunk(self, first: int, end: int, Tq: int, Tk: int, q, k, v, buffers: dict[str, Tensor]) -> _Chunk:
         blocks = slice(first, end)
         slots = (self.start[blocks, None] + torch.arange(Tk, device=self.start.device)).clamp_(max=len(self.keys) - 1)
-        seen = self.seen[blocks, :Tq]
         # The slots no query of a block sees (empty ones, those past its window: another row's)
         # are computed with zero keys and values, so nothing they hold meets a zero weight.
-        shown = self.filled[slots] & (torch.arange(Tk, device=slots.device) < seen.amax(-1, keepdim=True))
-        return _Chunk(self.queries[blocks, :Tq], self.dummy, self.keys[slots], shown, seen, q, k, v, buffers)
+        shown = self.filled[slots] & (torch.arange(Tk, device=slots.device) < self.need[blocks])
+        least = None if self.least is None else min(self.least[blocks])
+        return _Chunk(self.queries[blocks, :Tq], self.dummy, self.keys[slots], shown, self.seen[blocks, :Tq], least,
+                      q, k, v, buffers)  # fmt: skip
+
+    def lookup(self, Tk: int, dtype: torch.dtype) -> Tensor:
+        """``(Tk + 1, Tk)``: row s is s zeros, then −inf (the additive masks' rows), made once per call."""
+        table = self._lookup.get(Tk)
+        if table is None:
+            table = torch.full((Tk + 1, Tk), -torch.inf, dtype=dtype, device=self.start.device).triu_()
+            self._lookup[Tk] = table
+        return table
 
 
 def _chunks(widths: list[int], needs: list[int], step: int, tight: bool = True) -> list[tuple[int, int, int, int]]:
@@ -173,7 +200,7 @@ def _chunks(widths: list[int], needs: list[int], step: int, tight: bool = True) 
 class _Chunk:
     """One chunk of blocks: gathered queries, window keys and values, and the unseen slots."""
 
-    def __init__(self, query_rows, dummy, key_rows, shown, seen, q, k, v, buffers: dict[str, Tensor]) -> None:
+    def __init__(self, query_rows, dummy, key_rows, shown, seen, least, q, k, v, buffers: dict[str, Tensor]) -> None:
         self.query_rows = query_rows.flatten()  # (n·Tq), `dummy` for an empty slot
         self.q_ok = query_rows < dummy  # (n, Tq)
         self.q_rows = query_rows.clamp(max=dummy - 1)  # (n, Tq): empty slots compute on a real row
@@ -182,19 +209,16 @@ class _Chunk:
         hidden = _hidden_slots(shown)
         self.k = _zero_rows(_take(buffers["k"], k, key_rows), shown, hidden)  # (n, Tk, D)
         self.v = _zero_rows(_take(buffers["v"], v, key_rows), shown, hidden)  # (n, Tk, Dv)
-        Tk = key_rows.shape[1]
-        self.seen = seen.clamp(max=Tk)  # (n, Tq or 1)
-        # Every query sees the whole window: no mask. Checked on the CPU only: elsewhere the check
-        # would wait for the device, and the mask costs less.
-        self.full = seen.device.type == "cpu" and bool((self.seen == Tk).all())
+        self.seen = seen  # (n, Tq or 1), at most Tk (the longest need in the chunk)
+        # `least`: the fewest slots a query sees, known on the CPU only (elsewhere reading it would
+        # wait for the device; None). Every query sees the whole window: no mask.
+        self.least = least
+        self.full = least is not None and least >= key_rows.shape[1]
 
-    def additive_mask(self, buffer: Tensor) -> Tensor | None:
-        """The unseen slots as −inf, else 0, ``(n, Tq or 1, Tk)``: rows of a lookup table whose
-        row s is s zeros, then −inf."""
+    def additive_mask(self, buffer: Tensor, lookup: Tensor) -> Tensor | None:
+        """The unseen slots as −inf, else 0, ``(n, Tq or 1, Tk)``: rows of ``lookup`` (``_Plan.lookup``)."""
         if self.full:
             return None
-        Tk = self.k.shape[1]
-        lookup = torch.full((Tk + 1, Tk), -torch.inf, dtype=buffer.dtype, device=buffer.device).triu_()
         return _take(buffer, lookup, self.seen)
 
     def allowed(self) -> Tensor | None:
@@ -203,13 +227,13 @@ class _Chunk:
             return None
         return torch.arange(self.k.shape[1], device=self.seen.device) < self.seen[..., None]
 
-    def output(self, scale: float, fused: bool, buffers: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def output(self, scale: float, fused: bool, buffers: dict[str, Tensor], plan: _Plan) -> tuple[Tensor, Tensor]:
         """Softmax over the window: output ``(n, Tq, Dv)`` and log-sum-exp ``(n, Tq)`` (−inf where
         no slot is seen, with a zero output)."""
         n, Tq, D = self.q.shape
         Tk = self.k.shape[1]
         if fused:
-            mask = self.additive_mask(buffers["mask"])
+            mask = self.additive_mask(buffers["mask"], plan.lookup(Tk, buffers["mask"].dtype))
             out, lse = fused_forward(
                 self.q.view(n, 1, Tq, D), self.k.view(n, 1, Tk, D), self.v.view(n, 1, Tk, -1),
                 None if mask is None else mask.view(n, 1, *mask.shape[1:]), False, scale,
@@ -217,6 +241,8 @@ class _Chunk:
             out, lse = out.view(n, Tq, -1), lse.view(n, Tq)
         else:
             out, lse = eager_forward(self.q, self.k, self.v, self.allowed(), scale)
+        if self.least is not None and self.least > 0:  # every query sees a slot
+            return out, lse
         return out, lse.masked_fill((self.seen == 0).expand(n, Tq), -torch.inf)
 
 
@@ -251,16 +277,16 @@ class _WindowAttention(torch.autograd.Function):
         work = work_dtype(q.dtype)
         plan = _Plan(R, L, S, table, tile, queries, start, seen)
         q_, k_, v_ = q.reshape(R * L, D), k.reshape(R * S, D), v.reshape(R * S, Dv)
-        out = torch.empty(R * L + 1, Dv, dtype=work, device=q.device)
-        lse = torch.empty(R * L + 1, dtype=work, device=q.device)
         fused = fused_available(q.device, D, Dv)
         buffers = _buffers(plan, q, v, work)
+        outs, lses = [], []
         for first, end, Tq, Tk in plan.chunks:
             chunk = plan.chunk(first, end, Tq, Tk, q_, k_, v_, buffers)
-            o, m = chunk.output(scale, fused, buffers)
-            out.index_copy_(0, chunk.query_rows, o.flatten(0, 1))
-            lse.index_copy_(0, chunk.query_rows, m.flatten())
-        out, lse = out[: R * L].view(R, L, Dv), lse[: R * L].view(R, L)
+            o, m = chunk.output(scale, fused, buffers, plan)
+            outs.append(o.flatten(0, 1))
+            lses.append(m.flatten())
+        out = plan.in_query_order(outs).view(R, L, Dv)
+        lse = plan.in_query_order(lses).view(R, L)
         if own is not None:  # merge the own key through the log-sum-exp (module docstring)
             _, v_own, s_own = _own_keys(q, k, v, own, scale, work)
             total = torch.logaddexp(lse, s_own)
@@ -283,7 +309,7 @@ class _WindowAttention(torch.autograd.Function):
         S, Dv = k.shape[1], v.shape[2]
         grad = grad.to(work)
         delta = (grad * out.to(work)).sum(-1)  # (R, L): Σ_d dO·O, the softmax backward's row term
-        grad_q = torch.zeros(R * L + 1, D, dtype=work, device=q.device)
+        grad_q = []
         grad_k = torch.zeros(R * S, D, dtype=work, device=q.device)
         grad_v = torch.zeros(R * S, Dv, dtype=work, device=q.device)
         flat = lambda x: x.reshape(R * L, *x.shape[2:])  # noqa: E731
@@ -291,14 +317,15 @@ class _WindowAttention(torch.autograd.Function):
         buffers = _buffers(plan, q, v, work)
         for first, end, Tq, Tk in plan.chunks:
             g = plan.chunk(first, end, Tq, Tk, q_, k_, v_, buffers)
-            go = flat(grad)[g.q_rows]  # (n, Tq, Dv)
-            total = flat(lse)[g.q_rows].masked_fill_(~g.q_ok, torch.inf)  # empty slots: probabilities 0
-            dq, dk, dv = eager_backward(g.q, g.k, g.v, go, total, flat(delta)[g.q_rows], g.allowed(), scale)
+            rows = g.q_rows.flatten()
+            go = flat(grad).index_select(0, rows).view(*g.q_rows.shape, Dv)  # (n, Tq, Dv)
+            total = flat(lse)[rows].view_as(g.q_ok).masked_fill_(~g.q_ok, torch.inf)  # empty slots: probabilities 0
+            dq, dk, dv = eager_backward(g.q, g.k, g.v, go, total, flat(delta)[rows].view_as(g.q_ok), g.allowed(), scale)
             keys = g.key_rows.flatten()
             grad_v.index_add_(0, keys, dv.flatten(0, 1))
             grad_k.index_add_(0, keys, dk.flatten(0, 1))
-            grad_q.index_copy_(0, g.query_rows, dq.flatten(0, 1))
-        grad_q = grad_q[: R * L].view(R, L, D)
+            grad_q.append(dq.flatten(0, 1))
+        grad_q = plan.in_query_order(grad_q).view(R, L, D)
         grad_k, grad_v = grad_k.view(R, S, D), grad_v.view(R, S, Dv)
         if own is not None:
             k_own, v_own, s_own = _own_keys(q, k, v, own, scale, work)
