@@ -7,6 +7,7 @@ import torch
 from subquad.kernels.memory import (
     BlockOutput,
     Scratch,
+    kept_buffer,
     new_buffers,
     new_output,
     new_output_like,
@@ -123,3 +124,37 @@ def test_new_buffers_are_disjoint_aligned_contiguous_and_zeroed_when_asked():
             4,
             5,
         ]  # no write reached another
+
+
+def test_a_kept_buffer_is_the_same_memory_on_the_next_request_of_its_name_and_grows_when_asked_for_more():
+    import threading
+
+    from subquad.kernels.tuning import tuned
+
+    cpu = torch.device("cpu")
+    first = kept_buffer("test.kept", 100, torch.float32, cpu)
+    assert first.shape == (100,) and first.dtype == torch.float32 and first.is_contiguous()
+    assert kept_buffer("test.kept", 60, torch.float32, cpu).data_ptr() == first.data_ptr()
+    assert kept_buffer("test.other", 60, torch.float32, cpu).data_ptr() != first.data_ptr()
+    assert kept_buffer("test.kept", 60, torch.float64, cpu).data_ptr() != first.data_ptr()  # one per dtype
+    grown = kept_buffer("test.kept", 1000, torch.float32, cpu)
+    assert grown.shape == (1000,) and kept_buffer("test.kept", 100, torch.float32, cpu).data_ptr() == grown.data_ptr()
+    other_thread = []
+    thread = threading.Thread(target=lambda: other_thread.append(kept_buffer("test.kept", 100, torch.float32, cpu)))
+    thread.start()
+    thread.join()
+    assert other_thread[0].data_ptr() != grown.data_ptr()  # each thread keeps its own
+    with tuned(kept_buffer=500):  # above the limit: a fresh tensor every time, nothing kept
+        a, b = (kept_buffer("test.large", 501, torch.float32, cpu) for _ in range(2))
+        assert a.shape == (501,) and a.data_ptr() != kept_buffer("test.large", 501, torch.float32, cpu).data_ptr()
+        del b
+
+
+def test_a_kept_buffer_made_in_inference_mode_takes_writes_outside_it():
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        kept_buffer("test.inference", 10, torch.float32, cpu).fill_(1)
+    buffer = kept_buffer("test.inference", 10, torch.float32, cpu)
+    assert not buffer.is_inference()
+    torch.index_select(torch.arange(20.0).view(10, 2), 0, torch.arange(5), out=buffer.view(5, 2))
+    assert buffer.tolist() == list(map(float, range(10)))

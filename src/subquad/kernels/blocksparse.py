@@ -46,7 +46,7 @@ from torch import Tensor
 
 from subquad.kernels import native as _native
 from subquad.kernels.layouts import Group
-from subquad.kernels.memory import new_output, tracks_grad
+from subquad.kernels.memory import kept_buffer, new_output, tracks_grad
 from subquad.kernels.softmax import (
     additive_mask,
     eager_backward,
@@ -178,10 +178,12 @@ class _Chunk:
         heads = heads * (self.S + 2 * self.pad)
         return (heads + self.pad + self.keys.clamp(0, self.S - 1)).reshape(-1)
 
-    def gather(self, x: Tensor, sources: dict) -> Tensor:
+    def gather(self, x: Tensor, sources: dict, name: str) -> Tensor:
         """This chunk's keys (or values) from ``x`` ``(B, H_kv, S + 2 pad, F)``: ``(B, H, n, W, F)``.
         ``sources`` keeps each ``key_source`` sequence for the whole pass (built once). With
-        grouped-query inputs each key head is repeated for its G query heads here, a chunk at a time."""
+        grouped-query inputs each key head is repeated for its G query heads here, a chunk at a time.
+        A gathered copy (not a view) is written into the thread's kept buffer ``name``
+        (``memory.kept_buffer``): it lives until the next chunk's gather."""
         views = self.group.views
         if views is not None:
             if views.key_source is not None:
@@ -199,7 +201,8 @@ class _Chunk:
         flat = self.flat
         if B > 1:
             flat = (torch.arange(B, device=x.device)[:, None] * (rows.shape[0] // B) + flat).flatten()
-        return rows.index_select(0, flat).view(B, *self.shape, F_)
+        out = kept_buffer(name, flat.numel() * F_, x.dtype, x.device).view(-1, F_)
+        return torch.index_select(rows, 0, flat, out=out).view(B, *self.shape, F_)
 
     def take(self, x: Tensor, view: bool = True) -> Tensor:
         """This chunk's rows of queries (``view``) or of per-query tensors ``x`` ``(B, H, L(+pad), F)``:
@@ -299,7 +302,7 @@ def _additive(allowed: Tensor, B: int, H: int, dtype: torch.dtype) -> Tensor:
 def _chunk_forward(q_ext, kf, vf, sources, c: _Chunk, scale: float, kernel: str) -> tuple[Tensor, Tensor]:
     """One chunk's normalised output ``(B, H, n, bq, Dv)`` and log-sum-exp ``(B, H, n, bq)``."""
     B, H = q_ext.shape[:2]
-    qc, kc, vc = c.take(q_ext), c.gather(kf, sources), c.gather(vf, sources)
+    qc, kc, vc = c.take(q_ext), c.gather(kf, sources, "blocksparse.keys"), c.gather(vf, sources, "blocksparse.values")
     if kernel == "native":  # lse = −inf already for a row with no key
         o, lse = _native.block_attention(_as_batch(qc), _as_batch(kc), _as_batch(vc), *_native_masks(c, B, H), scale)
         return _from_batch(o, B, H), _from_batch(lse.squeeze(-1), B, H)
@@ -339,7 +342,7 @@ def _native_in_place(q_ext, kf, vf, sources, c: _Chunk, scale: float, out: Tenso
     if rows is None or rows_lse is None:
         return False
     B, H = q_ext.shape[:2]
-    qc, kc, vc = c.take(q_ext), c.gather(kf, sources), c.gather(vf, sources)
+    qc, kc, vc = c.take(q_ext), c.gather(kf, sources, "blocksparse.keys"), c.gather(vf, sources, "blocksparse.values")
     mask, causal = _native_masks(c, B, H)
     _native.block_attention(_as_batch(qc), _as_batch(kc), _as_batch(vc), mask, causal, scale, (rows, rows_lse), merge)
     return True
@@ -431,7 +434,7 @@ class _BlockSparse(torch.autograd.Function):
                 for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, False, H // Hkv):
                     rows = c.queries
                     qc, gc = c.take(q_ext), c.take(g_ext, view=False)
-                    kc, vc = c.gather(kf, sources), c.gather(vf, sources)
+                    kc, vc = c.gather(kf, sources, "blocksparse.keys"), c.gather(vf, sources, "blocksparse.values")
                     if ctx.fused:
                         dq, dk, dv = _chunk_backward_fused(
                             qc, kc, vc, gc, c.take(out_ext, view=False), lse[:, :, rows], c, ctx.scale

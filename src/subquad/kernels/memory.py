@@ -11,6 +11,8 @@ each is allocated once per call rather than once per block.
 ``new_output``: ``torch.empty`` for a large output, in huge pages on Linux CPUs; ``new_buffers``:
 several working buffers carved from one of them.
 
+``kept_buffer``: a named working buffer on the CPU that the calling thread keeps from call to call.
+
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from __future__ import annotations
 import ctypes
 import math
 import sys
+import threading
 
 import torch
 from torch import Tensor
 
+from subquad.kernels.tuning import TUNING
+
 __all__ = [
     "BlockOutput",
     "Scratch",
+    "kept_buffer",
     "new_buffers",
     "new_output",
     "new_output_like",
@@ -110,6 +116,36 @@ def new_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch
     if zero:
         slab.zero_()
     return [slab[start : start + size].view(shape) for start, size, shape in zip(starts, sizes, shapes)]
+
+
+_kept = threading.local()
+
+
+def kept_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A contiguous 1-D tensor of ``numel`` elements (contents undefined) for the temporaries that
+    ``name`` stands for.
+
+    On the CPU, up to ``TUNING.kept_buffer`` elements, it is a view of a buffer that the calling
+    thread keeps for its next request of that name and dtype (grown when a request needs more),
+    carved from huge pages as ``new_buffers`` (a kept buffer in 4 KiB pages ran slower than fresh
+    ones in some processes, by where its pages fell in the caches); larger requests, and other
+    devices (whose caching allocators keep memory already), get a fresh tensor. A call's
+    temporaries of a few megabytes, freed at its end, can make glibc's heap shrink and grow again
+    with every call, each time faulting their pages back in: block-sparse gathers took 2500 page
+    faults a call in some processes and none in others (docs/performance.md).
+
+    The caller owns the buffer until it returns: nothing it returns or saves may be a view of it,
+    and it must not be asked for again (by that name) meanwhile, as a later request on the same
+    thread gets the same memory.
+    """
+    if device.type != "cpu" or numel > TUNING.kept_buffer:
+        return torch.empty(numel, dtype=dtype, device=device)
+    store = _kept.__dict__.setdefault("buffers", {})
+    buffer = store.get((name, dtype))
+    if buffer is None or buffer.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: out= may write it outside inference mode
+            buffer = store[(name, dtype)] = new_buffers([(numel,)], dtype, device, zero=False)[0]
+    return buffer[:numel]
 
 
 def tracks_grad(*tensors: Tensor) -> bool:

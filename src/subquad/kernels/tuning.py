@@ -46,6 +46,9 @@ class Tuning:
     accelerator_scale: int = _knob(
         32, "element budgets are this many times larger off the CPU: fewer launches, memory still bounded"
     )
+    kept_buffer: int = _knob(
+        1 << 22, "CPU working buffers of up to this many elements kept by the calling thread between calls"
+    )
     # block-sparse engine (sparse, pattern, local)
     blocksparse_tile: int = _knob(
         1 << 19, "eager kernel: scores (B·H·blocks·bq·W) held at once, about 2 MB in fp32, within L2"
