@@ -23,7 +23,8 @@ kernel launches there. Each chunk goes through torch's CPU flash-attention kerne
 buffers are allocated once per call, as large as the largest chunk, and reused: on CPU a fresh large
 tensor costs more in page faults than the copy into it, so they are carved from huge pages
 (``kernels.memory.new_buffers``). The slots no query of a block sees are zeroed by index. The
-chunks' outputs are put in query order by one gather at the end. The Function saves its inputs, the
+chunks' outputs are written in chunk order into a buffer the thread keeps
+(``kernels.memory.kept_buffer``) and put in query order by one gather at the end. The Function saves its inputs, the
 output and the log-sum-exp; the backward recomputes each chunk's probabilities. Scores and softmax
 are fp32 for fp16/bf16 inputs.
 """
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from subquad.kernels.memory import new_buffers
+from subquad.kernels.memory import kept_buffer, new_buffers
 from subquad.kernels.softmax import eager_backward, eager_forward, fused_available, fused_forward, work_dtype
 from subquad.kernels.threads import adapted_backward
 from subquad.kernels.tuning import TUNING, block_elements
@@ -155,15 +156,22 @@ class _Plan:
         self._slot: Tensor | None = None
         self._lookup: dict[int, Tensor] = {}
 
-    def in_query_order(self, parts: list[Tensor]) -> Tensor:
-        """The chunks' per-slot rows ``parts`` (in chunk order, each ``(n·Tq, ·)``), as ``(R·L, ·)``
-        in query order: one gather. Writing each chunk into place instead (``index_copy_``) is
-        several times slower on the CPU (docs/performance.md)."""
+    def slot_rows(self, name: str, width: int, dtype: torch.dtype) -> Tensor:
+        """A buffer of a row of ``width`` for each query slot of the chunks, in chunk order
+        ``(Σ n·Tq, width)``: the chunks write their rows into it one after another. The thread's
+        kept buffer ``name`` (``memory.kept_buffer``): no output may be a view of it."""
+        slots = sum((end - first) * Tq for first, end, Tq, _ in self.chunks)
+        return kept_buffer(name, slots * width, dtype, self.start.device).view(slots, width)
+
+    def in_query_order(self, rows: Tensor) -> Tensor:
+        """``rows`` of ``slot_rows`` as a new ``(R·L, ·)`` in query order: one gather. Writing each
+        chunk into place instead (``index_copy_``) is several times slower on the CPU
+        (docs/performance.md)."""
         if self._slot is None:  # each query's slot among the chunks' slots, in chunk order
-            rows = torch.cat([self.queries[first:end, :Tq].reshape(-1) for first, end, Tq, _ in self.chunks])
-            slots = torch.arange(len(rows), device=rows.device)
-            self._slot = torch.empty(self.dummy + 1, dtype=torch.long, device=rows.device).index_copy_(0, rows, slots)
-        return torch.cat(parts).index_select(0, self._slot[: self.dummy])
+            query = torch.cat([self.queries[first:end, :Tq].reshape(-1) for first, end, Tq, _ in self.chunks])
+            slots = torch.arange(len(query), device=query.device)
+            self._slot = torch.empty(self.dummy + 1, dtype=torch.long, device=query.device).index_copy_(0, query, slots)
+        return rows.index_select(0, self._slot[: self.dummy])
 
     def chunk(self, first: int, end: int, Tq: int, Tk: int, q, k, v, buffers: dict[str, Tensor]) -> _Chunk:
         blocks = slice(first, end)
@@ -279,12 +287,14 @@ class _WindowAttention(torch.autograd.Function):
         q_, k_, v_ = q.reshape(R * L, D), k.reshape(R * S, D), v.reshape(R * S, Dv)
         fused = fused_available(q.device, D, Dv)
         buffers = _buffers(plan, q, v, work)
-        outs, lses = [], []
+        outs, lses = plan.slot_rows("tiles.rows", Dv, work), plan.slot_rows("tiles.lse", 1, work)
+        at = 0
         for first, end, Tq, Tk in plan.chunks:
             chunk = plan.chunk(first, end, Tq, Tk, q_, k_, v_, buffers)
             o, m = chunk.output(scale, fused, buffers, plan)
-            outs.append(o.flatten(0, 1))
-            lses.append(m.flatten())
+            outs[at : at + m.numel()] = o.flatten(0, 1)
+            lses[at : at + m.numel(), 0] = m.flatten()
+            at += m.numel()
         out = plan.in_query_order(outs).view(R, L, Dv)
         lse = plan.in_query_order(lses).view(R, L)
         if own is not None:  # merge the own key through the log-sum-exp (module docstring)
@@ -309,7 +319,7 @@ class _WindowAttention(torch.autograd.Function):
         S, Dv = k.shape[1], v.shape[2]
         grad = grad.to(work)
         delta = (grad * out.to(work)).sum(-1)  # (R, L): Σ_d dO·O, the softmax backward's row term
-        grad_q = []
+        grad_q, at = plan.slot_rows("tiles.rows", D, work), 0
         grad_k = torch.zeros(R * S, D, dtype=work, device=q.device)
         grad_v = torch.zeros(R * S, Dv, dtype=work, device=q.device)
         flat = lambda x: x.reshape(R * L, *x.shape[2:])  # noqa: E731
@@ -324,7 +334,8 @@ class _WindowAttention(torch.autograd.Function):
             keys = g.key_rows.flatten()
             grad_v.index_add_(0, keys, dv.flatten(0, 1))
             grad_k.index_add_(0, keys, dk.flatten(0, 1))
-            grad_q.append(dq.flatten(0, 1))
+            grad_q[at : at + len(rows)] = dq.flatten(0, 1)
+            at += len(rows)
         grad_q = plan.in_query_order(grad_q).view(R, L, D)
         grad_k, grad_v = grad_k.view(R, S, D), grad_v.view(R, S, Dv)
         if own is not None:
