@@ -24,9 +24,9 @@ buffers are allocated once per call, as large as the largest chunk, and reused: 
 tensor costs more in page faults than the copy into it, so they are carved from huge pages
 (``kernels.memory.new_buffers``). The slots no query of a block sees are zeroed by index. The
 chunks' outputs are written in chunk order into a buffer the thread keeps
-(``kernels.memory.kept_buffer``) and put in query order by one gather at the end. The Function saves its inputs, the
-output and the log-sum-exp; the backward recomputes each chunk's probabilities. Scores and softmax
-are fp32 for fp16/bf16 inputs.
+(``kernels.memory.kept_buffer``) and put in query order by one gather at the end. The Function saves
+its inputs, the output and the log-sum-exp; the backward recomputes each chunk's probabilities.
+Scores and softmax are fp32 for fp16/bf16 inputs.
 """
 
 from __future__ import annotations
@@ -209,8 +209,7 @@ class _Chunk:
     """One chunk of blocks: gathered queries, window keys and values, and the unseen slots."""
 
     def __init__(self, query_rows, dummy, key_rows, shown, seen, least, q, k, v, buffers: dict[str, Tensor]) -> None:
-        self.query_rows = query_rows.flatten()  # (n·Tq), `dummy` for an empty slot
-        self.q_ok = query_rows < dummy  # (n, Tq)
+        self.query_rows, self.dummy = query_rows, dummy  # (n, Tq), `dummy` for an empty slot
         self.q_rows = query_rows.clamp(max=dummy - 1)  # (n, Tq): empty slots compute on a real row
         self.key_rows = key_rows  # (n, Tk)
         self.q = _take(buffers["q"], q, self.q_rows)  # (n, Tq, D)
@@ -222,6 +221,10 @@ class _Chunk:
         # wait for the device; None). Every query sees the whole window: no mask.
         self.least = least
         self.full = least is not None and least >= key_rows.shape[1]
+
+    def q_ok(self) -> Tensor:
+        """The query slots holding a query, bool ``(n, Tq)``."""
+        return self.query_rows < self.dummy
 
     def additive_mask(self, buffer: Tensor, lookup: Tensor) -> Tensor | None:
         """The unseen slots as −inf, else 0, ``(n, Tq or 1, Tk)``: rows of ``lookup`` (``_Plan.lookup``)."""
@@ -329,8 +332,9 @@ class _WindowAttention(torch.autograd.Function):
             g = plan.chunk(first, end, Tq, Tk, q_, k_, v_, buffers)
             rows = g.q_rows.flatten()
             go = flat(grad).index_select(0, rows).view(*g.q_rows.shape, Dv)  # (n, Tq, Dv)
-            total = flat(lse)[rows].view_as(g.q_ok).masked_fill_(~g.q_ok, torch.inf)  # empty slots: probabilities 0
-            dq, dk, dv = eager_backward(g.q, g.k, g.v, go, total, flat(delta)[rows].view_as(g.q_ok), g.allowed(), scale)
+            real = g.q_ok()
+            total = flat(lse)[rows].view_as(real).masked_fill_(~real, torch.inf)  # empty slots: probabilities 0
+            dq, dk, dv = eager_backward(g.q, g.k, g.v, go, total, flat(delta)[rows].view_as(real), g.allowed(), scale)
             keys = g.key_rows.flatten()
             grad_v.index_add_(0, keys, dv.flatten(0, 1))
             grad_k.index_add_(0, keys, dk.flatten(0, 1))
