@@ -218,46 +218,71 @@ def test_each_block_reads_only_its_window(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "grad, context, Dv, block",
+    "grad, context, Dv, forward_block, backward_block",
     [
-        (False, None, 8, TUNING.local_inference_block),
-        (True, None, 8, TUNING.local_block),
-        (True, torch.no_grad, 8, TUNING.local_inference_block),
-        (True, torch.inference_mode, 8, TUNING.local_inference_block),
-        (False, None, 5, TUNING.local_block),  # Dv != D: the reference path, not the flash kernel
+        (False, None, 8, TUNING.local_inference_block, None),
+        (True, None, 8, TUNING.local_inference_block, TUNING.local_block),
+        (True, torch.no_grad, 8, TUNING.local_inference_block, None),
+        (True, torch.inference_mode, 8, TUNING.local_inference_block, None),
+        (False, None, 5, TUNING.local_block, None),  # Dv != D: the reference path, not the flash kernel
+        (True, None, 5, TUNING.local_block, TUNING.local_block),
     ],
 )
-def test_the_block_is_small_only_for_a_call_that_takes_no_gradient_on_the_flash_kernel(
-    monkeypatch, grad, context, Dv, block
+def test_the_forward_runs_small_blocks_on_the_flash_kernel_and_the_backward_recomputes_larger_ones(
+    monkeypatch, grad, context, Dv, forward_block, backward_block
 ):
-    """Both blocks compute the same attention: only their speed differs."""
+    """The forward takes the small block wherever the flash kernel runs it, gradients or not (so a
+    call with gradients returns what one without returns); the backward recomputes the band in
+    ``local_block`` blocks. Values and gradients are those of the dense band mask."""
     q, k, v = (x.requires_grad_(grad) for x in qkv(2, 3, 300, 300, 8, Dv))
     expected = dense_local(q, k, v, None, False, 40)
     seen = _record_blocks(monkeypatch)
     with context() if context else contextlib.nullcontext():
         out = local_attention(q, k, v, config=LocalConfig(window=40))
-    assert {shape[1] for shape, _ in seen} == {block}
+    assert {shape[1] for shape, _ in seen} == {forward_block}
     assert (out - expected).abs().max() <= 1e-10
+    if backward_block is None:
+        return
+    seen.clear()
+    g = randn(*out.shape, dtype=out.dtype, seed=4)
+    got, want = torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g)
+    assert {shape[1] for shape, _ in seen} == {backward_block}
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max() <= 1e-10
+
+
+def test_a_call_with_gradients_returns_what_one_without_returns():
+    """Both forwards run the same blocks: a reentrant checkpoint, whose first forward runs without
+    gradients, recomputes exactly the values it returned."""
+    q, k, v = qkv(1, 2, 700, 700, 8, dtype=torch.float32, seed=6)
+    for is_causal in (False, True):
+        with torch.no_grad():
+            plain = local_attention(q, k, v, is_causal=is_causal)
+        tracked = local_attention(*(x.clone().requires_grad_() for x in (q, k, v)), is_causal=is_causal)
+        assert torch.equal(plain, tracked.detach())
 
 
 @pytest.mark.parametrize(
     "window, is_causal, wide",
     [(129, False, True), (128, False, False), (257, True, True), (256, True, False)],
 )
-def test_a_band_of_more_than_four_blocks_of_keys_takes_blocks_twice_as_wide_with_gradients(
+def test_a_band_of_more_than_four_blocks_of_keys_is_recomputed_in_blocks_twice_as_wide(
     monkeypatch, window, is_causal, wide
 ):
-    """With gradients the block is ``local_block``, doubled where a query sees more than
-    ``4 · local_block`` keys (2·window − 1 non-causal, window causal); values and gradients stay
-    those of the dense band mask."""
+    """The backward's block is ``local_block``, doubled where a query sees more than
+    ``4 · local_block`` keys (2·window − 1 non-causal, window causal); the forward's stays
+    ``local_inference_block``. Values and gradients stay those of the dense band mask."""
     q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 700, 700, 8, seed=2))
     seen = _record_blocks(monkeypatch)
     out = local_attention(q, k, v, is_causal=is_causal, config=LocalConfig(window=window))
-    assert {shape[1] for shape, _ in seen} == {TUNING.local_block * (2 if wide else 1)}
+    assert {shape[1] for shape, _ in seen} == {TUNING.local_inference_block}
     expected = dense_local(q, k, v, None, is_causal, window)
     assert (out - expected).abs().max() <= 1e-10
+    seen.clear()
     g = randn(*out.shape, dtype=out.dtype, seed=4)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g), strict=True):
+    got = torch.autograd.grad(out, (q, k, v), g)
+    assert {shape[1] for shape, _ in seen} == {TUNING.local_block * (2 if wide else 1)}
+    for a, b in zip(got, torch.autograd.grad(expected, (q, k, v), g), strict=True):
         assert (a - b).abs().max() <= 1e-10
 
 
@@ -288,7 +313,7 @@ def test_native_kernel_equals_the_dense_band_mask_with_gradients(is_causal, L, S
     inputs = [x.detach().float().requires_grad_(True) for x in exact]
     kpm = padding(2, S, seed=5)
     config = LocalConfig(window=window, kernel="native")
-    for context in (torch.no_grad, contextlib.nullcontext):  # 32- and 64-query blocks
+    for context in (torch.no_grad, contextlib.nullcontext):  # the backward recomputes in 64-query blocks
         with context():
             out = local_attention(*inputs, key_padding_mask=kpm, is_causal=is_causal, config=config)
         expected = dense_local(*exact, kpm, is_causal, window)
@@ -339,7 +364,7 @@ def test_the_kernel_option_reaches_the_engine(monkeypatch):
 def _count_kernel(calls, *args):
     from subquad.kernels.blocksparse import block_sparse_attention
 
-    calls.append(args[-1])
+    calls.append(args[6])  # (q, k, v, parts, key_padding_mask, scale, kernel, backward_parts)
     return block_sparse_attention(*args)
 
 

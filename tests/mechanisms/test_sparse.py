@@ -656,23 +656,26 @@ def test_native_kernel_on_float64_falls_back_and_stays_exact(monkeypatch):
     assert (out - oracle(q, k, v, config, True)).abs().max() <= 1e-10
 
 
-def test_block_0_picks_32_without_gradients_and_64_with(monkeypatch):
-    # The automatic block: narrower blocks compute fewer keys per query, wider ones scatter fewer
-    # shared key gradients; both give the same attention.
+def test_block_0_runs_32_in_the_forward_and_recomputes_64_in_the_backward(monkeypatch):
+    # The automatic block: narrower blocks compute fewer keys per query in the forward, wider ones
+    # scatter fewer shared key gradients in the backward; all give the same attention.
     seen = []
     real = sparse._sparse_parts.__wrapped__
     monkeypatch.setattr(sparse, "_sparse_parts", lambda config, *a: seen.append(config.block) or real(config, *a))
     q, k, v = (torch.randn(1, 2, 200, 8, dtype=torch.float64) for _ in range(3))
     with torch.no_grad():
         out = sparse_attention(q, k, v, is_causal=True, config=SparseConfig(stride=16))
-    grad_out = sparse_attention(
-        *(x.requires_grad_() for x in (q, k, v)), is_causal=True, config=SparseConfig(stride=16)
-    )
-    with torch.no_grad():
-        explicit = sparse_attention(q, k, v, is_causal=True, config=SparseConfig(stride=16, block=5))
-    assert seen == [32, 64, 5]
-    torch.testing.assert_close(grad_out, out, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(explicit, out, rtol=1e-12, atol=1e-12)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    grad_out = sparse_attention(*leaves, is_causal=True, config=SparseConfig(stride=16))
+    explicit_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    explicit = sparse_attention(*explicit_leaves, is_causal=True, config=SparseConfig(stride=16, block=5))
+    assert seen == [32, 32, 64, 5]
+    assert torch.equal(grad_out.detach(), out)  # the same blocks in the forward, gradients or not
+    torch.testing.assert_close(explicit.detach(), out, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out)
+    got, want = torch.autograd.grad(grad_out, leaves, g), torch.autograd.grad(explicit, explicit_leaves, g)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

@@ -32,7 +32,10 @@ no visible key has ``lse = −inf`` and returns zeros.
 **Backward.** ``_BlockSparse`` saves only q, k, v, the output and ``lse``. The backward recomputes
 each chunk's probabilities ``P = exp(S − lse)`` from the merged ``lse`` (as FlashAttention does), so
 every part's gradients are those of the merged softmax: ``dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O))``.
-Key and value gradients are scattered back with ``index_add_``. Memory stays linear in N.
+Key and value gradients are scattered back with ``index_add_``. Memory stays linear in N. As each
+pair's gradient needs only the merged ``lse`` and output, the backward may recompute the pattern
+in a layout of its own (``backward_parts``): a band's forward runs fastest in small blocks, its
+backward in larger ones (``band_blocks``).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from torch import Tensor
 
 from subquad.kernels import native as _native
 from subquad.kernels.layouts import Group
-from subquad.kernels.memory import kept_buffer, new_output, tracks_grad
+from subquad.kernels.memory import kept_buffer, new_output
 from subquad.kernels.softmax import (
     additive_mask,
     eager_backward,
@@ -61,6 +64,7 @@ from subquad.kernels.threads import adapted_backward
 from subquad.kernels.tuning import TUNING, block_elements
 
 __all__ = [
+    "band_blocks",
     "block_sparse_attention",
     "native_runs",
 ]
@@ -77,6 +81,7 @@ def block_sparse_attention(
     key_padding_mask: Tensor | None,
     scale: float,
     kernel: str = "fused",
+    backward_parts: Sequence[Part] | None = None,
 ) -> Tensor:
     """Softmax attention over the union of ``parts`` (disjoint key sets per query); differentiable.
 
@@ -90,6 +95,8 @@ def block_sparse_attention(
             returns the log-sum-exp (``eager`` where it is unavailable, or when Dv ≠ D); ``eager`` is
             matmul, softmax in fp32+, matmul: the reference; ``native``: subquad's C kernel for the
             forward, opt-in (what ``fused`` runs where it cannot, with a warning).
+        backward_parts: the same pattern in the layout the backward pass recomputes it in (default:
+            ``parts``), such as larger blocks; it must cover exactly the (query, key) pairs of ``parts``.
 
     Returns:
         ``(B, H, L, Dv)`` in q's dtype; zero rows for queries that see no key.
@@ -102,7 +109,8 @@ def block_sparse_attention(
             forward = "native"
         else:
             _native.warn_unavailable(why)
-    return _BlockSparse.apply(q, k, v, key_padding_mask, tuple(parts), scale, forward, fused)
+    backward = tuple(parts if backward_parts is None else backward_parts)
+    return _BlockSparse.apply(q, k, v, key_padding_mask, tuple(parts), scale, forward, fused, backward)
 
 
 _KEPT_ELEMENTS = 1 << 20  # the largest mask a kept group keeps (Group.memo), 4 MB as an additive mask
@@ -256,18 +264,20 @@ def _chunks(
         yield _Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask, groups)
 
 
-def band_block(q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool, keys: int) -> int:
-    """Queries per block of a band (local, strided sparse) whose queries see ``keys`` keys each:
-    ``TUNING.local_inference_block`` where the fused or native kernel runs a call that takes no
-    gradient (fewer keys computed outside the band), else ``TUNING.local_block``, twice that where
-    ``keys > 4 · TUNING.local_block``. With gradients, each block's keys get a key gradient of their
-    own, which the backward zero-fills and scatters: the blocks' keys overlap by the band's width, so
-    a wider band repays wider blocks (docs/performance.md). ``native``: the native kernel takes
+def band_blocks(q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool, keys: int) -> tuple[int, int]:
+    """Queries per block of a band (local, strided sparse) whose queries see ``keys`` keys each, in
+    the forward pass and in the backward pass, which recomputes the band in a layout of its own
+    (``block_sparse_attention``'s ``backward_parts``). The forward takes
+    ``TUNING.local_inference_block`` where the fused or native kernel runs it: fewer keys computed
+    outside the band. The backward takes ``TUNING.local_block``, twice that where
+    ``keys > 4 · TUNING.local_block``: each block's keys get a key gradient of their own, which
+    torch's flash backward zero-fills and the engine scatters, and the blocks' keys overlap by the
+    band's width, so a wider band repays wider blocks (docs/performance.md). Off those kernels
+    (``eager``) the forward takes the backward's block too. ``native``: the native kernel takes
     these inputs."""
+    backward = TUNING.local_block * (2 if keys > 4 * TUNING.local_block else 1)
     fused = kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
-    if (fused or native) and not tracks_grad(q, k, v):
-        return TUNING.local_inference_block
-    return TUNING.local_block * (2 if keys > 4 * TUNING.local_block else 1)
+    return (TUNING.local_inference_block if fused or native else backward), backward
 
 
 def native_runs(queries: int, keys: int) -> bool:
@@ -394,10 +404,10 @@ class _BlockSparse(torch.autograd.Function):
     """Block-sparse attention whose backward recomputes every chunk (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, parts, scale, kernel, fused):  # type: ignore[override]
+    def forward(ctx, q, k, v, key_padding_mask, parts, scale, kernel, fused, backward_parts):  # type: ignore[override]
         out, lse = _forward(q, k, v, key_padding_mask, parts, scale, kernel, fused)
         ctx.save_for_backward(q, k, v, key_padding_mask, out, lse)
-        ctx.parts, ctx.scale, ctx.fused = parts, scale, fused
+        ctx.parts, ctx.scale, ctx.fused = backward_parts, scale, fused
         return out.to(q.dtype)
 
     @staticmethod
@@ -450,7 +460,7 @@ class _BlockSparse(torch.autograd.Function):
         grad_q = grad_q.view(B, H, L + 1, D)[:, :, :L].to(q.dtype)
         grad_k = grad_k.view(B, Hkv, S + 2 * pad, D)[:, :, pad : pad + S].to(k.dtype)
         grad_v = grad_v.view(B, Hkv, S + 2 * pad, Dv)[:, :, pad : pad + S].to(v.dtype)
-        return grad_q, grad_k, grad_v, None, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None, None
 
 
 def _add_rows(target: Tensor, index: Tensor, rows: Tensor) -> None:

@@ -65,11 +65,13 @@ class Tuning:
     native_queries: int = _knob(128, "the native kernel's gain is on short blocks; longer ones go to torch's kernel")
     native_keys: int = _knob(1024, "as native_queries, for the keys a block sees")
     local_block: int = _knob(
-        64, "local, and sparse's block=0: queries per block when a gradient can be taken, or off the flash kernel"
+        64,
+        "local, and sparse's block=0: queries per block of the backward (twice that for wide bands), and of the "
+        "forward off the flash kernels",
     )
     local_inference_block: int = _knob(
         32,
-        "local, and sparse's block=0: queries per block without gradients on the flash kernels (fewer keys)",
+        "local, and sparse's block=0: queries per block of the forward on the flash kernels (fewer keys)",
     )
     sparse_layout: int = _knob(1 << 22, "pattern: mask values evaluated at once while finding a layout")
     sparse_summary_queries: int = _knob(

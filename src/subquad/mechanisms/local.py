@@ -17,15 +17,16 @@ opt-in C kernel of ``subquad.kernels.native`` for the forward), one autograd Fun
 output and log-sum-exp and recomputes blocks in the backward, so memory is O(N·D) plus one batch of
 blocks, never O(N·window).
 
-The block is ``TUNING.local_inference_block`` (32) where the CPU flash kernel (or the native one)
-runs a call that can take no gradient (gradients disabled, or no input requiring one), and
-``TUNING.local_block`` (64) otherwise, 128 where a query sees more than 256 keys (non-causal
-windows above 128, causal ones above 256: ``kernels.blocksparse.band_block``). Smaller
-blocks compute fewer keys outside the window (``block − 1`` of ``block + 2·window − 2`` per query),
-which makes a forward faster, but their overlapping key windows double the key gradients the
-backward scatters, which makes forward+backward slower (docs/performance.md). The two
-differ only in rounding, so a reentrant checkpoint (whose first forward runs without gradients)
-recomputes slightly different values than it first returned.
+The forward runs blocks of ``TUNING.local_inference_block`` (32) queries where the CPU flash
+kernel (or the native one) runs it, with gradients or without, and ``TUNING.local_block`` (64)
+otherwise. The backward recomputes the band in blocks of its own (the engine's backward needs only
+the saved output and log-sum-exp): ``TUNING.local_block``, 128 where a query sees more than 256
+keys (non-causal windows above 128, causal ones above 256: ``kernels.blocksparse.band_blocks``).
+Smaller blocks compute fewer keys outside the window (``block − 1`` of ``block + 2·window − 2`` per
+query), which makes a forward faster, but their overlapping key windows multiply the key gradients
+the backward zero-fills and scatters, which makes a backward slower (docs/performance.md). A call
+with gradients returns exactly what one without returns, so a reentrant checkpoint recomputes the
+values it first returned.
 
 **Sinks.** ``sinks = s`` keeps the first s keys visible to every query (causal: those before it),
 besides its window: StreamingLLM's attention sinks (Xiao et al. 2024), which pretrained decoders
@@ -48,8 +49,9 @@ from torch import Tensor
 from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
 from subquad.kernels import native as _native
-from subquad.kernels.blocksparse import band_block, block_sparse_attention
+from subquad.kernels.blocksparse import band_blocks, block_sparse_attention
 from subquad.kernels.layouts import Group, band_groups, sink_groups, sink_mask
+from subquad.kernels.memory import tracks_grad
 from subquad.masks import MaskMod, window_covers
 from subquad.mechanisms._options import kernel_option
 from subquad.registry import Config, Mechanism, option
@@ -111,15 +113,22 @@ def local_attention(
     w = min(config.window, L + S)  # a wider window sees no more keys: the same result, bounded work
     offset = S - L
     native = config.kernel == "native" and _native.supports(q, k, v) is None  # runs Dv != D too
-    block = band_block(q, k, v, config.kernel, native, w if is_causal else 2 * w - 1)
-    parts = [_band(L, offset, w, is_causal, min(block, L), q.device)]
-    sinks = min(config.sinks, S)
+    block, backward_block = band_blocks(q, k, v, config.kernel, native, w if is_causal else 2 * w - 1)
+    layout = functools.partial(_layout, L, offset, w, is_causal, min(config.sinks, S), device=q.device)
+    parts = layout(min(block, L))
+    backward = layout(min(backward_block, L)) if backward_block != block and tracks_grad(q, k, v) else None
+    return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel, backward)
+
+
+def _layout(L: int, offset: int, w: int, is_causal: bool, sinks: int, block: int, device: torch.device) -> list:
+    """The window's parts in blocks of ``block`` queries: the band, and the sinks its windows leave out."""
+    parts = [_band(L, offset, w, is_causal, block, device)]
     # the part is needed where some query's window leaves out a sink: the last query misses key 0,
     # or (non-causal, L > S) the first query, before the keys, misses the last sink
     if sinks and (offset + L - 1 >= w or (not is_causal and sinks - 1 - offset >= w)):
         window = window_mask(w, is_causal, offset)
-        parts.append(sink_groups(L, sinks, min(block, L), 1, sink_mask(sinks, window, is_causal, offset), q.device))
-    return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel)
+        parts.append(sink_groups(L, sinks, block, 1, sink_mask(sinks, window, is_causal, offset), device))
+    return parts
 
 
 @functools.lru_cache(maxsize=32)

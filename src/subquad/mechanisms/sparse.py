@@ -58,7 +58,7 @@ from torch import Tensor
 from subquad._validate import AttentionShape, check_grouped_inputs
 from subquad.decoding import KVCache
 from subquad.kernels import native as _native
-from subquad.kernels.blocksparse import band_block, block_sparse_attention, native_runs
+from subquad.kernels.blocksparse import band_blocks, block_sparse_attention, native_runs
 from subquad.kernels.layouts import (
     Group,
     MaskFacts,
@@ -69,6 +69,7 @@ from subquad.kernels.layouts import (
     sink_groups,
     sink_mask,
 )
+from subquad.kernels.memory import tracks_grad
 from subquad.kernels.softmax import fused_available
 from subquad.kernels.tuning import TUNING, block_elements
 from subquad.masks import MaskMod, and_masks, or_masks, window_covers
@@ -108,8 +109,8 @@ class SparseConfig(Config):
     head_offset: int = head_offset_option()
     block: int = option(
         0,
-        "queries per block of compute (speed only); 0: 32 without gradients on the fused or native kernel, "
-        "else 64 (as local)",
+        "queries per block of compute (speed only); 0: as local, 32 in the forward on the fused or native "
+        "kernel (else 64), and the backward recomputes in 64, 128 where a query sees more than 256 keys",
         ge=0,
         le=4096,
     )
@@ -353,11 +354,18 @@ def sparse_attention(
             f"S={shape.keys}; pass the whole sequence as keys, or use the pattern mechanism with a mask_mod"
         )
     native = config.kernel == "native" and _native.supports(q, k, v) is None
-    if not config.block:
+    layout_shape = dataclasses.replace(shape, scale=1.0)
+    backward = None
+    if config.block:
+        parts = _sparse_parts(config, layout_shape, is_causal, q.device, native)
+    else:
         band = config.stride if is_causal else 2 * config.stride - 1  # keys per query of the local step
-        config = dataclasses.replace(config, block=band_block(q, k, v, config.kernel, native, band))
-    parts = _sparse_parts(config, dataclasses.replace(shape, scale=1.0), is_causal, q.device, native)
-    return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel)
+        block, backward_block = band_blocks(q, k, v, config.kernel, native, band)
+        parts = _sparse_parts(dataclasses.replace(config, block=block), layout_shape, is_causal, q.device, native)
+        if backward_block != block and tracks_grad(q, k, v):
+            config_backward = dataclasses.replace(config, block=backward_block)
+            backward = _sparse_parts(config_backward, layout_shape, is_causal, q.device, native)
+    return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel, backward)
 
 
 def _exactly_full(config: SparseConfig, shape: AttentionShape, is_causal: bool, state: None, tensors: dict) -> bool:
