@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from subquad.bench.worker import measure_cell, reference_rows
@@ -147,6 +148,38 @@ def test_a_backward_call_takes_one_gradient_of_ones_made_once(monkeypatch):
     assert torch.equal(seen[0], torch.ones(1, 2, 12, 4, dtype=q.dtype))
     call(*qkv(1, 2, 20, 20, 4))  # another shape: another gradient
     assert seen[-1].shape == (1, 2, 20, 4) and seen[-1] is not seen[0]
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_extra_tensors_are_made_once_per_input_shape(monkeypatch, backward):
+    """Agglomerative's class logits are drawn once per input shape, outside the timed calls, from the
+    cell's seed: every call of that shape gets the same tensors, and another shape its own."""
+    import dataclasses
+
+    from subquad.bench import worker
+    from subquad.registry import get_mechanism, make_config
+
+    mech = get_mechanism("agglomerative")
+    made, passed = [], []
+
+    def example_tensors(q, k, v, config, generator):
+        made.append(q.shape)
+        return mech.example_tensors(q, k, v, config, generator)
+
+    def fn(q, k, v, **kwargs):
+        passed.append(kwargs["query_logits"])
+        return mech.fn(q, k, v, **kwargs)
+
+    spied = dataclasses.replace(mech, example_tensors=example_tensors, fn=fn)
+    call = worker._make_call(spied, make_config("agglomerative"), None, False, backward, 3)
+    q, k, v = qkv(1, 2, 12, 12, 4)
+    outs = [call(q, k, v) for _ in range(3)]
+    assert made == [q.shape] and all(p is passed[0] for p in passed)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    fresh = mech.example_tensors(q, k, v, make_config("agglomerative"), torch.Generator().manual_seed(3))
+    assert torch.equal(passed[0], fresh["query_logits"])
+    call(*qkv(1, 2, 20, 20, 4))  # another shape: tensors of its own
+    assert made == [q.shape, (1, 2, 20, 4)] and passed[-1].shape == (1, 2, 20)
 
 
 def test_a_round_times_a_short_call_as_often_as_it_fits_in_one_of_full_attentions(monkeypatch):
