@@ -49,7 +49,7 @@ from torch import Tensor
 
 from subquad.kernels import native as _native
 from subquad.kernels.layouts import Group
-from subquad.kernels.memory import kept_buffer, new_output
+from subquad.kernels.memory import kept_buffer, new_output, tracks_grad
 from subquad.kernels.softmax import (
     additive_mask,
     eager_backward,
@@ -264,7 +264,7 @@ def _chunks(
         yield _Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask, groups)
 
 
-def band_blocks(q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool, keys: int) -> tuple[int, int]:
+def band_blocks(q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool, keys: int) -> tuple[int, int | None]:
     """Queries per block of a band (local, strided sparse) whose queries see ``keys`` keys each, in
     the forward pass and in the backward pass, which recomputes the band in a layout of its own
     (``block_sparse_attention``'s ``backward_parts``). The forward takes
@@ -273,11 +273,13 @@ def band_blocks(q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool, keys
     ``keys > 4 · TUNING.local_block``: each block's keys get a key gradient of their own, which
     torch's flash backward zero-fills and the engine scatters, and the blocks' keys overlap by the
     band's width, so a wider band repays wider blocks (docs/performance.md). Off those kernels
-    (``eager``) the forward takes the backward's block too. ``native``: the native kernel takes
-    these inputs."""
+    (``eager``) the forward takes the backward's block too. The backward's block is None where the
+    backward needs no layout of its own: no input takes a gradient, or the blocks are the same.
+    ``native``: the native kernel takes these inputs."""
     backward = TUNING.local_block * (2 if keys > 4 * TUNING.local_block else 1)
     fused = kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
-    return (TUNING.local_inference_block if fused or native else backward), backward
+    forward = TUNING.local_inference_block if fused or native else backward
+    return forward, (backward if backward != forward and tracks_grad(q, k, v) else None)
 
 
 def native_runs(queries: int, keys: int) -> bool:

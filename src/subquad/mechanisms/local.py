@@ -51,7 +51,6 @@ from subquad.decoding import Decoder
 from subquad.kernels import native as _native
 from subquad.kernels.blocksparse import band_blocks, block_sparse_attention
 from subquad.kernels.layouts import Group, band_groups, sink_groups, sink_mask
-from subquad.kernels.memory import tracks_grad
 from subquad.masks import MaskMod, window_covers
 from subquad.mechanisms._options import kernel_option
 from subquad.registry import Config, Mechanism, option
@@ -116,7 +115,7 @@ def local_attention(
     block, backward_block = band_blocks(q, k, v, config.kernel, native, w if is_causal else 2 * w - 1)
     layout = functools.partial(_layout, L, offset, w, is_causal, min(config.sinks, S), device=q.device)
     parts = layout(min(block, L))
-    backward = layout(min(backward_block, L)) if backward_block != block and tracks_grad(q, k, v) else None
+    backward = None if backward_block is None else layout(min(backward_block, L))
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel, backward)
 
 

@@ -69,7 +69,6 @@ from subquad.kernels.layouts import (
     sink_groups,
     sink_mask,
 )
-from subquad.kernels.memory import tracks_grad
 from subquad.kernels.softmax import fused_available
 from subquad.kernels.tuning import TUNING, block_elements
 from subquad.masks import MaskMod, and_masks, or_masks, window_covers
@@ -362,7 +361,7 @@ def sparse_attention(
         band = config.stride if is_causal else 2 * config.stride - 1  # keys per query of the local step
         block, backward_block = band_blocks(q, k, v, config.kernel, native, band)
         parts = _sparse_parts(dataclasses.replace(config, block=block), layout_shape, is_causal, q.device, native)
-        if backward_block != block and tracks_grad(q, k, v):
+        if backward_block is not None:
             config_backward = dataclasses.replace(config, block=backward_block)
             backward = _sparse_parts(config_backward, layout_shape, is_causal, q.device, native)
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel, backward)
