@@ -515,6 +515,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     print("\ntime = median per call; × full = median of time ÷ full attention's, timed call for call in the cell;")
     print("peak MB = above the inputs;", end=" ")
     print("err = ‖out − full‖ / ‖full‖ on iid and clustered q, k (float64 reference on sampled rows).")
+    note = report.short_op_note(rows)
+    if note:
+        print(note)
     if len(settings.lengths) > 1:
         print("\n" + report.format_crossovers(rows))
         print("crossover N = the smallest N from which the mechanism beats full at every longer N measured.")

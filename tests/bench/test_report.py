@@ -80,3 +80,23 @@ def test_the_crossover_is_where_a_mechanism_starts_beating_full_for_good():
     assert table[2].split() == ["late", "1024", "2048"]
     assert table[4].split() == ["early", "<=", "256", "-"]
     assert table[5].split() == ["never", ">", "2048", "-"]
+
+
+def test_cells_whose_probe_found_two_threads_no_faster_than_one_are_marked(tmp_path):
+    from subquad.bench.report import SHORT_OP_SPEEDUP, short_op_note, slow_short_ops
+
+    rows = _rows()[:4]
+    rows[0]["short_op_speedup"] = [1.31, SHORT_OP_SPEEDUP - 0.01]  # slow after the timing
+    rows[1]["short_op_speedup"] = [1.31, 1.29]
+    rows[2]["short_op_speedup"] = [None]  # never probed (off the CPU): not marked
+    assert [slow_short_ops(r) for r in rows] == [True, False, False, False]
+    table = format_table(rows).splitlines()
+    ratios = [line.split()[5] for line in table[2:]]
+    assert sorted(ratios) == ["1.000", "1.000", "1.000", "1.000*"]
+    note = short_op_note(rows)
+    assert note.startswith(f"* 1 of 4 cells ran while two threads were less than {SHORT_OP_SPEEDUP}× as fast as one")
+    assert short_op_note(rows[1:]) is None and "*" not in format_table(rows[1:])
+    write_csv(rows, tmp_path / "r.csv")
+    with open(tmp_path / "r.csv") as f:
+        read = list(csv.DictReader(f))
+    assert [r["short_op_speedup"] for r in read] == ["1.310 1.090", "1.310 1.290", "", ""]

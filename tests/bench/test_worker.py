@@ -227,3 +227,38 @@ def test_a_round_times_a_short_call_as_often_as_it_fits_in_one_of_full_attention
         median = statistics.median(own[:per_round]) if per_round == 5 else own[0]
         assert result["times_s"] == [median] * 3  # a slow call (9) is not the round's time
         assert result["paired_ratio"] == median / full
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_short_operation_probe_compares_two_threads_with_one_and_restores_the_count(monkeypatch, restore_threads):
+    """What it reads depends on the machine (not asserted); that it reads, and leaves the thread
+    count as it found it, even when a copy fails, is."""
+    from subquad.bench import worker
+
+    torch.set_num_threads(2)
+    speedup = worker.short_op_speedup()
+    assert isinstance(speedup, float) and speedup > 0 and torch.get_num_threads() == 2
+    torch.set_num_threads(1)
+    assert worker.short_op_speedup() is None and torch.get_num_threads() == 1
+    torch.set_num_threads(2)
+    monkeypatch.setattr(worker, "_probe_buffers", [torch.zeros(4), torch.zeros(5)])  # copy_ cannot broadcast
+    with pytest.raises(RuntimeError):
+        worker.short_op_speedup()
+    assert torch.get_num_threads() == 2
+
+
+def test_a_cpu_cell_probes_short_operations_before_and_after_its_timing(monkeypatch, restore_threads):
+    from subquad.bench import worker
+
+    readings = iter([1.31, 0.94])
+    monkeypatch.setattr(worker, "short_op_speedup", lambda: next(readings))
+    result = measure_cell({**CELL, "threads": 2})
+    assert result["short_op_speedup"] == [1.31, 0.94]
+    monkeypatch.setattr(worker, "short_op_speedup", lambda: None)  # one thread: nothing to probe
+    assert "short_op_speedup" not in measure_cell({**CELL, "threads": 1})

@@ -16,6 +16,8 @@ __all__ = [
     "format_crossovers",
     "format_table",
     "plot_results",
+    "short_op_note",
+    "slow_short_ops",
     "table_rows",
     "write_csv",
     "write_json",
@@ -24,8 +26,11 @@ __all__ = [
 TABLE_HEADERS = ("mechanism", "causal", "pass", "N", "time ms", "× full", "peak MB", "err iid", "err clust", "reps")
 _CSV_FIELDS = (
     "mechanism", "name", "options", "length", "causal", "pass", "time_s", "ratio", "baseline_time_s", "peak_bytes",
-    "error_iid", "error_clustered", "zero_rows", "nonfinite", "repeats", "threads", "memory_method", "error",
+    "error_iid", "error_clustered", "zero_rows", "nonfinite", "repeats", "threads", "short_op_speedup",
+    "memory_method", "error",
 )  # fmt: skip
+# A cell whose probe read less than this ran while two threads gained little on short operations.
+SHORT_OP_SPEEDUP = 1.1
 _PANELS = [("forward", False), ("forward", True), ("forward+backward", False), ("forward+backward", True)]
 
 
@@ -45,11 +50,31 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         peak = None if r.get("peak_bytes") is None else r["peak_bytes"] / 2**20
         cells.append([
             r["mechanism"], _causal(r), r["pass"], str(r["length"]),
-            _milliseconds(r["time_s"]), _number(r.get("ratio"), ".3f"), _number(peak, ".1f"),
+            _milliseconds(r["time_s"]), _number(r.get("ratio"), ".3f") + ("*" if slow_short_ops(r) else ""),
+            _number(peak, ".1f"),
             _number(r.get("error_iid"), ".1e"), _number(r.get("error_clustered"), ".1e"),
             str(len(r.get("times_s", []))),
         ])  # fmt: skip
     return cells
+
+
+def slow_short_ops(row: dict[str, Any]) -> bool:
+    """Whether a probe of the cell (``worker.short_op_speedup``, before and after its timing) found two
+    threads less than ``SHORT_OP_SPEEDUP`` times faster than one on short operations."""
+    return any(p is not None and p < SHORT_OP_SPEEDUP for p in row.get("short_op_speedup") or ())
+
+
+def short_op_note(rows: list[dict[str, Any]]) -> str | None:
+    """The table's footnote for the cells ``slow_short_ops`` marks with ``*``; None where none is."""
+    marked = sum(slow_short_ops(r) for r in rows)
+    if not marked:
+        return None
+    return (
+        f"* {marked} of {len(rows)} cells ran while two threads were less than {SHORT_OP_SPEEDUP}× as fast as one "
+        "on short operations (`short_op_speedup` in results.csv): each short parallel region then waits on the other "
+        "core, and mechanisms made of many operations read higher against full attention (about a fifth at "
+        "N = 1024 on a 2-core virtual machine whose host ran its cores apart; README)."
+    )
 
 
 def _milliseconds(seconds: float) -> str:
@@ -123,7 +148,9 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=_CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
-            writer.writerow({**r, "options": json.dumps(r["options"]), "repeats": len(r.get("times_s", []))})
+            probes = " ".join(format(p, ".3f") for p in r.get("short_op_speedup") or () if p is not None)
+            repeats = len(r.get("times_s", []))
+            writer.writerow({**r, "options": json.dumps(r["options"]), "repeats": repeats, "short_op_speedup": probes})
 
 
 def write_json(rows: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:

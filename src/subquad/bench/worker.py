@@ -21,6 +21,11 @@ time those rounds take. ``times_s`` holds one time per round. It times at least 
 rounds, and ``max_seconds`` counts all the calls. Where the baseline cell, run earlier in the same process, took
 longer than ``max_seconds`` a call, the cell is not paired: each call is then long enough that a
 slow spell weighs little, and pairing would double the cell's time.
+On CPU with two threads or more, a cell also probes how much faster two threads run short
+operations than one (``short_op_speedup``), before its warm-up and after its last round: where
+the host runs the process's cores apart, every short parallel region waits on the other core, the
+probe reads about 1 or less instead of about 1.3, and mechanisms made of many operations read about
+a fifth higher against full attention (README, ``subquad bench``).
 Forward cells also report the relative error against full attention, computed in float64 on
 evenly spaced query rows (exact for those rows, and cheap at any length), on iid and on clustered
 inputs, and the fraction of queries whose output is all zero.
@@ -47,7 +52,7 @@ from subquad.bench.inputs import make_qkv
 from subquad.mechanisms.full import FullConfig, full_attention
 from subquad.registry import Config, Mechanism, get_mechanism, make_config
 
-__all__ = ["measure_cell", "reference_rows"]
+__all__ = ["measure_cell", "reference_rows", "short_op_speedup"]
 
 _STATUS = "/proc/self/status"
 # The baseline cell's time per shape, as measured earlier in this process (it runs first in its group).
@@ -72,6 +77,7 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
         baseline = _make_call(get_mechanism("full"), FullConfig(), None, cell["causal"], cell["backward"], cell["seed"])
 
     call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"]))  # start thread pools
+    probes = [short_op_speedup()] if device.type == "cpu" else [None]
     q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"])
     _release_freed_memory(device)
     peak_memory = _memory_probe(device)
@@ -106,6 +112,8 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
             base_times.append(_timed(baseline, q, k, v, device)[1])
             spent += base_times[-1]
     result.update(time_s=statistics.median(times), times_s=times, threads=torch.get_num_threads())
+    if probes[0] is not None:
+        result["short_op_speedup"] = [probes[0], short_op_speedup()]
     if baseline is not None:
         result["calls_per_round"] = calls
     if mech.name == "full" and config == FullConfig():  # the baseline cell: what pairing would cost
@@ -129,6 +137,43 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
 
 _PAIRED_ROUNDS = 2  # the fewest timed rounds of a paired cell, whatever max_seconds says
 _ROUND_CALLS = 8  # the most calls of the mechanism in one round of a paired cell
+_PROBE_ELEMENTS = 1 << 16  # fp32: 256 KB, a copy of a few µs within one core's L2 cache
+_PROBE_COPIES = 64
+_PROBE_REPEATS = 5
+_probe_buffers: list[Tensor] = []  # made once per process, before any cell's memory is measured
+
+
+def short_op_speedup() -> float | None:
+    """How many times faster two intra-op threads run short operations than one, now: 64 copies of
+    256 KB, each a parallel region of a few µs, timed on one thread and on two in turn, 5 times
+    each; the ratio of the medians. About 1.3 on the 2-core virtual machine of docs/performance.md
+    while its cores sit close together, about 0.9–1.0 while the host runs them apart (then every
+    short region waits on the other core). None where the process runs on one thread. The thread
+    count is restored, also if a copy raises."""
+    threads = torch.get_num_threads()
+    if threads < 2:
+        return None
+    if not _probe_buffers:
+        _probe_buffers.extend(torch.zeros(_PROBE_ELEMENTS) for _ in range(2))
+    source, target = _probe_buffers
+
+    def copies(count: int) -> float:
+        torch.set_num_threads(count)
+        target.copy_(source)  # the first region after a change of count starts the threads
+        start = time.perf_counter()
+        for _ in range(_PROBE_COPIES):
+            target.copy_(source)
+        return time.perf_counter() - start
+
+    one: list[float] = []
+    two: list[float] = []
+    try:
+        for _ in range(_PROBE_REPEATS):
+            one.append(copies(1))
+            two.append(copies(2))
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(one) / statistics.median(two)
 
 
 def _timed(call: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor, device: torch.device):
