@@ -72,8 +72,8 @@ def short_op_note(rows: list[dict[str, Any]]) -> str | None:
     return (
         f"* {marked} of {len(rows)} cells ran while two threads were less than {SHORT_OP_SPEEDUP}× as fast as one "
         "on short operations (`short_op_speedup` in results.csv): each short parallel region then waits on the other "
-        "core, and mechanisms made of many operations read higher against full attention (about a fifth at "
-        "N = 1024 on a 2-core virtual machine whose host ran its cores apart; README)."
+        "core (kept busy by another process, as with --busy, or run apart from this one by a virtual machine's host), "
+        "and mechanisms made of many operations read higher against full attention (README)."
     )
 
 
