@@ -100,3 +100,25 @@ def test_cells_whose_probe_found_two_threads_no_faster_than_one_are_marked(tmp_p
     with open(tmp_path / "r.csv") as f:
         read = list(csv.DictReader(f))
     assert [r["short_op_speedup"] for r in read] == ["1.310 1.090", "1.310 1.290", "", ""]
+
+
+def test_the_plots_draw_marked_cells_as_open_markers(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from subquad.bench.report import _open_slow_cells, _panels
+
+    rows = _rows()[:-1]
+    marked = next(r for r in rows if r["length"] == 512 and r["causal"] and r["pass"] == "forward")
+    marked["short_op_speedup"] = [0.95, 1.3]
+    colours = {"full": "C0", "full(backend=eager)": "C1"}
+    fig = _panels(plt, rows, "ratio", 1.0, "ratio", colours, guides=False)
+    _open_slow_cells(fig, rows, "ratio", 1.0, colours)
+    drawn = {ax.get_title(): [c.get_offsets().tolist() for c in ax.collections] for ax in fig.axes}
+    assert drawn.pop("forward, causal") == [[[512.0, marked["ratio"]]]]
+    assert all(not points for points in drawn.values())
+    plt.close(fig)
+    paths = plot_results(rows, tmp_path, "test")  # the figures with a marked cell are written too
+    assert all(p.stat().st_size > 10_000 for p in paths)

@@ -176,7 +176,11 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path, title: str) -> list[
         ("memory", "peak_bytes", 2.0**-20, "peak memory above inputs (MB)"),
     ):
         fig = _panels(plt, ok, key, scale, ylabel, colours, guides=name == "time")
-        fig.suptitle(f"{name}: {title}")
+        suptitle = f"{name}: {title}"
+        if name != "memory" and any(slow_short_ops(r) for r in ok):
+            suptitle += f"\nopen markers: two threads less than {SHORT_OP_SPEEDUP}× as fast as one on short operations"
+            _open_slow_cells(fig, ok, key, scale, colours)
+        fig.suptitle(suptitle)
         written.append(_save(fig, plt, out_dir / f"{name}.png"))
     fig = _error_panels(plt, ok, colours)
     fig.suptitle(f"relative error against full attention: {title}")
@@ -242,6 +246,23 @@ def _panels(plt: Any, rows: list[dict[str, Any]], key: str, scale: float, ylabel
         ax.set_visible(False)
     _figure_legend(fig, list(axes.flat)[: len(panels)])
     return fig
+
+
+def _open_slow_cells(fig: Any, rows: list[dict[str, Any]], key: str, scale: float, colours: dict) -> None:
+    """Draw the points of ``slow_short_ops`` cells over ``_panels``' figure as open markers (the
+    table's ``*``)."""
+    panels = [(p, c) for p, c in _PANELS if any(r["pass"] == p and r["causal"] == c for r in rows)]
+    for ax, (pass_, causal) in zip(fig.axes, panels):
+        for label, colour in colours.items():
+            pts = [
+                (r["length"], max(r[key] * scale, 1e-3))
+                for r in rows
+                if (r["mechanism"], r["pass"], r["causal"]) == (label, pass_, causal)
+                and r.get(key) is not None
+                and slow_short_ops(r)
+            ]
+            if pts:
+                ax.scatter(*zip(*pts), marker="o", facecolors="white", edgecolors=colour, zorder=3)
 
 
 def _style(ax: Any, lengths: list[int], ylabel: str, title: str) -> None:
