@@ -506,6 +506,9 @@ def _run_bench(args: argparse.Namespace) -> int:
             rows = run_bench(settings, progress, on_row=save)
     except KeyboardInterrupt:
         print(report.format_table(done) if done else "no cell finished")
+        note = report.short_op_note(done)
+        if note:
+            print(note)
         print(f"\ninterrupted after {len(done)} of {len(cells)} cells; their rows are in {args.out}", file=sys.stderr)
         return 130
     save(rows)  # also when there was no cell to run

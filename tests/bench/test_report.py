@@ -85,11 +85,12 @@ def test_the_crossover_is_where_a_mechanism_starts_beating_full_for_good():
 def test_cells_whose_probe_found_two_threads_no_faster_than_one_are_marked(tmp_path):
     from subquad.bench.report import SHORT_OP_SPEEDUP, short_op_note, slow_short_ops
 
-    rows = _rows()[:4]
+    rows = [{**r, "mechanism": "linear"} for r in _rows()[:4]]
     rows[0]["short_op_speedup"] = [1.31, SHORT_OP_SPEEDUP - 0.01]  # slow after the timing
-    rows[1]["short_op_speedup"] = [1.31, 1.29]
-    rows[2]["short_op_speedup"] = [None]  # never probed (off the CPU): not marked
+    rows[1]["short_op_speedup"] = [1.31, 1.29]  # rows[2] and [3] were never probed (off the CPU)
     assert [slow_short_ops(r) for r in rows] == [True, False, False, False]
+    assert slow_short_ops({**rows[1], "baseline_short_op_speedup": [0.9, 1.3]})  # not paired: full's row counts
+    assert not slow_short_ops({**rows[0], "mechanism": "full"})  # full's own row: ratio 1 by definition
     table = format_table(rows).splitlines()
     ratios = [line.split()[5] for line in table[2:]]
     assert sorted(ratios) == ["1.000", "1.000", "1.000", "1.000*"]
@@ -111,7 +112,9 @@ def test_the_plots_draw_marked_cells_as_open_markers(tmp_path):
     from subquad.bench.report import _open_slow_cells, _panels
 
     rows = _rows()[:-1]
-    marked = next(r for r in rows if r["length"] == 512 and r["causal"] and r["pass"] == "forward")
+    marked = next(
+        r for r in rows if r["mechanism"] != "full" and r["length"] == 512 and r["causal"] and r["pass"] == "forward"
+    )
     marked["short_op_speedup"] = [0.95, 1.3]
     colours = {"full": "C0", "full(backend=eager)": "C1"}
     fig = _panels(plt, rows, "ratio", 1.0, "ratio", colours, guides=False)

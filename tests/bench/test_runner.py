@@ -175,6 +175,17 @@ def test_ratios_take_the_paired_one_else_the_baseline_cell_else_none():
     rows = [row("full", 8, 2.0), row("linear", 8, 1.0, paired_ratio=0.25), row("sparse", 8, 1.0), row("linear", 64, 3)]
     runner._add_ratios(rows)
     assert [r["ratio"] for r in rows] == [1.0, 0.25, 0.5, None]
+    assert not any("baseline_short_op_speedup" in r for r in rows)  # full's row had no probe
+
+
+def test_a_ratio_over_full_attentions_row_carries_that_rows_probes():
+    def row(mechanism, time_s, **extra):
+        return {"mechanism": mechanism, "length": 8, "causal": False, "pass": "forward", "time_s": time_s, **extra}
+
+    probes = [1.3, 0.95]
+    rows = [row("full", 2.0, short_op_speedup=probes), row("linear", 1.0, paired_ratio=0.25), row("sparse", 1.0)]
+    runner._add_ratios(rows)
+    assert [r.get("baseline_short_op_speedup") for r in rows] == [None, None, probes]
 
 
 def test_cells_are_paired_with_full_attention_where_the_baseline_runs(monkeypatch):

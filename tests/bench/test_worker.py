@@ -257,8 +257,15 @@ def test_a_cpu_cell_probes_short_operations_before_and_after_its_timing(monkeypa
     from subquad.bench import worker
 
     readings = iter([1.31, 0.94])
-    monkeypatch.setattr(worker, "short_op_speedup", lambda: next(readings))
+    held = []  # what the probes allocate stays resident through the cell
+
+    def probe():
+        held.append(torch.ones(16 << 20))  # 64 MB
+        return next(readings)
+
+    monkeypatch.setattr(worker, "short_op_speedup", probe)
     result = measure_cell({**CELL, "threads": 2})
-    assert result["short_op_speedup"] == [1.31, 0.94]
-    monkeypatch.setattr(worker, "short_op_speedup", lambda: None)  # one thread: nothing to probe
-    assert "short_op_speedup" not in measure_cell({**CELL, "threads": 1})
+    assert result["short_op_speedup"] == [1.31, 0.94] and len(held) == 2
+    assert result["peak_bytes"] < 32 << 20  # the first probe runs before the memory baseline
+    monkeypatch.undo()
+    assert "short_op_speedup" not in measure_cell({**CELL, "threads": 1})  # one thread: nothing to probe

@@ -333,12 +333,13 @@ def _drain(stream: Any, sink: queue.Queue | list, results: bool = False) -> thre
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
     """Each row's ``ratio``: its paired ratio (full attention timed call for call in the same cell),
     else its time over the baseline cell's; None without either."""
-    baseline = {
-        (r["length"], r["causal"], r["pass"]): r.get("time_s") for r in rows if r["mechanism"] == BASELINE.label
-    }
+    baseline = {(r["length"], r["causal"], r["pass"]): r for r in rows if r["mechanism"] == BASELINE.label}
     for r in rows:
-        base = baseline.get((r["length"], r["causal"], r["pass"]))
+        base_row = baseline.get((r["length"], r["causal"], r["pass"]), {})
+        base = base_row.get("time_s")
         if r.get("paired_ratio") is not None:
             r["ratio"] = r["paired_ratio"]
         else:
             r["ratio"] = r["time_s"] / base if r.get("time_s") and base else None
+            if r["ratio"] is not None and r is not base_row and "short_op_speedup" in base_row:
+                r["baseline_short_op_speedup"] = base_row["short_op_speedup"]  # its ratio's other side

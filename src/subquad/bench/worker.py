@@ -23,9 +23,9 @@ longer than ``max_seconds`` a call, the cell is not paired: each call is then lo
 slow spell weighs little, and pairing would double the cell's time.
 On CPU with two threads or more, a cell also probes how much faster two threads run short
 operations than one (``short_op_speedup``), before its warm-up and after its last round: where
-the host runs the process's cores apart, every short parallel region waits on the other core, the
-probe reads about 1 or less instead of about 1.3, and mechanisms made of many operations read about
-a fifth higher against full attention (README, ``subquad bench``).
+the host of a 2-core virtual machine ran the process's cores apart, every short parallel region
+waited on the other core, the probe read 0.94–1.05 instead of 1.30–1.38, and mechanisms made of
+many operations read about a fifth higher against full attention (README, ``subquad bench``).
 Forward cells also report the relative error against full attention, computed in float64 on
 evenly spaced query rows (exact for those rows, and cheap at any length), on iid and on clustered
 inputs, and the fraction of queries whose output is all zero.
@@ -146,8 +146,8 @@ _probe_buffers: list[Tensor] = []  # made once per process, before any cell's me
 def short_op_speedup() -> float | None:
     """How many times faster two intra-op threads run short operations than one, now: 64 copies of
     256 KB, each a parallel region of a few µs, timed on one thread and on two in turn, 5 times
-    each; the ratio of the medians. About 1.3 on the 2-core virtual machine of docs/performance.md
-    while its cores sit close together, about 0.9–1.0 while the host runs them apart (then every
+    each; the ratio of the medians. On the 2-core virtual machine of docs/performance.md, 1.30–1.38
+    while its cores sit close together and 0.94–1.05 while the host runs them apart (then every
     short region waits on the other core). None where the process runs on one thread. The thread
     count is restored, also if a copy raises."""
     threads = torch.get_num_threads()
