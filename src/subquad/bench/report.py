@@ -233,8 +233,13 @@ def _crossover_plot(plt: Any, rows: list[dict[str, Any]]):
     return fig
 
 
+def _present_panels(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """The (pass, causal) panels that ``rows`` have cells for, in ``_PANELS``' order."""
+    return [(p, c) for p, c in _PANELS if any(r["pass"] == p and r["causal"] == c for r in rows)]
+
+
 def _panels(plt: Any, rows: list[dict[str, Any]], key: str, scale: float, ylabel: str, colours: dict, guides: bool):
-    panels = [(p, c) for p, c in _PANELS if any(r["pass"] == p and r["causal"] == c for r in rows)]
+    panels = _present_panels(rows)
     cols = 2 if len(panels) > 1 else 1
     nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(6.2 * cols, 4.4 * nrows), squeeze=False)
@@ -256,8 +261,7 @@ def _panels(plt: Any, rows: list[dict[str, Any]], key: str, scale: float, ylabel
 def _open_slow_cells(fig: Any, rows: list[dict[str, Any]], key: str, scale: float, colours: dict) -> None:
     """Draw the points of ``slow_short_ops`` cells over ``_panels``' figure as open markers (the
     table's ``*``)."""
-    panels = [(p, c) for p, c in _PANELS if any(r["pass"] == p and r["causal"] == c for r in rows)]
-    for ax, (pass_, causal) in zip(fig.axes, panels):
+    for ax, (pass_, causal) in zip(fig.axes, _present_panels(rows)):
         for label, colour in colours.items():
             pts = [
                 (r["length"], max(r[key] * scale, 1e-3))

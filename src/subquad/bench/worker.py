@@ -77,7 +77,7 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
         baseline = _make_call(get_mechanism("full"), FullConfig(), None, cell["causal"], cell["backward"], cell["seed"])
 
     call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"]))  # start thread pools
-    probes = [short_op_speedup()] if device.type == "cpu" else [None]
+    probe_before = short_op_speedup() if device.type == "cpu" else None
     q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"])
     _release_freed_memory(device)
     peak_memory = _memory_probe(device)
@@ -112,8 +112,8 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
             base_times.append(_timed(baseline, q, k, v, device)[1])
             spent += base_times[-1]
     result.update(time_s=statistics.median(times), times_s=times, threads=torch.get_num_threads())
-    if probes[0] is not None:
-        result["short_op_speedup"] = [probes[0], short_op_speedup()]
+    if probe_before is not None:
+        result["short_op_speedup"] = [probe_before, short_op_speedup()]
     if baseline is not None:
         result["calls_per_round"] = calls
     if mech.name == "full" and config == FullConfig():  # the baseline cell: what pairing would cost
