@@ -82,6 +82,44 @@ def test_the_crossover_is_where_a_mechanism_starts_beating_full_for_good():
     assert table[5].split() == ["never", ">", "2048", "-"]
 
 
+def test_a_crossover_set_by_a_marked_cell_is_marked(tmp_path):
+    from subquad.bench.report import SHORT_OP_SPEEDUP, marked_crossovers
+
+    slow = [1.3, SHORT_OP_SPEEDUP - 0.1]
+    rows = [
+        *_series("full", [1, 1, 1, 1]),
+        *_series("late", [3.0, 1.4, 1.05, 0.5]),  # its crossover, 2048, is set by the loss at 1024
+        *_series("quiet", [3.0, 1.4, 1.05, 0.5]),  # the same, with a marked cell that sets nothing
+        *_series("never", [4.0, 2.0, 1.3, 1.1]),  # no win: the longest N's loss sets it
+        *_series("early", [0.9, 0.8, 0.5, 0.2]),  # no loss sets it
+    ]
+    by = {(r["mechanism"], r["length"]): r for r in rows}
+    for name, n in (("late", 1024), ("quiet", 512), ("never", 2048), ("early", 256)):
+        by[name, n]["short_op_speedup"] = slow
+    by["full", 1024]["short_op_speedup"] = slow  # full's own row is never marked, so it sets no mark
+    assert marked_crossovers(rows) == {("late", False, "forward"), ("never", False, "forward")}
+    table = format_crossovers(rows).splitlines()
+    assert [line.split()[1:] for line in table[2:6]] == [["2048*"], ["2048"], [">", "2048*"], ["<=", "256"]]
+    assert table[-1].startswith("* 2 crossovers are set by a loss in a cell marked * above")
+    by["never", 2048]["short_op_speedup"] = None
+    assert format_crossovers(rows).splitlines()[-1].startswith("* 1 crossover is set by")
+    by["late", 1024]["short_op_speedup"] = [1.3, 1.3]
+    assert "*" not in format_crossovers(rows)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from subquad.bench.report import _crossover_plot
+
+    by["late", 1024]["short_op_speedup"] = slow
+    fig = _crossover_plot(plt, rows)
+    stars = [t.xy for t in fig.axes[0].texts if t.get_text() == "*"]
+    assert stars == [(2048, 0 - 0.24)]  # "late" is the first row; non-causal forward's markers sit at −0.24
+    plt.close(fig)
+
+
 def test_cells_whose_probe_found_two_threads_no_faster_than_one_are_marked(tmp_path):
     from subquad.bench.report import SHORT_OP_SPEEDUP, short_op_note, slow_short_ops
 

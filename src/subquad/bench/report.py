@@ -15,6 +15,7 @@ __all__ = [
     "crossovers",
     "format_crossovers",
     "format_table",
+    "marked_crossovers",
     "plot_results",
     "short_op_note",
     "slow_short_ops",
@@ -109,19 +110,36 @@ def crossovers(rows: list[dict[str, Any]]) -> dict[tuple[str, bool, str], tuple[
     not count). Values: ``("at", N)``; ``("below", N)`` where it already wins at the shortest N
     measured; ``("above", N)`` where it does not win at the longest N measured (or has no ratio)."""
     out = {}
+    for key, (series, first) in _crossover_series(rows).items():
+        if first == len(series):
+            out[key] = ("above", series[-1]["length"])
+        else:
+            out[key] = ("below" if first == 0 else "at", series[first]["length"])
+    return out
+
+
+def marked_crossovers(rows: list[dict[str, Any]]) -> set[tuple[str, bool, str]]:
+    """The crossovers set by a cell that ``slow_short_ops`` marks: the loss at the longest N the
+    mechanism did not beat full attention at was measured while a probe read slow, so the crossover
+    may be later than the host's quiet state gives."""
+    return {
+        key for key, (series, first) in _crossover_series(rows).items() if first and slow_short_ops(series[first - 1])
+    }
+
+
+def _crossover_series(rows: list[dict[str, Any]]) -> dict[tuple[str, bool, str], tuple[list[dict[str, Any]], int]]:
+    """Each (mechanism, causal, pass)'s rows by length, and the index of the first of the wins
+    (ratio below 1) that last to its longest N (the number of rows where the last is no win)."""
+    out = {}
     for r in rows:
         key = (r["mechanism"], r["causal"], r["pass"])
         if r["mechanism"] == BASELINE.label or key in out:
             continue
-        series = sorted((x["length"], x.get("ratio")) for x in rows if (x["mechanism"], x["causal"], x["pass"]) == key)
-        wins = [ratio is not None and ratio < 1 for _, ratio in series]
-        first = len(wins)
-        while first > 0 and wins[first - 1]:
+        series = sorted((x for x in rows if (x["mechanism"], x["causal"], x["pass"]) == key), key=lambda x: x["length"])
+        first = len(series)
+        while first > 0 and series[first - 1].get("ratio") is not None and series[first - 1]["ratio"] < 1:
             first -= 1
-        if first == len(wins):
-            out[key] = ("above", series[-1][0])
-        else:
-            out[key] = ("below" if first == 0 else "at", series[first][0])
+        out[key] = (series, first)
     return out
 
 
@@ -133,18 +151,27 @@ def _crossover_text(value: tuple[str, int | None] | None) -> str:
 
 
 def format_crossovers(rows: list[dict[str, Any]]) -> str:
-    """A table of each mechanism's crossover N, forward and forward+backward, non-causal and causal."""
-    found = crossovers(rows)
+    """A table of each mechanism's crossover N, forward and forward+backward, non-causal and causal;
+    ``*`` marks one set by a marked cell (``marked_crossovers``), with a footnote."""
+    found, marked = crossovers(rows), marked_crossovers(rows)
     columns = [(c, p) for c in (False, True) for p in ("forward", "forward+backward")]
     columns = [col for col in columns if any(k[1:] == col for k in found)]
     headers = ["crossover N", *(f"{'causal' if c else 'non-causal'} {p}" for c, p in columns)]
     labels = list(dict.fromkeys(k[0] for k in found))
-    cells = [headers] + [[m, *(_crossover_text(found.get((m, c, p))) for c, p in columns)] for m in labels]
+    cells = [headers] + [
+        [m, *(_crossover_text(found.get((m, c, p))) + ("*" if (m, c, p) in marked else "") for c, p in columns)]
+        for m in labels
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = [
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if marked:
+        lines.append(
+            f"* {len(marked)} {'crossover is' if len(marked) == 1 else 'crossovers are'} set by a loss in a cell "
+            "marked * above (the longest N not beaten): with the host quiet it may come sooner."
+        )
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -199,8 +226,9 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path, title: str) -> list[
 
 def _crossover_plot(plt: Any, rows: list[dict[str, Any]]):
     """One row per mechanism: its crossover N in each (causality, pass); an open marker past the
-    longest N for none, at the shortest N for a win already there."""
-    found = crossovers(rows)
+    longest N for none, at the shortest N for a win already there; a ``*`` beside one set by a
+    marked cell (``marked_crossovers``)."""
+    found, marked = crossovers(rows), marked_crossovers(rows)
     lengths = sorted({r["length"] for r in rows})
     if not found or len(lengths) < 2:
         return None
@@ -217,6 +245,8 @@ def _crossover_plot(plt: Any, rows: list[dict[str, Any]]):
                 xs.append(beyond if value[0] == "above" else value[1])
                 ys.append(i + shift)
                 open_.append(value[0] != "at")
+                if (label, causal, pass_) in marked:
+                    ax.annotate("*", (xs[-1], ys[-1]), xytext=(5, -3), textcoords="offset points", fontsize=9)
         if xs:
             name = f"{'causal' if causal else 'non-causal'} {pass_}"
             colour = "C3" if causal else "C0"
@@ -227,7 +257,10 @@ def _crossover_plot(plt: Any, rows: list[dict[str, Any]]):
     ax.minorticks_off()  # the log axis' own labels (2×10³) would print over the lengths
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("smallest N from which it beats full attention (open: at or beyond the grid's ends)")
+    ax.set_xlabel(
+        "smallest N from which it beats full attention\n"
+        "(open: at or beyond the grid's ends; *: set by a cell marked * in the table)"
+    )
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     return fig
