@@ -82,7 +82,7 @@ def test_the_crossover_is_where_a_mechanism_starts_beating_full_for_good():
     assert table[5].split() == ["never", ">", "2048", "-"]
 
 
-def test_a_crossover_set_by_a_marked_cell_is_marked(tmp_path):
+def test_a_crossover_set_by_a_marked_cell_is_marked():
     from subquad.bench.report import SHORT_OP_SPEEDUP, marked_crossovers
 
     slow = [1.3, SHORT_OP_SPEEDUP - 0.1]
@@ -96,7 +96,7 @@ def test_a_crossover_set_by_a_marked_cell_is_marked(tmp_path):
     by = {(r["mechanism"], r["length"]): r for r in rows}
     for name, n in (("late", 1024), ("quiet", 512), ("never", 2048), ("early", 256)):
         by[name, n]["short_op_speedup"] = slow
-    by["full", 1024]["short_op_speedup"] = slow  # full's own row is never marked, so it sets no mark
+    by["full", 1024]["short_op_speedup"] = slow  # full's own probe does not mark a paired cell's crossover
     assert marked_crossovers(rows) == {("late", False, "forward"), ("never", False, "forward")}
     table = format_crossovers(rows).splitlines()
     assert [line.split()[1:] for line in table[2:6]] == [["2048*"], ["2048"], [">", "2048*"], ["<=", "256"]]
