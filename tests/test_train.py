@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from subquad.train.loop import TrainConfig, train
+from subquad.train.loop import TrainConfig, resolve_device, train
 from subquad.train.tasks import make_task
 
 ROOT = Path(__file__).parent.parent
@@ -122,6 +122,28 @@ def test_bad_devices_are_refused_before_the_run_exists(corpus, tmp_path, device,
     assert not (tmp_path / "r").exists()
 
 
+def test_a_cuda_device_the_machine_lacks_is_refused_with_the_fix(corpus, tmp_path, monkeypatch):
+    """More torchrun processes than GPUs, or a cuda:N past the last one, fail with what to pass instead,
+    before the run exists: not with CUDA's invalid device ordinal from inside torch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail(f"set_device({device}) was reached"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for device in ("auto", "cuda"):
+        match = (
+            rf"--device {device}: the process of LOCAL_RANK 1 takes cuda:1, but this machine has 1 CUDA device\(s\); "
+            r"start at most 1 process\(es\) per node \(torchrun --nproc_per_node 1\), or pass --device cpu"
+        )
+        with pytest.raises(ValueError, match=match):
+            train(TrainConfig(data=str(corpus), out=str(tmp_path / "r"), device=device), progress=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match=r"--device cuda:2: this machine has 1 CUDA device\(s\), cuda:0 to cuda:0"):
+        train(TrainConfig(data=str(corpus), out=str(tmp_path / "r"), device="cuda:2"), progress=False)
+    assert not (tmp_path / "r").exists()
+    assert resolve_device("cpu", local_rank=5) == torch.device("cpu")
+    assert resolve_device("cuda", local_rank=0) == torch.device("cuda", 0)  # in range: the rank's device
+
+
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 )
@@ -158,6 +180,7 @@ def test_bad_runs_are_refused(corpus, tmp_path):
 def test_two_processes_follow_the_loss_curve_of_one(corpus, tmp_path):
     """torchrun with 2 CPU processes (gloo), each computing half of every global batch under DDP."""
     args = ["--steps", "20", "--batch", "8", "--lr", "3e-3", "--dropout", "0.0", "--checkpoint-every", "10"]
+    args += ["--device", "cpu"]  # CPU processes on any machine: auto would give each a GPU of its own
     one = subprocess.run(_command(corpus, tmp_path / "one", 20, *args), env=_env(), capture_output=True, timeout=300)
     assert one.returncode == 0, one.stderr.decode()[-2000:]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -292,9 +315,19 @@ def test_evaluate_and_generate_load_a_run(corpus, tmp_path):
         evaluate_run(tmp_path)
     with pytest.raises(ValueError, match="must be non-empty and, with --tokens, fit seq_len=32"):
         generate_text(tmp_path / "r", "x" * 30, 10)
-    bad = subprocess.run([sys.executable, "-m", "subquad", "evaluate", str(tmp_path / "none")], env=_env(),
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and "subquad evaluate: error: " in bad.stderr and "Traceback" not in bad.stderr
+    on_cpu = evaluate_run(tmp_path / "r", "val", windows=4, device="cpu")["val_bpb"]
+    assert on_cpu == pytest.approx(
+        last_val, rel=1e-5
+    )  # the run's own value where it trained on the CPU; close elsewhere
+    with pytest.raises(ValueError, match="--device must be auto, cpu, cuda or cuda:N, got 'tpu'"):
+        evaluate_run(tmp_path / "r", device="tpu")
+    with pytest.raises(ValueError, match="--device must be auto, cpu, cuda or cuda:N, got 'tpu'"):
+        generate_text(tmp_path / "r", "line 1", 4, device="tpu")
+    for extra in ([str(tmp_path / "none")], [str(tmp_path / "r"), "--device", "tpu"]):
+        bad = subprocess.run([sys.executable, "-m", "subquad", "evaluate", *extra], env=_env(),
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert bad.returncode == 2 and "subquad evaluate: error: " in bad.stderr and "Traceback" not in bad.stderr
+    assert "got 'tpu'" in bad.stderr
 
 
 def test_compare_trains_each_variant_once_and_tabulates_them(corpus, tmp_path):

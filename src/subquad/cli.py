@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
+_DEVICE_HELP = "auto, cpu, cuda or cuda:N; auto: cuda where this torch sees one (default: %(default)s)"
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
@@ -76,6 +78,7 @@ def _build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", default="test", help="val or test (default: %(default)s)")
     evaluate.add_argument("--windows", type=int, default=None, help="evaluate only this many batches (default: all)")
     evaluate.add_argument("--step", type=int, default=None, help="a checkpoint's step (default: the newest)")
+    evaluate.add_argument("--device", default="auto", help=_DEVICE_HELP)
     evaluate.set_defaults(run=_run_evaluate)
 
     generate = commands.add_parser("generate", help="continue a prompt with a trained text run")
@@ -85,6 +88,7 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
     generate.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (default: all)")
     generate.add_argument("--seed", type=int, default=0, help="the sampling seed (default: %(default)s)")
+    generate.add_argument("--device", default="auto", help=_DEVICE_HELP)
     generate.set_defaults(run=_run_generate)
 
     compare = commands.add_parser(
@@ -220,14 +224,14 @@ def _run_compare(args: argparse.Namespace) -> int:
 def _run_evaluate(args: argparse.Namespace) -> int:
     from subquad.train.use import evaluate_run
 
-    print(json.dumps(evaluate_run(args.folder, args.split, args.windows, args.step)))
+    print(json.dumps(evaluate_run(args.folder, args.split, args.windows, args.step, args.device)))
     return 0
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from subquad.train.use import generate_text
 
-    print(generate_text(args.folder, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    print(generate_text(args.folder, args.prompt, args.tokens, args.temperature, args.top_k, args.seed, args.device))
     return 0
 
 

@@ -34,7 +34,7 @@ from subquad.registry import parse_value
 from subquad.train import checkpoint
 from subquad.train.tasks import make_task
 
-__all__ = ["TrainConfig", "load_config_file", "plot_curve", "train"]
+__all__ = ["TrainConfig", "load_config_file", "plot_curve", "resolve_device", "train"]
 
 _YES_NO = {"yes": True, "no": False}
 
@@ -310,21 +310,42 @@ def _distributed(device: torch.device) -> tuple[int, int]:
 
 
 def _device(name: str) -> torch.device:
-    """The device of ``--device``; under torchrun on GPUs each process takes ``cuda:LOCAL_RANK``."""
+    """The device of ``--device``, made current; under torchrun on GPUs each process takes ``cuda:LOCAL_RANK``."""
+    device = resolve_device(name, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device ``name`` stands for: ``auto`` is cuda where this torch sees a CUDA device, else
+    cpu; a bare ``cuda`` is ``cuda:local_rank`` (torchrun's ``LOCAL_RANK``). Raises ValueError,
+    naming the value and the fix, for a device that is not cpu or cuda, or a CUDA device this
+    machine lacks (which CUDA would report as an invalid ordinal)."""
+    given = name
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError as error:
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}") from error
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: this torch sees no CUDA device; pass --device cpu")
-        if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    elif device.type != "cpu":
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch sees no CUDA device; pass --device cpu")
+    count = torch.cuda.device_count()
+    if device.index is None:
+        if local_rank >= count:
+            raise ValueError(
+                f"--device {given}: the process of LOCAL_RANK {local_rank} takes cuda:{local_rank}, but this machine "
+                f"has {count} CUDA device(s); start at most {count} process(es) per node (torchrun "
+                f"--nproc_per_node {count}), or pass --device cpu"
+            )
+        device = torch.device("cuda", local_rank)
+    elif device.index >= count:
+        raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     return device
 
 

@@ -1,7 +1,9 @@
 """Using a trained run: ``subquad evaluate`` and ``subquad generate`` load its checkpoint.
 
 A run folder (``subquad train --out``) holds the config the model was built from; the model is
-rebuilt from it and the newest checkpoint (or a named one) loaded into it.
+rebuilt from it and the newest checkpoint (or a named one) loaded into it, on ``device`` (``auto``,
+as training's default: cuda where this torch sees a CUDA device). A run evaluated on the device it
+trained on gives the value its own evaluation logged.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ import torch
 from torch import nn
 
 from subquad.train import checkpoint
-from subquad.train.loop import TrainConfig, load_config_file
+from subquad.train.loop import TrainConfig, load_config_file, resolve_device
 from subquad.train.tasks import TextTask, make_task
 
 __all__ = ["evaluate_run", "generate_text", "load_run"]
 
 
-def load_run(run: str | Path, step: int | None = None) -> tuple[TrainConfig, Any, nn.Module]:
-    """The config, task and model of a run, with the weights of its newest checkpoint (or of ``step``)."""
+def load_run(run: str | Path, step: int | None = None, device: str = "auto") -> tuple[TrainConfig, Any, nn.Module]:
+    """The config, task and model of a run, with the weights of its newest checkpoint (or of
+    ``step``), on ``device`` (auto, cpu, cuda or cuda:N)."""
+    place = resolve_device(device)  # a bad device fails before any loading
     run = Path(run)
     if not (run / "config.json").is_file():
         raise FileNotFoundError(f"{run} holds no run (no config.json); pass the --out folder of subquad train")
@@ -31,14 +35,17 @@ def load_run(run: str | Path, step: int | None = None) -> tuple[TrainConfig, Any
         have = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
         raise FileNotFoundError(f"{run} has no checkpoint {'' if step is None else step}; it has: {have or 'none'}")
     task = make_task(config)
+    task.device = place
     model = task.model()
     checkpoint.load(path, model)
-    return config, task, model.eval()
+    return config, task, model.to(place).eval()
 
 
-def evaluate_run(run: str | Path, split: str = "test", windows: int | None = None, step: int | None = None) -> dict:
-    """The task's metric on ``split`` (all of it unless ``windows`` limits it)."""
-    config, task, model = load_run(run, step)
+def evaluate_run(
+    run: str | Path, split: str = "test", windows: int | None = None, step: int | None = None, device: str = "auto"
+) -> dict:
+    """The task's metric on ``split`` (all of it unless ``windows`` limits it), on ``device``."""
+    config, task, model = load_run(run, step, device)
     with torch.no_grad():
         value = task.evaluate(model, split, windows)
     name = task.metric.replace("val_", f"{split}_")
@@ -46,11 +53,17 @@ def evaluate_run(run: str | Path, split: str = "test", windows: int | None = Non
 
 
 def generate_text(
-    run: str | Path, prompt: str, tokens: int, temperature: float = 0.0, top_k: int | None = None, seed: int = 0
+    run: str | Path,
+    prompt: str,
+    tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    device: str = "auto",
 ) -> str:
     """Continue ``prompt`` byte by byte with a text run's model (cached decoding where the
-    mechanism has it)."""
-    config, task, model = load_run(run)
+    mechanism has it), on ``device``. Sampling draws from a CPU generator seeded with ``seed``."""
+    config, task, model = load_run(run, device=device)
     if not isinstance(task, TextTask):
         raise ValueError(f"generate needs a text run; {run} trained the {config.task} task")
     data = prompt.encode()
@@ -60,7 +73,7 @@ def generate_text(
         )
     use_cache = all(g.mechanism.decoder is not None for block in model.backbone.blocks for g in block.attn.groups)
     out = model.generate(
-        torch.tensor([list(data)]), tokens, use_cache=use_cache, temperature=temperature, top_k=top_k,
-        generator=torch.Generator().manual_seed(seed),
+        torch.tensor([list(data)], device=task.device), tokens, use_cache=use_cache, temperature=temperature,
+        top_k=top_k, generator=torch.Generator().manual_seed(seed),
     )  # fmt: skip
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")
