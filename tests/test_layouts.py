@@ -69,3 +69,85 @@ def test_a_causal_band_lists_no_key_past_its_blocks():
     for group in groups:
         last = group.queries.amax(-1)
         assert bool(((group.keys[0] <= last[:, None]) | (group.keys[0] < 0)).all())
+
+
+def _pairs(groups, L, S):
+    """How many times ``groups`` list each (query, key) pair the mask allows: ``(L, S)`` counts."""
+    counts = torch.zeros(L + 1, S, dtype=torch.long)
+    for group in groups:
+        n = group.queries.shape[0]
+        keys = group.keys[0]  # (n, W)
+        allowed = group.allowed(0, n).expand(n, group.queries.shape[1], keys.shape[1])
+        allowed = allowed & (keys >= 0).unsqueeze(1) & (keys < S).unsqueeze(1)
+        rows = group.queries.unsqueeze(-1).expand_as(allowed)
+        cols = keys.clamp(0, S - 1).unsqueeze(1).expand_as(allowed)
+        counts.index_put_((rows[allowed], cols[allowed]), torch.ones(int(allowed.sum()), dtype=torch.long), True)
+    return counts[:L]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize(
+    ("L", "S", "w", "block"), [(300, 300, 40, 64), (257, 300, 33, 32), (300, 257, 33, 128), (70, 70, 200, 128)]
+)
+def test_a_transposed_band_lists_each_pair_of_the_band_once(is_causal, L, S, w, block):
+    """``band_groups(transposed=True)``: blocks of keys against the queries that see them, each
+    (query, key) pair of the window listed exactly once, as the band in query blocks lists it."""
+    from subquad.kernels.layouts import band_groups
+    from subquad.mechanisms.local import window_mask
+
+    offset = S - L
+    left, right = (w - 1, 0) if is_causal else (w - 1, w - 1)
+    mask = window_mask(w, is_causal, offset)
+    straight = band_groups(L, offset, left, right, block, mask, torch.device("cpu"))
+    flipped = band_groups(L, offset, left, right, block, mask, torch.device("cpu"), transposed=True)
+    assert not any(g.transposed for g in straight) and all(g.transposed for g in flipped)
+    expected = mask(0, 0, torch.arange(L)[:, None], torch.arange(S)[None, :]).long()
+    assert torch.equal(_pairs(straight, L, S), expected)
+    assert torch.equal(_pairs(flipped, S, L).T, expected)  # the transposed groups' queries are keys
+
+
+@pytest.mark.parametrize("kernel", ["fused", "eager"])
+@pytest.mark.parametrize(
+    ("L", "S", "heads", "is_causal", "sinks"),
+    [
+        (150, 150, (2, 2), False, 0),
+        (130, 150, (4, 2), True, 3),
+        (150, 110, (2, 1), False, 2),
+        (100, 100, (3, 3), True, 0),
+    ],
+)
+def test_a_transposed_backward_layout_gives_the_gradients_of_the_straight_one(kernel, L, S, heads, is_causal, sinks):
+    """The engine's backward over transposed groups (blocks of keys against the queries that see
+    them, beside a sinks part in query blocks) equals its backward over the band in query blocks:
+    key padding, grouped-query heads, L ≠ S, key blocks with empty slots, both kernels."""
+    from subquad.kernels.blocksparse import block_sparse_attention
+    from subquad.mechanisms.local import _layout
+
+    from .conftest import padding, qkv, randn
+
+    H, Hkv = heads
+    q, _, _ = qkv(2, H, L, S, 8, seed=1)
+    _, k, v = qkv(2, Hkv, L, S, 8, seed=2)
+    kpm = padding(2, S, seed=3)
+    w, offset = 21, S - L
+    forward = _layout(L, offset, w, is_causal, sinks, 16, torch.device("cpu"))
+    grads = []
+    for backward in (_layout(L, offset, w, is_causal, sinks, 32, torch.device("cpu")),
+                     _layout(L, offset, w, is_causal, sinks, 32, torch.device("cpu"), transposed=True)):  # fmt: skip
+        inputs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = block_sparse_attention(*inputs, forward, kpm, 8**-0.5, kernel, backward)
+        grads.append(torch.autograd.grad(out, inputs, randn(*out.shape, seed=4)))
+    assert any(g.transposed for g in _layout(L, offset, w, is_causal, sinks, 32, "cpu", transposed=True)[0])
+    for a, b in zip(*grads, strict=True):
+        assert (a - b).abs().max() <= 1e-12
+
+
+def test_transposed_groups_are_refused_as_forward_parts():
+    from subquad.kernels.blocksparse import block_sparse_attention
+    from subquad.mechanisms.local import _layout
+
+    from .conftest import qkv
+
+    parts = _layout(64, 0, 9, False, 0, 16, torch.device("cpu"), transposed=True)
+    with pytest.raises(ValueError, match=r"transposed groups \(Group.transposed\) serve only as backward_parts"):
+        block_sparse_attention(*qkv(1, 1, 64, 64, 8), parts, None, 1.0)

@@ -189,8 +189,9 @@ def test_low_precision(dtype, tol):
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
 
 
-def _record_blocks(monkeypatch) -> list:
-    """Record (query block shape, keys per block) of every chunk the block-sparse engine builds."""
+def _record_blocks(monkeypatch, transposed: list | None = None) -> list:
+    """Record (query block shape, keys per block) of every chunk the block-sparse engine builds and,
+    into ``transposed``, whether its group is transposed (blocks of keys against queries)."""
     from subquad.kernels import blocksparse as _blocksparse
 
     seen = []
@@ -199,6 +200,8 @@ def _record_blocks(monkeypatch) -> list:
     def record(self, *args, **kwargs):
         chunk(self, *args, **kwargs)
         seen.append((tuple(self.queries.shape), self.shape[-1]))
+        if transposed is not None:
+            transposed.append(self.group.transposed)
 
     monkeypatch.setattr(_blocksparse._Chunk, "__init__", record)
     return seen
@@ -218,35 +221,40 @@ def test_each_block_reads_only_its_window(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "grad, context, Dv, forward_block, backward_block",
+    "grad, context, Dv, forward_block, backward_block, transposed",
     [
-        (False, None, 8, TUNING.local_inference_block, None),
-        (True, None, 8, TUNING.local_inference_block, TUNING.local_block),
-        (True, torch.no_grad, 8, TUNING.local_inference_block, None),
-        (True, torch.inference_mode, 8, TUNING.local_inference_block, None),
-        (False, None, 5, TUNING.local_block, None),  # Dv != D: the reference path, not the flash kernel
-        (True, None, 5, TUNING.local_block, TUNING.local_block),
+        (False, None, 8, TUNING.local_inference_block, None, None),
+        (True, None, 8, TUNING.local_inference_block, TUNING.local_backward_block, True),
+        (True, torch.no_grad, 8, TUNING.local_inference_block, None, None),
+        (True, torch.inference_mode, 8, TUNING.local_inference_block, None, None),
+        (False, None, 5, TUNING.local_block, None, None),  # Dv != D: the reference path, not the flash kernel
+        (True, None, 5, TUNING.local_block, TUNING.local_block, False),
     ],
 )
 def test_the_forward_runs_small_blocks_on_the_flash_kernel_and_the_backward_recomputes_larger_ones(
-    monkeypatch, grad, context, Dv, forward_block, backward_block
+    monkeypatch, grad, context, Dv, forward_block, backward_block, transposed
 ):
     """The forward takes the small block wherever the flash kernel runs it, gradients or not (so a
-    call with gradients returns what one without returns); the backward recomputes the band in
-    ``local_block`` blocks. Values and gradients are those of the dense band mask."""
+    call with gradients returns what one without returns). The backward recomputes the band in
+    blocks of its own: on the flash kernel transposed, ``local_backward_block`` keys against the
+    queries that see them; on the reference path ``local_block`` queries. Values and gradients are
+    those of the dense band mask."""
     q, k, v = (x.requires_grad_(grad) for x in qkv(2, 3, 300, 300, 8, Dv))
     expected = dense_local(q, k, v, None, False, 40)
-    seen = _record_blocks(monkeypatch)
+    orientation = []
+    seen = _record_blocks(monkeypatch, orientation)
     with context() if context else contextlib.nullcontext():
         out = local_attention(q, k, v, config=LocalConfig(window=40))
-    assert {shape[1] for shape, _ in seen} == {forward_block}
+    assert {shape[1] for shape, _ in seen} == {forward_block} and not any(orientation)
     assert (out - expected).abs().max() <= 1e-10
     if backward_block is None:
         return
     seen.clear()
+    orientation.clear()
     g = randn(*out.shape, dtype=out.dtype, seed=4)
     got, want = torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g)
     assert {shape[1] for shape, _ in seen} == {backward_block}
+    assert set(orientation) == {transposed}
     for a, b in zip(got, want, strict=True):
         assert (a - b).abs().max() <= 1e-10
 
@@ -269,21 +277,33 @@ def test_a_call_with_gradients_returns_what_one_without_returns():
 def test_a_band_of_more_than_four_blocks_of_keys_is_recomputed_in_blocks_twice_as_wide(
     monkeypatch, window, is_causal, wide
 ):
-    """The backward's block is ``local_block``, doubled where a query sees more than
-    ``4 · local_block`` keys (2·window − 1 non-causal, window causal); the forward's stays
-    ``local_inference_block``. Values and gradients stay those of the dense band mask."""
+    """Off the flash kernel (``eager``) both passes take ``local_block`` queries, doubled where a
+    query sees more than ``4 · local_block`` keys (2·window − 1 non-causal, window causal). On it
+    the forward takes ``local_inference_block`` and the backward, transposed, ``local_backward_block``
+    keys at any width. Values and gradients stay those of the dense band mask."""
     q, k, v = (x.requires_grad_(True) for x in qkv(1, 2, 700, 700, 8, seed=2))
-    seen = _record_blocks(monkeypatch)
-    out = local_attention(q, k, v, is_causal=is_causal, config=LocalConfig(window=window))
-    assert {shape[1] for shape, _ in seen} == {TUNING.local_inference_block}
     expected = dense_local(q, k, v, None, is_causal, window)
-    assert (out - expected).abs().max() <= 1e-10
-    seen.clear()
-    g = randn(*out.shape, dtype=out.dtype, seed=4)
-    got = torch.autograd.grad(out, (q, k, v), g)
-    assert {shape[1] for shape, _ in seen} == {TUNING.local_block * (2 if wide else 1)}
-    for a, b in zip(got, torch.autograd.grad(expected, (q, k, v), g), strict=True):
-        assert (a - b).abs().max() <= 1e-10
+    g = randn(*expected.shape, dtype=expected.dtype, seed=4)
+    want = torch.autograd.grad(expected, (q, k, v), g)
+    straight = TUNING.local_block * (2 if wide else 1)
+    orientation = []
+    seen = _record_blocks(monkeypatch, orientation)
+    for kernel, forward, backward in (
+        ("eager", straight, straight),
+        ("fused", TUNING.local_inference_block, TUNING.local_backward_block),
+    ):
+        seen.clear()
+        orientation.clear()
+        out = local_attention(q, k, v, is_causal=is_causal, config=LocalConfig(window=window, kernel=kernel))
+        assert {shape[1] for shape, _ in seen} == {forward}
+        assert (out - expected).abs().max() <= 1e-10
+        seen.clear()
+        orientation.clear()
+        got = torch.autograd.grad(out, (q, k, v), g)
+        assert {shape[1] for shape, _ in seen} == {backward}
+        assert set(orientation) == {kernel == "fused"}
+        for a, b in zip(got, want, strict=True):
+            assert (a - b).abs().max() <= 1e-10
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

@@ -34,8 +34,12 @@ each chunk's probabilities ``P = exp(S − lse)`` from the merged ``lse`` (as Fl
 every part's gradients are those of the merged softmax: ``dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O))``.
 Key and value gradients are scattered back with ``index_add_``. Memory stays linear in N. As each
 pair's gradient needs only the merged ``lse`` and output, the backward may recompute the pattern
-in a layout of its own (``backward_parts``): a band's forward runs fastest in small blocks, its
-backward in larger ones (``band_blocks``).
+in a layout of its own (``backward_parts``): a band's forward runs fastest in small blocks of
+queries, its backward transposed (``band_blocks``). A transposed group (``Group.transposed``)
+lists blocks of keys against the queries that see them: the kernel then takes the queries, the
+output gradient, the output and ``lse`` through the group's key views and the keys and values as
+its blocks, each block's key and value gradients come whole, and the queries' gradients are
+summed over the blocks. The groups of a backward layout may mix both orientations.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ def block_sparse_attention(
             forward = "native"
         else:
             _native.warn_unavailable(why)
+    if any(group.transposed for part in parts for group in part):
+        raise ValueError("transposed groups (Group.transposed) serve only as backward_parts, not as parts")
     backward = tuple(parts if backward_parts is None else backward_parts)
     return _BlockSparse.apply(q, k, v, key_padding_mask, tuple(parts), scale, forward, fused, backward)
 
@@ -264,22 +270,33 @@ def _chunks(
         yield _Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask, groups)
 
 
-def band_blocks(q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool, keys: int) -> tuple[int, int | None]:
+def band_blocks(
+    q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool, keys: int, transposable: bool = True
+) -> tuple[int, int | None, bool]:
     """Queries per block of a band (local, strided sparse) whose queries see ``keys`` keys each, in
     the forward pass and in the backward pass, which recomputes the band in a layout of its own
-    (``block_sparse_attention``'s ``backward_parts``). The forward takes
-    ``TUNING.local_inference_block`` where the fused or native kernel runs it: fewer keys computed
-    outside the band. The backward takes ``TUNING.local_block``, twice that where
-    ``keys > 4 · TUNING.local_block``: each block's keys get a key gradient of their own, which
-    torch's flash backward zero-fills and the engine scatters, and the blocks' keys overlap by the
-    band's width, so a wider band repays wider blocks (docs/performance.md). Off those kernels
-    (``eager``) the forward takes the backward's block too. The backward's block is None where the
-    backward needs no layout of its own: no input takes a gradient, or the blocks are the same.
-    ``native``: the native kernel takes these inputs."""
-    backward = TUNING.local_block * (2 if keys > 4 * TUNING.local_block else 1)
+    (``block_sparse_attention``'s ``backward_parts``), and whether that layout is transposed
+    (``band_groups(transposed=True)``: blocks of keys against the queries that see them).
+
+    The forward takes ``TUNING.local_inference_block`` where the fused or native kernel runs it:
+    fewer keys computed outside the band. Under torch's flash backward (the fused and native
+    kernels') the backward is transposed, in blocks of ``TUNING.local_backward_block`` keys: each
+    block of keys gets its whole gradient from one call, where query blocks' overlapping key
+    windows each give a part that is zero-filled and summed, and the kernel runs faster with the
+    long side on its queries (docs/performance.md). Off those kernels (``eager``) both passes take
+    ``TUNING.local_block`` queries, twice that where ``keys > 4 · TUNING.local_block``, and the
+    backward is not transposed; nor is it where the caller cannot take a transposed band
+    (``transposable``). The backward's block is None where the backward needs no layout of its own:
+    no input takes a gradient, or it would be the forward's. ``native``: the native kernel takes
+    these inputs."""
     fused = kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
+    transposed = transposable and (fused or native)
+    backward = TUNING.local_block * (2 if keys > 4 * TUNING.local_block else 1)
     forward = TUNING.local_inference_block if fused or native else backward
-    return forward, (backward if backward != forward and tracks_grad(q, k, v) else None)
+    if transposed:
+        backward = TUNING.local_backward_block
+    own = tracks_grad(q, k, v) and (backward != forward or transposed)
+    return forward, (backward if own else None), transposed
 
 
 def native_runs(queries: int, keys: int) -> bool:
@@ -417,52 +434,136 @@ class _BlockSparse(torch.autograd.Function):
     @adapted_backward
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v, key_padding_mask, out, lse = ctx.saved_tensors
-        B, H, L, D = q.shape
-        S, Dv = k.shape[2], v.shape[3]
-        work = out.dtype
         # The empty slot L gets lse = +inf, so its probabilities are 0; queries that see no key too.
-        lse = F.pad(lse.masked_fill(lse == float("-inf"), float("inf")), (0, 1), value=float("inf"))
-        dtype = q.dtype if ctx.fused else work
-        query_pad, pad = _pads(ctx.parts)
-        q_ext = _padded(q.to(dtype), 0, query_pad)
-        g_ext, out_ext = grad.to(dtype), out.to(dtype)
-        kf, vf = (_padded(x.to(dtype), pad, pad) for x in (k, v))  # (B, H, S + 2 pad, ·)
-        # Gradients accumulate as matrices, one row per (batch, head, position): index_add_ along
-        # dim 0 of a matrix is the fast scatter on CPU (several times faster than along an inner dim).
-        grad_q = new_output((B * H * (L + 1), D), work, q.device).zero_()
-        Hkv = k.shape[1]  # H / G with grouped-query inputs: their gradients sum over each group
-        M = Hkv * (S + 2 * pad)  # key rows per batch entry
-        grad_k = new_output((B * M, D), work, q.device).zero_()
-        grad_v = new_output((B * M, Dv), work, q.device).zero_()
-        query_rows = torch.arange(B * H, device=q.device).view(B, H, 1, 1) * (L + 1)
-        key_rows = torch.arange(B, device=q.device).view(B, 1) * M
-        delta = None if ctx.fused else (g_ext * out_ext).sum(-1)  # (B, H, L): rowsum(dO ∘ O)
-        sources: dict = {}
-        for part in ctx.parts:
-            for group in part:
-                tile = TUNING.blocksparse_backward_tile
-                if not ctx.fused:
-                    tile = block_elements(TUNING.blocksparse_tile, q.device)
-                for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, False, H // Hkv):
-                    rows = c.queries
-                    qc, gc = c.take(q_ext), c.take(g_ext, view=False)
-                    kc, vc = c.gather(kf, sources, "blocksparse.keys"), c.gather(vf, sources, "blocksparse.values")
-                    if ctx.fused:
-                        dq, dk, dv = _chunk_backward_fused(
-                            qc, kc, vc, gc, c.take(out_ext, view=False), lse[:, :, rows], c, ctx.scale
-                        )
-                    else:
-                        dq, dk, dv = eager_backward(
-                            qc, kc, vc, gc, lse[:, :, rows], delta[:, :, c.reads], c.allowed, ctx.scale
-                        )
-                    _add_rows(grad_q, (query_rows + rows).expand(B, H, *rows.shape), dq)
-                    flat = (key_rows + c.flat).view(B, *c.shape)  # (B, H, n, W)
-                    _add_rows(grad_k, flat, dk)
-                    _add_rows(grad_v, flat, dv)
-        grad_q = grad_q.view(B, H, L + 1, D)[:, :, :L].to(q.dtype)
-        grad_k = grad_k.view(B, Hkv, S + 2 * pad, D)[:, :, pad : pad + S].to(k.dtype)
-        grad_v = grad_v.view(B, Hkv, S + 2 * pad, Dv)[:, :, pad : pad + S].to(v.dtype)
-        return grad_q, grad_k, grad_v, None, None, None, None, None, None
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+        groups = [group for part in ctx.parts for group in part]
+        # Each (query, key) pair lies in one group, and its gradient needs only the merged lse and
+        # output: the groups are computed apart, in either orientation, and their gradients summed.
+        straight = [group for group in groups if not group.transposed]
+        flipped = [group for group in groups if group.transposed]
+        grads = None
+        for some, backward in ((straight, _straight_backward), (flipped, _transposed_backward)):
+            if some:
+                more = backward(q, k, v, key_padding_mask, grad, out, lse, some, ctx.scale, ctx.fused)
+                grads = more if grads is None else [a.add_(b) for a, b in zip(grads, more)]
+        grad_q, grad_k, grad_v = grads
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None, None
+
+
+def _straight_backward(q, k, v, key_padding_mask, grad, out, lse, groups, scale, fused):
+    """The gradients ``(B, H, L, D)``, ``(B, H_kv, S, D)``, ``(B, H_kv, S, Dv)`` of the pairs of
+    ``groups`` (query blocks against their keys), in the work dtype; ``lse`` is +inf for rows
+    without keys."""
+    B, H, L, D = q.shape
+    S, Dv = k.shape[2], v.shape[3]
+    work = out.dtype
+    lse = F.pad(lse, (0, 1), value=float("inf"))  # the empty slot L
+    dtype = q.dtype if fused else work
+    query_pad, pad = _pads([groups])
+    q_ext = _padded(q.to(dtype), 0, query_pad)
+    g_ext, out_ext = grad.to(dtype), out.to(dtype)
+    kf, vf = (_padded(x.to(dtype), pad, pad) for x in (k, v))  # (B, H, S + 2 pad, ·)
+    # Gradients accumulate as matrices, one row per (batch, head, position): index_add_ along
+    # dim 0 of a matrix is the fast scatter on CPU (several times faster than along an inner dim).
+    grad_q = new_output((B * H * (L + 1), D), work, q.device).zero_()
+    Hkv = k.shape[1]  # H / G with grouped-query inputs: their gradients sum over each group
+    M = Hkv * (S + 2 * pad)  # key rows per batch entry
+    grad_k = new_output((B * M, D), work, q.device).zero_()
+    grad_v = new_output((B * M, Dv), work, q.device).zero_()
+    query_rows = torch.arange(B * H, device=q.device).view(B, H, 1, 1) * (L + 1)
+    key_rows = torch.arange(B, device=q.device).view(B, 1) * M
+    delta = None if fused else (g_ext * out_ext).sum(-1)  # (B, H, L): rowsum(dO ∘ O)
+    sources: dict = {}
+    tile = TUNING.blocksparse_backward_tile if fused else block_elements(TUNING.blocksparse_tile, q.device)
+    for group in groups:
+        for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, False, H // Hkv):
+            rows = c.queries
+            qc, gc = c.take(q_ext), c.take(g_ext, view=False)
+            kc, vc = c.gather(kf, sources, "blocksparse.keys"), c.gather(vf, sources, "blocksparse.values")
+            if fused:
+                dq, dk, dv = _chunk_backward_fused(
+                    qc, kc, vc, gc, c.take(out_ext, view=False), lse[:, :, rows], c, scale
+                )
+            else:
+                dq, dk, dv = eager_backward(qc, kc, vc, gc, lse[:, :, rows], delta[:, :, c.reads], c.allowed, scale)
+            _add_rows(grad_q, (query_rows + rows).expand(B, H, *rows.shape), dq)
+            flat = (key_rows + c.flat).view(B, *c.shape)  # (B, H, n, W)
+            _add_rows(grad_k, flat, dk)
+            _add_rows(grad_v, flat, dv)
+    grad_q = grad_q.view(B, H, L + 1, D)[:, :, :L]
+    grad_k = grad_k.view(B, Hkv, S + 2 * pad, D)[:, :, pad : pad + S]
+    grad_v = grad_v.view(B, Hkv, S + 2 * pad, Dv)[:, :, pad : pad + S]
+    return grad_q, grad_k, grad_v
+
+
+def _transposed_backward(q, k, v, key_padding_mask, grad, out, lse, groups, scale, fused):
+    """``_straight_backward`` for transposed groups (``Group.transposed``): each chunk is blocks of
+    keys against the windows of queries that see them, so the kernel's queries are q, dO, O and lse
+    read through the groups' key views, its keys and values the blocks. A block's key and value
+    gradients are whole (no overlapping windows to sum), and its queries' gradients are summed
+    over the blocks. Empty key slots (``S``) and padded keys are masked."""
+    B, H, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = H // Hkv
+    work = out.dtype
+    dtype = q.dtype if fused else work
+    key_pad, pad = _pads([groups])  # rows past the end of the keys; rows past both ends of the queries
+    qf, gf, of = (_padded(x.to(dtype), pad, pad) for x in (q, grad, out))  # (B, H, L + 2 pad, ·)
+    lf = F.pad(lse, (pad, pad), value=float("inf")).unsqueeze(-1)  # padded queries take no weight
+    df = None if fused else (gf * of).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
+    # keys and values per query head (a copy where grouped-query inputs share them)
+    kx, vx = (x if G == 1 else x.repeat_interleave(G, dim=1) for x in (k.to(dtype), v.to(dtype)))
+    kx, vx = _padded(kx, 0, key_pad), _padded(vx, 0, key_pad)
+    grad_q = new_output((B * H * (L + 2 * pad), D), work, q.device).zero_()
+    grad_k = new_output((B * Hkv * (S + 1), D), work, q.device).zero_()  # row S: the empty slots
+    grad_v = new_output((B * Hkv * (S + 1), Dv), work, q.device).zero_()
+    query_rows = torch.arange(B, device=q.device).view(B, 1) * (H * (L + 2 * pad))
+    key_rows = (torch.arange(B * H, device=q.device).view(B, H) // G * (S + 1)).view(B, H, 1, 1)
+    sources: dict = {}
+    tile = TUNING.blocksparse_backward_tile if fused else block_elements(TUNING.blocksparse_tile, q.device)
+    for group in groups:
+        # the chunks of the transposed pattern: its S "queries" are keys, its L "keys" queries
+        for c in _chunks(group, B, H, S, L, pad, None, tile, False):
+            rows = c.queries  # (n, bq) key positions, S for an empty slot
+            kc, vc = c.take(kx), c.take(vx)  # (B, H, n, bq, ·)
+            qc, gc, oc, lc = (
+                c.gather(x, sources, f"blocksparse.transposed.{name}")
+                for x, name in ((qf, "q"), (gf, "grad"), (of, "out"), (lf, "lse"))
+            )
+            allowed = _transposed_allowed(c, key_padding_mask, S)  # (.., n, W, bq): (query, key)
+            if fused:
+                mask = None
+                if allowed is not None:
+                    build = lambda allowed=allowed: _additive(allowed, B, H, dtype)  # noqa: E731
+                    mask = build() if key_padding_mask is not None else c.kept(("transposed", B, H, dtype), build)
+                dq, dk, dv = fused_backward(
+                    _as_batch(qc), _as_batch(kc), _as_batch(vc), _as_batch(gc), _as_batch(oc),
+                    _as_batch(lc).squeeze(-1), mask, False, scale,
+                )  # fmt: skip
+                dq, dk, dv = _from_batch(dq, B, H), _from_batch(dk, B, H), _from_batch(dv, B, H)
+            else:
+                dc = c.gather(df, sources, "blocksparse.transposed.delta")
+                dq, dk, dv = eager_backward(qc, kc, vc, gc, lc.squeeze(-1), dc.squeeze(-1), allowed, scale)
+            _add_rows(grad_q, (query_rows.view(B, 1) + c.flat).view(B, *c.shape), dq)
+            _add_rows(grad_k, (key_rows + rows).expand(B, H, *rows.shape), dk)
+            _add_rows(grad_v, (key_rows + rows).expand(B, H, *rows.shape), dv)
+    grad_q = grad_q.view(B, H, L + 2 * pad, D)[:, :, pad : pad + L]
+    grad_k = grad_k.view(B, Hkv, S + 1, D)[:, :, :S]
+    grad_v = grad_v.view(B, Hkv, S + 1, Dv)[:, :, :S]
+    return grad_q, grad_k, grad_v
+
+
+def _transposed_allowed(c: _Chunk, key_padding_mask: Tensor | None, S: int) -> Tensor | None:
+    """A transposed chunk's element mask as (query, key) ``(B | 1, 1, n | 1, W, bq)``: its layout
+    mask (key, query), the empty key slots and the padded keys left out; None where all is visible."""
+    allowed = None if c.open else c.allowed  # (.., n | 1, bq, W)
+    empty = c.kept(("empty",), lambda: (c.queries == S).unsqueeze(-1))  # (n, bq, 1)
+    if bool(empty.any()):
+        allowed = ~empty if allowed is None else allowed & ~empty
+    if key_padding_mask is not None:
+        real = key_padding_mask[:, c.reads].unsqueeze(1).unsqueeze(-1)  # (B, 1, n, bq, 1)
+        allowed = real if allowed is None else allowed & real
+    return None if allowed is None else allowed.transpose(-1, -2)
 
 
 def _add_rows(target: Tensor, index: Tensor, rows: Tensor) -> None:

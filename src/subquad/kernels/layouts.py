@@ -8,6 +8,12 @@ A ``Group`` is a batch of query blocks of one size that all see the same number 
 - ``allowed(start, stop)``: the exact element mask of blocks ``start:stop``, broadcastable to
   ``(B, H, n, bq, W)``, evaluated from the pattern's ``mask_mod`` on the blocks' positions.
 
+A *transposed* group (``transposed=True``) lists the pattern the other way round: its "queries"
+are blocks of keys and its "keys" the windows of queries that see them, and ``allowed`` is indexed
+(key, query). Only a backward layout holds them (``blocksparse.block_sparse_attention``'s
+``backward_parts``): a key block's gradients are then whole, where query blocks' overlapping key
+windows each give a part of them to be summed (``band_groups(transposed=True)``).
+
 Two optional records say what the engine may skip, each checked when built:
 
 - ``MaskFacts``: what is known of the element mask (the same for every block, all in range, all
@@ -24,6 +30,7 @@ for content-based routing.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -109,6 +116,7 @@ class Group:
     # A group kept across calls (a layout cached per shape) holds here the masks its chunks derive
     # from the layout alone, so that later calls without key padding reuse them; None: not kept.
     memo: dict | None = field(default=None, compare=False, repr=False)
+    transposed: bool = False  # blocks of keys against windows of queries (module docstring)
 
     def __post_init__(self) -> None:
         if self.queries.dim() != 2 or self.keys.dim() != 3 or self.keys.shape[1] != self.queries.shape[0]:
@@ -131,7 +139,15 @@ class Group:
 
 
 def band_groups(
-    L: int, offset: int, left: int, right: int, block: int, mask_mod: MaskMod, device, kept: bool = False
+    L: int,
+    offset: int,
+    left: int,
+    right: int,
+    block: int,
+    mask_mod: MaskMod,
+    device,
+    kept: bool = False,
+    transposed: bool = False,
 ) -> list[Group]:
     """Blocks of consecutive queries, each against the keys from ``left`` before its first query's
     position to ``right`` after its last one; the queries are the last L of the ``L + offset`` keys.
@@ -141,7 +157,15 @@ def band_groups(
     windows reach; the element mask leaves out the rest. Otherwise (a causal band: the keys these
     blocks list must not pass their last query), or where the sequence is shorter than W, they read
     windows over a zero-padded copy of the keys they reach, with the keys outside masked. ``kept``:
-    the caller keeps the groups for later calls of this shape (``Group.memo``)."""
+    the caller keeps the groups for later calls of this shape (``Group.memo``).
+
+    ``transposed``: the same band as transposed groups (``Group.transposed``), blocks of ``block``
+    keys against the queries that see them: the band of the transposed pattern, built as above with
+    the roles of queries and keys swapped (``S`` of them, against the ``L`` queries)."""
+    if transposed:
+        flipped = lambda b, h, key, query: mask_mod(b, h, query, key)  # noqa: E731
+        groups = band_groups(L + offset, -offset, right, left, block, flipped, device, kept)
+        return [dataclasses.replace(group, transposed=True) for group in groups]
     n, W, S = -(-L // block), block + left + right, L + offset
     queries = torch.arange(n * block, device=device).view(n, block)
     keys = (queries[:, :1] + offset - left) + torch.arange(W, device=device)  # (n, W)

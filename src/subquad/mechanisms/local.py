@@ -19,13 +19,16 @@ blocks, never O(N·window).
 
 The forward runs blocks of ``TUNING.local_inference_block`` (32) queries where the CPU flash
 kernel (or the native one) runs it, with gradients or without, and ``TUNING.local_block`` (64)
-otherwise. The backward recomputes the band in blocks of its own (the engine's backward needs only
-the saved output and log-sum-exp): ``TUNING.local_block``, 128 where a query sees more than 256
-keys (non-causal windows above 128, causal ones above 256: ``kernels.blocksparse.band_blocks``).
-Smaller blocks compute fewer keys outside the window (``block − 1`` of ``block + 2·window − 2`` per
-query), which makes a forward faster, but their overlapping key windows multiply the key gradients
-the backward zero-fills and scatters, which makes a backward slower (docs/performance.md). A call
-with gradients returns exactly what one without returns, so a reentrant checkpoint recomputes the
+otherwise. The backward recomputes the band in a layout of its own (the engine's backward needs
+only the saved output and log-sum-exp). Under torch's flash backward it is the band transposed:
+blocks of ``TUNING.local_backward_block`` (128) keys, each against the queries that see it
+(``block + 2·window − 2`` of them non-causal), so that a block's key and value gradients come
+whole from one call; query blocks' key windows overlap, and each gave a part of its keys'
+gradients that the kernel zero-filled and the engine summed. It also runs faster with the long
+side on the kernel's queries: forward+backward 8–14% faster at N = 1024 and 2048, w = 256
+(docs/performance.md). Off that kernel the backward takes ``TUNING.local_block`` queries, 128
+where a query sees more than 256 keys (``kernels.blocksparse.band_blocks``). A call with
+gradients returns exactly what one without returns, so a reentrant checkpoint recomputes the
 values it first returned.
 
 **Sinks.** ``sinks = s`` keeps the first s keys visible to every query (causal: those before it),
@@ -112,32 +115,41 @@ def local_attention(
     w = min(config.window, L + S)  # a wider window sees no more keys: the same result, bounded work
     offset = S - L
     native = config.kernel == "native" and _native.supports(q, k, v) is None  # runs Dv != D too
-    block, backward_block = band_blocks(q, k, v, config.kernel, native, w if is_causal else 2 * w - 1)
+    block, backward_block, transposed = band_blocks(q, k, v, config.kernel, native, w if is_causal else 2 * w - 1)
     layout = functools.partial(_layout, L, offset, w, is_causal, min(config.sinks, S), device=q.device)
     parts = layout(min(block, L))
-    backward = None if backward_block is None else layout(min(backward_block, L))
+    backward = (
+        None if backward_block is None else layout(min(backward_block, S if transposed else L), transposed=transposed)
+    )
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel, backward)
 
 
-def _layout(L: int, offset: int, w: int, is_causal: bool, sinks: int, block: int, device: torch.device) -> list:
-    """The window's parts in blocks of ``block`` queries: the band, and the sinks its windows leave out."""
-    parts = [_band(L, offset, w, is_causal, block, device)]
+def _layout(
+    L: int, offset: int, w: int, is_causal: bool, sinks: int, block: int, device: torch.device, transposed: bool = False
+) -> list:
+    """The window's parts in blocks of ``block`` queries: the band, and the sinks its windows leave
+    out. ``transposed``: the band in blocks of ``block`` keys against the queries that see them, for
+    the backward (``band_groups``), beside the sinks' part in query blocks."""
+    parts = [_band(L, offset, w, is_causal, block, device, transposed)]
     # the part is needed where some query's window leaves out a sink: the last query misses key 0,
     # or (non-causal, L > S) the first query, before the keys, misses the last sink
     if sinks and (offset + L - 1 >= w or (not is_causal and sinks - 1 - offset >= w)):
         window = window_mask(w, is_causal, offset)
-        parts.append(sink_groups(L, sinks, block, 1, sink_mask(sinks, window, is_causal, offset), device))
+        parts.append(sink_groups(L, sinks, min(block, L), 1, sink_mask(sinks, window, is_causal, offset), device))
     return parts
 
 
 @functools.lru_cache(maxsize=32)
-def _band(L: int, offset: int, w: int, is_causal: bool, block: int, device: torch.device) -> list[Group]:
+def _band(
+    L: int, offset: int, w: int, is_causal: bool, block: int, device: torch.device, transposed: bool
+) -> list[Group]:
     """The window's band layout for this shape, built once and kept with the masks its chunks
     derive from it (``Group.memo``): building them took about a tenth of a call at N = 1024
     (docs/performance.md). They enter no autograd graph (the engine's Function recomputes from its
     saved inputs), so those built in inference mode serve calls that record one."""
     left, right = (w - 1, 0) if is_causal else (w - 1, w - 1)
-    return band_groups(L, offset, left, right, block, window_mask(w, is_causal, offset), device, kept=True)
+    mask = window_mask(w, is_causal, offset)
+    return band_groups(L, offset, left, right, block, mask, device, kept=True, transposed=transposed)
 
 
 class WindowCache(Decoder):

@@ -359,7 +359,7 @@ def sparse_attention(
         parts = _sparse_parts(config, layout_shape, is_causal, q.device, native)
     else:
         band = config.stride if is_causal else 2 * config.stride - 1  # keys per query of the local step
-        block, backward_block = band_blocks(q, k, v, config.kernel, native, band)
+        block, backward_block, _ = band_blocks(q, k, v, config.kernel, native, band, transposable=False)
         parts = _sparse_parts(dataclasses.replace(config, block=block), layout_shape, is_causal, q.device, native)
         if backward_block is not None:
             config_backward = dataclasses.replace(config, block=backward_block)
