@@ -656,12 +656,18 @@ def test_native_kernel_on_float64_falls_back_and_stays_exact(monkeypatch):
     assert (out - oracle(q, k, v, config, True)).abs().max() <= 1e-10
 
 
-def test_block_0_runs_32_in_the_forward_and_recomputes_64_in_the_backward(monkeypatch):
-    # The automatic block: narrower blocks compute fewer keys per query in the forward, wider ones
-    # scatter fewer shared key gradients in the backward; all give the same attention.
+def test_block_0_runs_32_in_the_forward_and_recomputes_the_band_transposed_in_the_backward(monkeypatch):
+    # The automatic block: narrower blocks compute fewer keys per query in the forward; the backward
+    # recomputes the local step transposed (blocks of local_backward_block keys, whose gradients
+    # come whole) and the columns in 64-query blocks; all give the same attention.
     seen = []
     real = sparse._sparse_parts.__wrapped__
-    monkeypatch.setattr(sparse, "_sparse_parts", lambda config, *a: seen.append(config.block) or real(config, *a))
+
+    def record(config, shape, causal, device, native=False, transposed_band=None):
+        seen.append((config.block, transposed_band))
+        return real(config, shape, causal, device, native, transposed_band)
+
+    monkeypatch.setattr(sparse, "_sparse_parts", record)
     q, k, v = (torch.randn(1, 2, 200, 8, dtype=torch.float64) for _ in range(3))
     with torch.no_grad():
         out = sparse_attention(q, k, v, is_causal=True, config=SparseConfig(stride=16))
@@ -669,7 +675,7 @@ def test_block_0_runs_32_in_the_forward_and_recomputes_64_in_the_backward(monkey
     grad_out = sparse_attention(*leaves, is_causal=True, config=SparseConfig(stride=16))
     explicit_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     explicit = sparse_attention(*explicit_leaves, is_causal=True, config=SparseConfig(stride=16, block=5))
-    assert seen == [32, 32, 64, 5]
+    assert seen == [(32, None), (32, None), (64, TUNING.local_backward_block), (5, None)]
     assert torch.equal(grad_out.detach(), out)  # the same blocks in the forward, gradients or not
     torch.testing.assert_close(explicit.detach(), out, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(out)

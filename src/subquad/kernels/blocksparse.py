@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,7 @@ from subquad.kernels.threads import adapted_backward
 from subquad.kernels.tuning import TUNING, block_elements
 
 __all__ = [
+    "BandBlocks",
     "band_blocks",
     "block_sparse_attention",
     "native_runs",
@@ -270,33 +272,40 @@ def _chunks(
         yield _Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask, groups)
 
 
-def band_blocks(
-    q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool, keys: int, transposable: bool = True
-) -> tuple[int, int | None, bool]:
-    """Queries per block of a band (local, strided sparse) whose queries see ``keys`` keys each, in
-    the forward pass and in the backward pass, which recomputes the band in a layout of its own
-    (``block_sparse_attention``'s ``backward_parts``), and whether that layout is transposed
-    (``band_groups(transposed=True)``: blocks of keys against the queries that see them).
+class BandBlocks(NamedTuple):
+    """The blocks of a band (``band_blocks``)."""
+
+    forward: int  # queries per block of the forward
+    backward: int | None  # queries per block of a backward in query blocks; None: the forward's, or no backward
+    transposed: int | None  # keys per block of the band's backward transposed; None: not transposed
+
+
+def band_blocks(q: Tensor, k: Tensor, v: Tensor, kernel: str, native: bool, keys: int) -> BandBlocks:
+    """The blocks of a band (local, strided sparse) whose queries see ``keys`` keys each: queries
+    per block in the forward pass and in the backward pass, which recomputes the band in a layout
+    of its own (``block_sparse_attention``'s ``backward_parts``), and, where that layout is the band
+    transposed (``band_groups(transposed=True)``: blocks of keys against the queries that see
+    them), keys per block. ``native``: the native kernel takes these inputs.
 
     The forward takes ``TUNING.local_inference_block`` where the fused or native kernel runs it:
     fewer keys computed outside the band. Under torch's flash backward (the fused and native
-    kernels') the backward is transposed, in blocks of ``TUNING.local_backward_block`` keys: each
-    block of keys gets its whole gradient from one call, where query blocks' overlapping key
+    kernels') the band's backward is transposed, in blocks of ``TUNING.local_backward_block`` keys:
+    each block of keys gets its whole gradient from one call, where query blocks' overlapping key
     windows each give a part that is zero-filled and summed, and the kernel runs faster with the
-    long side on its queries (docs/performance.md). Off those kernels (``eager``) both passes take
-    ``TUNING.local_block`` queries, twice that where ``keys > 4 · TUNING.local_block``, and the
-    backward is not transposed; nor is it where the caller cannot take a transposed band
-    (``transposable``). The backward's block is None where the backward needs no layout of its own:
-    no input takes a gradient, or it would be the forward's. ``native``: the native kernel takes
-    these inputs."""
+    long side on its queries (docs/performance.md). Parts of a pattern in query blocks take
+    ``TUNING.local_block`` queries in the backward, twice that where ``keys > 4 · TUNING.local_block``;
+    off those kernels (``eager``) the forward does too, and nothing is transposed. ``backward`` and
+    ``transposed`` are None where no input takes a gradient; ``backward`` is also where it would be
+    the forward's block."""
     fused = kernel != "eager" and fused_available(q.device, q.shape[-1], v.shape[-1])
-    transposed = transposable and (fused or native)
-    backward = TUNING.local_block * (2 if keys > 4 * TUNING.local_block else 1)
-    forward = TUNING.local_inference_block if fused or native else backward
-    if transposed:
-        backward = TUNING.local_backward_block
-    own = tracks_grad(q, k, v) and (backward != forward or transposed)
-    return forward, (backward if own else None), transposed
+    straight = TUNING.local_block * (2 if keys > 4 * TUNING.local_block else 1)
+    forward = TUNING.local_inference_block if fused or native else straight
+    grad = tracks_grad(q, k, v)
+    return BandBlocks(
+        forward,
+        straight if grad and straight != forward else None,
+        TUNING.local_backward_block if grad and (fused or native) else None,
+    )
 
 
 def native_runs(queries: int, keys: int) -> bool:
@@ -434,28 +443,64 @@ class _BlockSparse(torch.autograd.Function):
     @adapted_backward
     def backward(ctx, grad):  # type: ignore[override]
         q, k, v, key_padding_mask, out, lse = ctx.saved_tensors
+        groups = [group for part in ctx.parts for group in part]
+        grads = _Gradients(q, k, v, _pads([[g for g in groups if not g.transposed]])[1])
+        # Each (query, key) pair lies in one group, and its gradient needs only the merged lse and
+        # output: the groups are computed apart, in either orientation, into the same sums.
         # The empty slot L gets lse = +inf, so its probabilities are 0; queries that see no key too.
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))
-        groups = [group for part in ctx.parts for group in part]
-        # Each (query, key) pair lies in one group, and its gradient needs only the merged lse and
-        # output: the groups are computed apart, in either orientation, and their gradients summed.
-        straight = [group for group in groups if not group.transposed]
-        flipped = [group for group in groups if group.transposed]
-        grads = None
-        for some, backward in ((straight, _straight_backward), (flipped, _transposed_backward)):
+        for transposed, backward in ((False, _straight_backward), (True, _transposed_backward)):
+            some = [group for group in groups if group.transposed == transposed]
             if some:
-                more = backward(q, k, v, key_padding_mask, grad, out, lse, some, ctx.scale, ctx.fused)
-                grads = more if grads is None else [a.add_(b) for a, b in zip(grads, more)]
-        grad_q, grad_k, grad_v = grads
+                backward(grads, q, k, v, key_padding_mask, grad, out, lse, some, ctx.scale, ctx.fused)
+        grad_q, grad_k, grad_v = grads.result()
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None, None
 
 
-def _straight_backward(q, k, v, key_padding_mask, grad, out, lse, groups, scale, fused):
-    """The gradients ``(B, H, L, D)``, ``(B, H_kv, S, D)``, ``(B, H_kv, S, Dv)`` of the pairs of
-    ``groups`` (query blocks against their keys), in the work dtype; ``lse`` is +inf for rows
-    without keys."""
-    B, H, L, D = q.shape
-    S, Dv = k.shape[2], v.shape[3]
+class _Gradients:
+    """The gradients of q, k and v as they are summed over the chunks: matrices with one row per
+    (batch, head, position), as index_add_ along dim 0 of a matrix is the fast scatter on CPU
+    (several times faster than along an inner dim). Row L of each (batch, head) of the queries takes
+    the empty slots; the keys have ``pad`` rows at both ends of each (batch, head), which the
+    straight chunks' key views may read past the sequence. Grouped-query key heads sum over their
+    group of query heads."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, pad: int) -> None:
+        B, H, L, D = q.shape
+        Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+        work = work_dtype(q.dtype)
+        self.shape, self.pad = (B, H, L, Hkv, S, D, Dv), pad
+        self.q = new_output((B * H * (L + 1), D), work, q.device).zero_()
+        self.k = new_output((B * Hkv * (S + 2 * pad), D), work, q.device).zero_()
+        self.v = new_output((B * Hkv * (S + 2 * pad), Dv), work, q.device).zero_()
+
+    def query_rows(self, positions: Tensor) -> Tensor:
+        """The rows of query ``positions`` ``(B | 1, H | 1, …)`` (L: the empty slot), per (batch, head)."""
+        B, H, L = self.shape[:3]
+        heads = torch.arange(B * H, device=positions.device).view(B, H, *(1,) * (positions.dim() - 2))
+        return heads * (L + 1) + positions
+
+    def key_rows(self, positions: Tensor) -> Tensor:
+        """The rows of key ``positions`` ``(B | 1, H | 1, …)`` of query heads (in ``[−pad, S + pad)``)."""
+        B, H, _, Hkv, S = self.shape[:5]
+        heads = torch.arange(B * H, device=positions.device).view(B, H, *(1,) * (positions.dim() - 2)) // (H // Hkv)
+        return heads * (S + 2 * self.pad) + self.pad + positions
+
+    def result(self) -> tuple[Tensor, Tensor, Tensor]:
+        B, H, L, Hkv, S, D, Dv = self.shape
+        pad = self.pad
+        return (
+            self.q.view(B, H, L + 1, D)[:, :, :L],
+            self.k.view(B, Hkv, S + 2 * pad, D)[:, :, pad : pad + S],
+            self.v.view(B, Hkv, S + 2 * pad, Dv)[:, :, pad : pad + S],
+        )
+
+
+def _straight_backward(grads: _Gradients, q, k, v, key_padding_mask, grad, out, lse, groups, scale, fused) -> None:
+    """Add to ``grads`` the gradients of the pairs of ``groups`` (query blocks against their keys);
+    ``lse`` is +inf for rows without keys."""
+    B, H, L = q.shape[:3]
+    S = k.shape[2]
     work = out.dtype
     lse = F.pad(lse, (0, 1), value=float("inf"))  # the empty slot L
     dtype = q.dtype if fused else work
@@ -463,20 +508,11 @@ def _straight_backward(q, k, v, key_padding_mask, grad, out, lse, groups, scale,
     q_ext = _padded(q.to(dtype), 0, query_pad)
     g_ext, out_ext = grad.to(dtype), out.to(dtype)
     kf, vf = (_padded(x.to(dtype), pad, pad) for x in (k, v))  # (B, H, S + 2 pad, ·)
-    # Gradients accumulate as matrices, one row per (batch, head, position): index_add_ along
-    # dim 0 of a matrix is the fast scatter on CPU (several times faster than along an inner dim).
-    grad_q = new_output((B * H * (L + 1), D), work, q.device).zero_()
-    Hkv = k.shape[1]  # H / G with grouped-query inputs: their gradients sum over each group
-    M = Hkv * (S + 2 * pad)  # key rows per batch entry
-    grad_k = new_output((B * M, D), work, q.device).zero_()
-    grad_v = new_output((B * M, Dv), work, q.device).zero_()
-    query_rows = torch.arange(B * H, device=q.device).view(B, H, 1, 1) * (L + 1)
-    key_rows = torch.arange(B, device=q.device).view(B, 1) * M
     delta = None if fused else (g_ext * out_ext).sum(-1)  # (B, H, L): rowsum(dO ∘ O)
     sources: dict = {}
     tile = TUNING.blocksparse_backward_tile if fused else block_elements(TUNING.blocksparse_tile, q.device)
     for group in groups:
-        for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, False, H // Hkv):
+        for c in _chunks(group, B, H, L, S, pad, key_padding_mask, tile, False, H // k.shape[1]):
             rows = c.queries
             qc, gc = c.take(q_ext), c.take(g_ext, view=False)
             kc, vc = c.gather(kf, sources, "blocksparse.keys"), c.gather(vf, sources, "blocksparse.values")
@@ -486,24 +522,21 @@ def _straight_backward(q, k, v, key_padding_mask, grad, out, lse, groups, scale,
                 )
             else:
                 dq, dk, dv = eager_backward(qc, kc, vc, gc, lse[:, :, rows], delta[:, :, c.reads], c.allowed, scale)
-            _add_rows(grad_q, (query_rows + rows).expand(B, H, *rows.shape), dq)
-            flat = (key_rows + c.flat).view(B, *c.shape)  # (B, H, n, W)
-            _add_rows(grad_k, flat, dk)
-            _add_rows(grad_v, flat, dv)
-    grad_q = grad_q.view(B, H, L + 1, D)[:, :, :L]
-    grad_k = grad_k.view(B, Hkv, S + 2 * pad, D)[:, :, pad : pad + S]
-    grad_v = grad_v.view(B, Hkv, S + 2 * pad, Dv)[:, :, pad : pad + S]
-    return grad_q, grad_k, grad_v
+            _add_rows(grads.q, grads.query_rows(rows.expand(B, H, *rows.shape)), dq)
+            keys = grads.key_rows(c.keys.clamp(0, S - 1).expand(B, *c.shape))  # (B, H, n, W)
+            _add_rows(grads.k, keys, dk)
+            _add_rows(grads.v, keys, dv)
 
 
-def _transposed_backward(q, k, v, key_padding_mask, grad, out, lse, groups, scale, fused):
+def _transposed_backward(grads: _Gradients, q, k, v, key_padding_mask, grad, out, lse, groups, scale, fused) -> None:
     """``_straight_backward`` for transposed groups (``Group.transposed``): each chunk is blocks of
     keys against the windows of queries that see them, so the kernel's queries are q, dO, O and lse
     read through the groups' key views, its keys and values the blocks. A block's key and value
     gradients are whole (no overlapping windows to sum), and its queries' gradients are summed
-    over the blocks. Empty key slots (``S``) and padded keys are masked."""
-    B, H, L, D = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    over the blocks. Empty key slots (``S``) and padded keys are masked: their gradients are zero,
+    added to key 0, as those of a window's queries outside the sequence are to its ends."""
+    B, H, L = q.shape[:3]
+    Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
     work = out.dtype
     dtype = q.dtype if fused else work
@@ -514,17 +547,11 @@ def _transposed_backward(q, k, v, key_padding_mask, grad, out, lse, groups, scal
     # keys and values per query head (a copy where grouped-query inputs share them)
     kx, vx = (x if G == 1 else x.repeat_interleave(G, dim=1) for x in (k.to(dtype), v.to(dtype)))
     kx, vx = _padded(kx, 0, key_pad), _padded(vx, 0, key_pad)
-    grad_q = new_output((B * H * (L + 2 * pad), D), work, q.device).zero_()
-    grad_k = new_output((B * Hkv * (S + 1), D), work, q.device).zero_()  # row S: the empty slots
-    grad_v = new_output((B * Hkv * (S + 1), Dv), work, q.device).zero_()
-    query_rows = torch.arange(B, device=q.device).view(B, 1) * (H * (L + 2 * pad))
-    key_rows = (torch.arange(B * H, device=q.device).view(B, H) // G * (S + 1)).view(B, H, 1, 1)
     sources: dict = {}
     tile = TUNING.blocksparse_backward_tile if fused else block_elements(TUNING.blocksparse_tile, q.device)
     for group in groups:
         # the chunks of the transposed pattern: its S "queries" are keys, its L "keys" queries
         for c in _chunks(group, B, H, S, L, pad, None, tile, False):
-            rows = c.queries  # (n, bq) key positions, S for an empty slot
             kc, vc = c.take(kx), c.take(vx)  # (B, H, n, bq, ·)
             qc, gc, oc, lc = (
                 c.gather(x, sources, f"blocksparse.transposed.{name}")
@@ -544,13 +571,10 @@ def _transposed_backward(q, k, v, key_padding_mask, grad, out, lse, groups, scal
             else:
                 dc = c.gather(df, sources, "blocksparse.transposed.delta")
                 dq, dk, dv = eager_backward(qc, kc, vc, gc, lc.squeeze(-1), dc.squeeze(-1), allowed, scale)
-            _add_rows(grad_q, (query_rows.view(B, 1) + c.flat).view(B, *c.shape), dq)
-            _add_rows(grad_k, (key_rows + rows).expand(B, H, *rows.shape), dk)
-            _add_rows(grad_v, (key_rows + rows).expand(B, H, *rows.shape), dv)
-    grad_q = grad_q.view(B, H, L + 2 * pad, D)[:, :, pad : pad + L]
-    grad_k = grad_k.view(B, Hkv, S + 1, D)[:, :, :S]
-    grad_v = grad_v.view(B, Hkv, S + 1, Dv)[:, :, :S]
-    return grad_q, grad_k, grad_v
+            _add_rows(grads.q, grads.query_rows(c.keys.clamp(0, L - 1).expand(B, *c.shape)), dq)
+            keys = grads.key_rows(c.reads.expand(B, H, *c.reads.shape))  # (B, H, n, bq)
+            _add_rows(grads.k, keys, dk)
+            _add_rows(grads.v, keys, dv)
 
 
 def _transposed_allowed(c: _Chunk, key_padding_mask: Tensor | None, S: int) -> Tensor | None:

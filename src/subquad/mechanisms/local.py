@@ -115,12 +115,14 @@ def local_attention(
     w = min(config.window, L + S)  # a wider window sees no more keys: the same result, bounded work
     offset = S - L
     native = config.kernel == "native" and _native.supports(q, k, v) is None  # runs Dv != D too
-    block, backward_block, transposed = band_blocks(q, k, v, config.kernel, native, w if is_causal else 2 * w - 1)
+    blocks = band_blocks(q, k, v, config.kernel, native, w if is_causal else 2 * w - 1)
     layout = functools.partial(_layout, L, offset, w, is_causal, min(config.sinks, S), device=q.device)
-    parts = layout(min(block, L))
-    backward = (
-        None if backward_block is None else layout(min(backward_block, S if transposed else L), transposed=transposed)
-    )
+    parts = layout(min(blocks.forward, L))
+    backward = None
+    if blocks.transposed is not None:
+        backward = layout(min(blocks.transposed, S), transposed=True)
+    elif blocks.backward is not None:
+        backward = layout(min(blocks.backward, L))
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel, backward)
 
 

@@ -25,7 +25,9 @@ that the union of the parts is exactly the pattern's dense mask.
 - Local step: blocks of ``block`` consecutive queries, each against the window of keys
   ``[p₀ − l + 1, p₀ + block − 1]`` (plus ``l − 1`` on the right when bidirectional): overlapping
   views of k and v (``unfold``), no copy. One element mask serves every inner block, since the step
-  depends on ``p − j`` only. Merged, it leaves ``j = p`` to the column part.
+  depends on ``p − j`` only. Merged, it leaves ``j = p`` to the column part. With ``block=0``
+  the backward recomputes it transposed (``kernels.blocksparse.band_blocks``): blocks of keys
+  against the queries that see them, whose key gradients come whole from one kernel call.
 - Column step, made block-local by **transposition**: positions are regrouped by ``t mod l``, so
   column c is the run ``c, c + l, c + 2l, …`` and the step becomes ``l`` independent dense (causal)
   attentions of length ⌈S/l⌉. The transposition is a strided view (stride l rows), not a copy.
@@ -109,7 +111,8 @@ class SparseConfig(Config):
     block: int = option(
         0,
         "queries per block of compute (speed only); 0: as local, 32 in the forward on the fused or native "
-        "kernel (else 64), and the backward recomputes in 64, 128 where a query sees more than 256 keys",
+        "kernel (else 64); the backward recomputes the local step transposed there (blocks of 128 keys), the rest "
+        "in 64, 128 where a query sees more than 256 keys",
         ge=0,
         le=4096,
     )
@@ -264,11 +267,18 @@ def _summary_spans(nonempty: list[int], config: SparseConfig, shape: AttentionSh
 
 @functools.lru_cache(maxsize=16)
 def _sparse_parts(
-    config: SparseConfig, shape: AttentionShape, causal: bool, device, native: bool = False
+    config: SparseConfig,
+    shape: AttentionShape,
+    causal: bool,
+    device,
+    native: bool = False,
+    transposed_band: int | None = None,
 ) -> list[list[Group]]:
     """The disjoint parts whose union is the pattern (see the module docstring). Cached: a layer
     calls with the same sizes again and again, and the layout depends on nothing else. ``native``:
-    the native kernel will run (``kernel="native"`` on inputs it takes)."""
+    the native kernel will run (``kernel="native"`` on inputs it takes). ``transposed_band``: the
+    local step as the band transposed, blocks of that many keys against the queries that see them
+    (a backward layout: ``band_blocks``); the other parts stay in blocks of ``config.block`` queries."""
     l, L, S, block = config.stride, shape.queries, shape.keys, config.block
     offset = S - L
     # Whole segments as one query block each, where the fused kernel (which never holds a block's
@@ -295,7 +305,11 @@ def _sparse_parts(
         right = 0 if causal else l - 1
         if config.step == "merged":  # j = p belongs to the column part
             local = and_masks(local, _not(column))
-        parts.append(band_groups(L, offset, l - 1, right, block, local, device, kept=True))
+        if transposed_band is None:
+            parts.append(band_groups(L, offset, l - 1, right, block, local, device, kept=True))
+        else:
+            keys = min(transposed_band, S)
+            parts.append(band_groups(L, offset, l - 1, right, keys, local, device, kept=True, transposed=True))
     if config.step in ("column", "merged"):
         rows = -(-S // l)
         columns = torch.arange(l, device=device)[:, None] + l * torch.arange(rows, device=device)  # (l, rows)
@@ -359,11 +373,13 @@ def sparse_attention(
         parts = _sparse_parts(config, layout_shape, is_causal, q.device, native)
     else:
         band = config.stride if is_causal else 2 * config.stride - 1  # keys per query of the local step
-        block, backward_block, _ = band_blocks(q, k, v, config.kernel, native, band, transposable=False)
-        parts = _sparse_parts(dataclasses.replace(config, block=block), layout_shape, is_causal, q.device, native)
-        if backward_block is not None:
-            config_backward = dataclasses.replace(config, block=backward_block)
-            backward = _sparse_parts(config_backward, layout_shape, is_causal, q.device, native)
+        blocks = band_blocks(q, k, v, config.kernel, native, band)
+        parts = _sparse_parts(
+            dataclasses.replace(config, block=blocks.forward), layout_shape, is_causal, q.device, native
+        )
+        if blocks.backward is not None or blocks.transposed is not None:
+            config_backward = dataclasses.replace(config, block=blocks.backward or blocks.forward)
+            backward = _sparse_parts(config_backward, layout_shape, is_causal, q.device, native, blocks.transposed)
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel, backward)
 
 
