@@ -75,8 +75,9 @@ class Tuning:
     )
     local_backward_block: int = _knob(
         128,
-        "local: keys per block of the backward under torch's flash backward, which runs it transposed (blocks of "
-        "keys against the queries that see them): 128 was fastest or within 5% of it at N = 512 to 4096",
+        "local, and sparse's block=0 band: keys per block of the backward under torch's flash backward, which runs "
+        "the band transposed (blocks of keys against the queries that see them): 128 was fastest or within 5% of "
+        "it at N = 512 to 4096",
     )
     sparse_layout: int = _knob(1 << 22, "pattern: mask values evaluated at once while finding a layout")
     sparse_summary_queries: int = _knob(
