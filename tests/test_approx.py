@@ -111,7 +111,7 @@ def test_spearman_and_the_probe_on_known_answers():
 @pytest.mark.parametrize(
     "text, match",
     [
-        ('{"text": "a"}\n{"label": "x"}\n', r"passages.jsonl:2: each line must be a JSON object with a text field"),
+        ('{"text": "a"}\n{"label": "x"}\n', r"passages.jsonl: line 2 has no text \(a string\); pass a .jsonl file"),
         ('{"text": "a", "label": "x"}\n{"text": "b"}\n', "some lines have a label and some do not"),
     ],
 )

@@ -146,14 +146,19 @@ def test_a_damaged_converted_folder_is_named(tmp_path):
     hf.save(converted(bert, "linear", {"feature_map": "hedgehog"}), tmp_path / "m")
     tensors = load_file(str(tmp_path / "m" / hf.TENSOR_FILE))
     save_file({k: v for k, v in tensors.items() if not k.endswith("bias")}, str(tmp_path / "m" / hf.TENSOR_FILE))
-    with pytest.raises(ValueError, match=r"subquad.safetensors does not fit layer 0's subquad_state: (.|\n)*bias"):
+    with pytest.raises(ValueError, match=r"subquad.safetensors: was changed or damaged after it was written"):
+        hf.from_pretrained(tmp_path / "m")
+    record = json.loads((tmp_path / "m" / hf.SPEC_FILE).read_text())
+    del record["sha256"]  # as saved before the hash was recorded: read unchecked
+    (tmp_path / "m" / hf.SPEC_FILE).write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"subquad.safetensors: does not fit layer 0's subquad_state: (.|\n)*bias"):
         hf.from_pretrained(tmp_path / "m")
     save_file({**tensors, "7.subquad_state.weight": tensors["0.subquad_state.weight"].clone()},
               str(tmp_path / "m" / hf.TENSOR_FILE))  # fmt: skip
     with pytest.raises(ValueError, match=r"holds tensors no converted layer takes: \['7.subquad_state.weight'\]"):
         hf.from_pretrained(tmp_path / "m")
     (tmp_path / "m" / hf.SPEC_FILE).write_text('{"layers": []}')
-    with pytest.raises(ValueError, match="is not a subquad.json this version reads"):
+    with pytest.raises(ValueError, match="subquad.json: lacks 'format'; save the model again"):
         hf.from_pretrained(tmp_path / "m")
 
 
@@ -291,7 +296,7 @@ def test_bad_specs_and_inputs_raise(data, tmp_path):
         hf.use(bert(), "agglomerative")
     with pytest.raises(ValueError, match="no subquad attention to save; subquad.hf.convert"):
         hf.save(bert(), tmp_path / "x")
-    with pytest.raises(FileNotFoundError, match="has no subquad.json: it is not a model subquad.hf.save wrote"):
+    with pytest.raises(FileNotFoundError, match=r"has no subquad.json: it is not a model subquad.hf.save \(or subquad distill\) wrote"):
         hf.from_pretrained(data / "bert")
     with pytest.raises(ValueError, match="no layer of this model runs subquad attention"):
         ds.AttentionTransfer(bert())
@@ -311,7 +316,7 @@ def test_bad_specs_and_inputs_raise(data, tmp_path):
     for field, value, message in bad:
         with pytest.raises(ValueError, match=message):
             run(data, tmp_path, "bert", **{field: value})
-    with pytest.raises(FileNotFoundError, match="has no subquad.json: pass a folder subquad distill"):
+    with pytest.raises(FileNotFoundError, match="has no subquad.json: it is not a model subquad.hf.save"):
         ap.converted_spec(data / "bert")
 
 

@@ -53,7 +53,7 @@ def test_resume_after_sigkill_is_bit_identical(corpus, tmp_path):
                               stderr=subprocess.DEVNULL)  # fmt: skip
     checkpoints = tmp_path / "killed" / "checkpoints"
     deadline = time.time() + 120
-    while not list(checkpoints.glob("step-*/state.pt")) and time.time() < deadline:
+    while not list(checkpoints.glob("step-*/state.json")) and time.time() < deadline:
         time.sleep(0.01)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
@@ -287,7 +287,7 @@ def test_bad_config_files_are_named(tmp_path):
     from subquad.train.loop import load_config_file
 
     (tmp_path / "bad.toml").write_text("depht = 3\n")
-    with pytest.raises(ValueError, match=r"bad.toml: unknown setting\(s\) \['depht'\]; known: .*depth"):
+    with pytest.raises(ValueError, match=r"bad.toml: has unknown setting\(s\) \['depht'\]; known: .*depth"):
         load_config_file(tmp_path / "bad.toml")
     with pytest.raises(FileNotFoundError, match="no config file at .*none.toml"):
         load_config_file(tmp_path / "none.toml")

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from subquad.files import FileError, read_json, read_jsonl, read_text
 from subquad.registry import parse_value
 
 __all__ = ["Windows", "approx", "format_table", "load_model", "parse_spec", "read_passages", "token_windows"]
@@ -59,34 +60,39 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, options
 
 
+_DATA_FIX = (
+    'pass a .jsonl file of {"text": ..., "label": ...} lines, a text file of passages separated by blank '
+    "lines, or a folder of .txt files"
+)
+
+
 def read_passages(path: str | Path) -> tuple[list[str], list[str] | None]:
-    """The passages of ``path`` and their labels (None where the data has none)."""
+    """The passages of ``path`` and their labels (None where the data has none); FileError naming
+    the file (and the line of a ``.jsonl``) for data that is empty, binary or malformed."""
     path = Path(path)
     if path.is_dir():
         files = sorted(path.rglob("*.txt"))
         if not files:
-            raise ValueError(f"{path} holds no .txt files")
-        texts = [f.read_text(errors="replace") for f in files]
+            raise FileError(path, "holds no .txt files", _DATA_FIX)
+        texts = [read_text(f, "text file", _DATA_FIX, errors="replace") for f in files]
         nested = all(f.parent != path for f in files)
         return texts, [str(f.parent.relative_to(path)) for f in files] if nested else None
     if not path.is_file():
         raise FileNotFoundError(f"no text data at {path}: pass a .jsonl file, a text file or a folder of .txt files")
     if path.suffix == ".jsonl":
-        texts, labels = [], []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                texts.append(str(record["text"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise ValueError(f"{path}:{number}: each line must be a JSON object with a text field") from error
-            labels.append(record.get("label"))
+        records = read_jsonl(path, "JSON-lines file of passages", _DATA_FIX)
+        if not records:
+            raise FileError(path, "holds no passage", _DATA_FIX)
+        for number, record in records:
+            if not isinstance(record.get("text"), str):
+                raise FileError(path, f"line {number} has no text (a string)", _DATA_FIX)
+        texts, labels = [r["text"] for _, r in records], [r.get("label") for _, r in records]
         has = [label is not None for label in labels]
         if any(has) and not all(has):
-            raise ValueError(f"{path}: some lines have a label and some do not; label all or none")
-        return texts, [str(label) for label in labels] if all(has) and labels else None
-    return [p.strip() for p in path.read_text(errors="replace").split("\n\n") if p.strip()], None
+            raise FileError(path, "some lines have a label and some do not", "label all or none")
+        return texts, [str(label) for label in labels] if all(has) else None
+    text = read_text(path, "text file", _DATA_FIX, errors="replace")
+    return [p.strip() for p in text.split("\n\n") if p.strip()], None
 
 
 @dataclass
@@ -134,19 +140,19 @@ def _special_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
 
 
 def load_model(path: str | Path) -> tuple[nn.Module, Any, bool]:
-    """A local model folder (or a ``.gguf`` file) as (model in eval mode, tokenizer, is_decoder)."""
+    """A local model folder (or a ``.gguf`` file) as (model in eval mode, tokenizer, is_decoder).
+    Only data is read (``subquad.hf.model_source``); a broken or unsafe model raises FileError naming it."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no model at {path}: pass a local Hugging Face model folder or a .gguf file")
-    where = {"pretrained_model_name_or_path": str(path), "local_files_only": True}
-    if path.suffix == ".gguf":
-        where = {**where, "pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
-    config = AutoConfig.from_pretrained(**where)
-    decoder = _is_decoder(config)
-    model = (AutoModelForCausalLM if decoder else AutoModel).from_pretrained(**where, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(**where), decoder
+    from subquad import hf
+
+    where = hf.model_source(path)
+    with hf.loading(path):
+        config = AutoConfig.from_pretrained(**where)
+        decoder = _is_decoder(config)
+        model = (AutoModelForCausalLM if decoder else AutoModel).from_pretrained(**where, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(**{k: v for k, v in where.items() if k != "use_safetensors"})
+    return model.eval(), tokenizer, decoder
 
 
 def _is_decoder(config: Any) -> bool:
@@ -318,8 +324,11 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
     settings = {"model": str(model_path), "data": str(data), "tokens": tokens, "samples": len(windows.ids),
                 "decoder": decoder, "seed": seed}  # fmt: skip
     saved = out / "approx.json"
-    previous = json.loads(saved.read_text()) if saved.exists() else {}
-    done = {r["spec"]: r for r in previous.get("rows", [])} if previous.get("settings") == settings else {}
+    previous = read_json(saved, "approx results", _RESULTS_FIX) if saved.exists() else {}
+    kept = previous.get("rows", []) if previous.get("settings") == settings else []
+    if not isinstance(kept, list) or not all(isinstance(r, dict) and isinstance(r.get("spec"), str) for r in kept):
+        raise FileError(saved, "holds rows that are not approx's own", _RESULTS_FIX)
+    done = {r["spec"]: r for r in kept}
     original = _outputs(model, windows, batch, decoder)
     rows = [done.get("original") or {"spec": "original", **_quality(original, original, windows.labels)}]
     for spec in specs:
@@ -355,19 +364,17 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
     return rows
 
 
+_RESULTS_FIX = "remove it (or pass another --out) to measure every mechanism again"
+
+
 def converted_spec(folder: str | Path) -> str:
     """The mechanism spec (``NAME:option=value,...``) of a converted model folder's first layer."""
-    from subquad.hf import SPEC_FILE
+    from subquad.hf import saved_layers
 
-    path = Path(folder) / SPEC_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder} has no {SPEC_FILE}: pass a folder subquad distill or subquad.hf.save wrote")
-    layers = json.loads(path.read_text())["layers"]
-    first = layers[min(layers, key=int)]
-    options = ",".join(
-        f"{k}={'|'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in first["options"].items()
-    )
-    return f"{first['mechanism']}:{options}" if options else first["mechanism"]
+    layers = saved_layers(folder)
+    mechanism, options = layers[min(layers)]
+    text = ",".join(f"{k}={'|'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in options.items())
+    return f"{mechanism}:{text}" if text else mechanism
 
 
 def _write(path: Path, settings: dict[str, Any], rows: list[dict[str, Any]]) -> None:

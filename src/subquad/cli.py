@@ -91,6 +91,17 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--device", default="auto", help=_DEVICE_HELP)
     generate.set_defaults(run=_run_generate)
 
+    upgrade = commands.add_parser(
+        "upgrade-run",
+        help="convert a run's checkpoints from the earlier pickle format (state.pt), which subquad no longer reads",
+        description="Convert the checkpoints of a subquad train or distill run written in the earlier pickle format "
+        "(state.pt) to safetensors and JSON, which --resume reads. state.pt is read with torch's weights-only reader "
+        "(torch >= 2.6), which builds tensors and plain data only and refuses anything else; run it on runs you "
+        "trust. A run stopped halfway through can be upgraded again.",
+    )
+    upgrade.add_argument("folder", metavar="RUN", help="the run folder (subquad train or distill --out)")
+    upgrade.set_defaults(run=_run_upgrade)
+
     compare = commands.add_parser(
         "compare",
         help="train several attention specs on one task at an equal budget and compare them",
@@ -225,6 +236,14 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     from subquad.train.use import evaluate_run
 
     print(json.dumps(evaluate_run(args.folder, args.split, args.windows, args.step, args.device)))
+    return 0
+
+
+def _run_upgrade(args: argparse.Namespace) -> int:
+    from subquad.train.checkpoint import upgrade
+
+    done = upgrade(args.folder)
+    print(f"converted {len(done)} checkpoint(s) of {args.folder}" + "".join(f"\n  {p.name}" for p in done))
     return 0
 
 

@@ -201,7 +201,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     the summary (also in ``OUT/distill.json``). See the module docstring."""
     from subquad import hf
     from subquad.train import checkpoint
-    from subquad.train.loop import _Progress
+    from subquad.train.loop import _Progress, trimmed_log
 
     checkpoint.require()  # before any work: a run that cannot save must not start
 
@@ -253,21 +253,23 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     step, seconds, history = 0, 0.0, []
     state: dict[str, Any] = {}
     if found is not None:
-        state = checkpoint.load(found, container)
-        saved = {k: v for k, v in state["settings"].items() if k not in _RESUMABLE}
+        with checkpoint.fitting(found):
+            state = checkpoint.load(found, container)
+            saved = {k: v for k, v in state["settings"].items() if k not in _RESUMABLE}
         if saved != settings:
             changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
             raise ValueError(f"--resume with other settings than the run's ({', '.join(changed)}); use the same ones")
-        checkpoint.set_rng_state(state["rng"])
-        step, seconds, history = state["step"], state["seconds"], state["history"]
+        with checkpoint.fitting(found):
+            checkpoint.set_rng_state(state["rng"])
+            step, seconds, history = state["step"], float(state["seconds"]), list(state["history"])
     stage = int(config.finetune_steps > 0 and step >= config.steps)  # a finished first-stage-only run stays there
     optimizer = torch.optim.AdamW(_trainable(model, modules, stage), lr=_rate(config, step), weight_decay=0.0)
     if state.get("stage") == stage and "optimizer" in state:
-        optimizer.load_state_dict(state["optimizer"])
+        with checkpoint.fitting(found):
+            optimizer.load_state_dict(state["optimizer"])
     metrics = out / "metrics.jsonl"
-    if step and metrics.is_file():  # drop what a killed run logged after its last checkpoint
-        kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        metrics.write_text("".join(line + "\n" for line in kept))
+    if step:  # drop what a killed run logged after its last checkpoint
+        trimmed_log(metrics, step)
     if step == 0:
         metrics.write_text("")
         history = [{"step": 0, "heldout_error": evaluate()}]

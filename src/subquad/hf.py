@@ -72,6 +72,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from subquad.files import FileError, check_fields, check_gguf, load_safetensors, read_json, sha256
 from subquad.mechanisms.routing import RoutingState
 from subquad.registry import Config, Mechanism, attention, get_mechanism, make_config, mechanism_names
 
@@ -96,9 +97,12 @@ __all__ = [
     "convert",
     "converted_parameters",
     "from_pretrained",
+    "loading",
+    "model_source",
     "register",
     "restore",
     "save",
+    "saved_layers",
     "use",
 ]
 
@@ -542,7 +546,8 @@ def save(model: nn.Module, folder: str | Path, tokenizer: Any = None) -> Path:
     with _dequantized(model):
         model.save_pretrained(folder, state_dict=own)
     save_file(tensors, str(folder / TENSOR_FILE))
-    (folder / SPEC_FILE).write_text(json.dumps({"format": 1, "layers": layers}, indent=2) + "\n")
+    record = {"format": 1, "layers": layers, "sha256": {TENSOR_FILE: sha256(folder / TENSOR_FILE)}}
+    (folder / SPEC_FILE).write_text(json.dumps(record, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return folder
@@ -577,31 +582,33 @@ def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
 
 def from_pretrained(folder: str | Path, *, model_class: Any = None, **kwargs: Any) -> nn.Module:
     """Load what ``save`` wrote: the model (``model_class``, by default the architecture its config
-    names), then each layer's mechanism and what conversion added; in eval mode."""
+    names), then each layer's mechanism and what conversion added; in eval mode. Only data is read
+    (safetensors and JSON; never a pickle, never the folder's own code), and a broken file raises
+    FileError naming it."""
     import transformers
-    from safetensors.torch import load_file
 
     folder = Path(folder)
-    spec_file = folder / SPEC_FILE
-    if not spec_file.is_file():
-        raise FileNotFoundError(
-            f"{folder} has no {SPEC_FILE}: it is not a model subquad.hf.save wrote (load a plain model with "
-            "transformers, then subquad.hf.convert or use it)"
-        )
-    saved = json.loads(spec_file.read_text())
-    if saved.get("format") != 1 or not isinstance(saved.get("layers"), dict):
-        raise ValueError(f"{spec_file} is not a subquad.json this version reads (format 1 with layers)")
-    if model_class is None:
-        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-        names = config.architectures or []
-        model_class = getattr(transformers, names[0], None) if names else None
+    layers, recorded = _read_spec(folder)
+    fixed = sorted({"local_files_only", "trust_remote_code", "use_safetensors", "gguf_file"} & set(kwargs))
+    if fixed:
+        raise ValueError(f"from_pretrained sets {fixed} itself: it loads local safetensors and no model code only")
+    source = {**model_source(folder), **kwargs}
+    with loading(folder):
         if model_class is None:
-            raise ValueError(f"{folder}'s config names no architecture transformers has ({names}); pass model_class")
-    model = model_class.from_pretrained(folder, local_files_only=True, **kwargs)
-    for index, layer in saved["layers"].items():
-        options = {k: tuple(v) if isinstance(v, list) else v for k, v in layer["options"].items()}
-        _add(model, LayerAttention.build(layer["mechanism"], converted=True, **options), [int(index)])
-    tensors = load_file(str(folder / TENSOR_FILE))
+            config = transformers.AutoConfig.from_pretrained(**source)
+            names = config.architectures or []
+            model_class = getattr(transformers, names[0], None) if names else None
+            if model_class is None:
+                raise FileError(folder / "config.json", f"names no architecture transformers has ({names})",
+                                "pass model_class")  # fmt: skip
+        model = model_class.from_pretrained(**source)
+    spec_file = folder / SPEC_FILE
+    for index, (mechanism, options) in layers.items():
+        try:
+            _add(model, LayerAttention.build(mechanism, converted=True, **options), [index])
+        except ValueError as error:
+            raise FileError(spec_file, f"layer {index}: {error}", _RESAVE) from error
+    tensors = _saved_tensors(folder, recorded)
     by_index = {int(m.layer_idx): m for m in attention_modules(model)}
     expected = set()
     for index, module in by_index.items():
@@ -611,8 +618,121 @@ def from_pretrained(folder: str | Path, *, model_class: Any = None, **kwargs: An
             try:
                 part.load_state_dict(state)
             except RuntimeError as error:
-                raise ValueError(f"{folder / TENSOR_FILE} does not fit layer {index}'s {name}: {error}") from error
+                raise FileError(folder / TENSOR_FILE, f"does not fit layer {index}'s {name}: {error}") from error
     unexpected = sorted(set(tensors) - expected)
     if unexpected:
-        raise ValueError(f"{folder / TENSOR_FILE} holds tensors no converted layer takes: {unexpected[:5]}")
+        raise FileError(folder / TENSOR_FILE, f"holds tensors no converted layer takes: {unexpected[:5]}", _RESAVE)
     return model.eval()
+
+
+_RESAVE = "save the model again with subquad.hf.save, or copy the folder again from where it was written"
+
+
+def saved_layers(folder: str | Path) -> dict[int, tuple[str, dict[str, Any]]]:
+    """Each converted layer's (mechanism, options), from the ``subquad.json`` of a folder ``save``
+    wrote; FileError naming the file for one that is broken or from another version."""
+    return _read_spec(folder)[0]
+
+
+def _read_spec(folder: str | Path) -> tuple[dict[int, tuple[str, dict[str, Any]]], str | None]:
+    """``saved_layers``, and the SHA-256 of ``subquad.safetensors`` the file records (None in folders
+    saved before it was recorded)."""
+    spec_file = Path(folder) / SPEC_FILE
+    if not spec_file.is_file():
+        raise FileNotFoundError(
+            f"{folder} has no {SPEC_FILE}: it is not a model subquad.hf.save (or subquad distill) wrote; load a plain "
+            "model with transformers, then subquad.hf.convert or use it"
+        )
+    saved = read_json(spec_file, SPEC_FILE, _RESAVE)
+    check_fields(saved, spec_file, {"format": int, "layers": dict, "sha256": dict}, required=("format", "layers"),
+                 fix=_RESAVE)  # fmt: skip
+    if saved["format"] != 1:
+        raise FileError(spec_file, f"is format {saved['format']}; this version of subquad reads format 1",
+                        "load it with the subquad version that wrote it")  # fmt: skip
+    if not saved["layers"]:
+        raise FileError(spec_file, "names no converted layer", _RESAVE)
+    layers = {}
+    for index, layer in saved["layers"].items():
+        if not index.isdigit():
+            raise FileError(spec_file, f"names layer {index!r}; layers are numbers", _RESAVE)
+        where = f"layer {index}"
+        if not isinstance(layer, dict):
+            raise FileError(spec_file, f"{where} is not an object", _RESAVE)
+        check_fields(layer, spec_file, {"mechanism": str, "options": dict}, ("mechanism", "options"), where, _RESAVE)
+        options = {k: tuple(v) if isinstance(v, list) else v for k, v in layer["options"].items()}
+        try:
+            LayerAttention.build(layer["mechanism"], converted=True, **options)
+        except (ValueError, TypeError) as error:
+            raise FileError(spec_file, f"{where}: {error}", _RESAVE) from error
+        layers[int(index)] = layer["mechanism"], options
+    recorded = saved.get("sha256", {}).get(TENSOR_FILE)
+    if recorded is not None and not isinstance(recorded, str):
+        raise FileError(spec_file, f"records a SHA-256 of {TENSOR_FILE} that is not a string", _RESAVE)
+    return layers, recorded
+
+
+def _saved_tensors(folder: Path, recorded: str | None) -> dict[str, Tensor]:
+    """``subquad.safetensors``, checked against the SHA-256 ``subquad.json`` records (``recorded``;
+    folders saved before it was recorded are read unchecked)."""
+    path = folder / TENSOR_FILE
+    if not path.is_file():
+        raise FileError(folder, f"has no {TENSOR_FILE}", _RESAVE)
+    if recorded is not None and sha256(path) != recorded:
+        raise FileError(path, f"was changed or damaged after it was written (its SHA-256 is not {SPEC_FILE}'s)",
+                        _RESAVE)  # fmt: skip
+    return load_safetensors(path, fix=_RESAVE)
+
+
+_PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
+
+
+def model_source(path: str | Path) -> dict[str, Any]:
+    """The keyword arguments with which transformers' ``from_pretrained`` loads the local model
+    ``path`` (a folder, or a ``.gguf`` file) as data only: safetensors weights (never pickled
+    ones), no code of the model's own (``trust_remote_code=False``, which also keeps transformers
+    from asking on a terminal), nothing from a hub. A folder that is not a model, a pickle-only
+    one, one that asks for its own code, or a file that is not GGUF raises FileError naming it."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path}: pass a local Hugging Face model folder or a .gguf file")
+    where = {"local_files_only": True, "trust_remote_code": False}
+    if path.is_file():
+        check_gguf(path)
+        return {**where, "pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+    config = path / "config.json"
+    if not config.is_file():
+        raise FileError(path, "holds no config.json: it is not a Hugging Face model folder",
+                        "pass the folder save_pretrained wrote, or a .gguf file")  # fmt: skip
+    values = read_json(config, "model config", "copy the model folder again from where it came")
+    if "auto_map" in values:
+        raise FileError(config, "asks to run the model's own code (auto_map), which subquad never does",
+                        "use a model whose architecture transformers itself has")  # fmt: skip
+    if not any((path / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        pickled = sorted(p.name for pattern in _PICKLES for p in path.glob(pattern))
+        if pickled:
+            raise FileError(
+                path / pickled[0], "holds the weights in a pickle format, which subquad never loads: a pickle from "
+                "elsewhere can run code",
+                "where you trust the model, save it as safetensors (model.save_pretrained(folder)) and pass that "
+                "folder",
+            )  # fmt: skip
+        raise FileError(path, "holds no model.safetensors", "pass a model folder with safetensors weights")
+    return {**where, "pretrained_model_name_or_path": str(path), "use_safetensors": True}
+
+
+@contextlib.contextmanager
+def loading(path: str | Path):
+    """Errors of transformers while it loads the local model ``path`` (a truncated weights file, a
+    config it cannot read, a tokenizer that does not fit) as FileError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except FileError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError, SafetensorError) as error:
+        reason = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise FileError(
+            path, f"could not be loaded as a Hugging Face model ({type(error).__name__}: {reason[:300]})",
+            "check that the folder (or .gguf file) is whole: copy it again from where it came",
+        ) from error  # fmt: skip

@@ -14,7 +14,7 @@ The closing brackets are kept: a known bug of one public LRA pipeline dropped th
 some expressions ambiguous. Tokens: 0 is padding, then the ten digits, the four operators (an
 opening bracket with its operator, as in LRA's ``[MAX``) and ``]``. A split is generated once per
 (seed, sizes, lengths), saved to the cache (``subquad.tasks.text.cache_dir()``) with an atomic
-rename, and loaded from there afterwards.
+rename, as safetensors, and loaded from there afterwards (a damaged cache file is generated again).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import hashlib
 import os
 import random
 import statistics
+import warnings
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -128,19 +130,60 @@ def load_splits(
     if not 1 <= min_length <= max_length or min(sizes) < 0:
         raise ValueError(f"need 1 <= min_length <= max_length and sizes >= 0, got {min_length}, {max_length}, {sizes}")
     key = hashlib.sha256(f"listops:{seed}:{sizes}:{min_length}:{max_length}".encode()).hexdigest()[:16]
-    path = cache_dir() / "data" / f"listops-{key}.pt"
-    if path.exists():
-        return torch.load(path, weights_only=True)
+    path = cache_dir() / "data" / f"listops-{key}.safetensors"
+    cached = _read_cache(path)
+    if cached is not None:
+        return cached
     seen: set = set()
     splits = {}
     for i, (name, n) in enumerate(zip(("train", "val", "test"), sizes)):
         pairs = generate(n, seed * 3 + i, min_length, max_length, seen)
         splits[name] = ([tokens(t) for t, _ in pairs], torch.tensor([label for _, label in pairs], dtype=torch.long))
+    _write_cache(path, splits)
+    return splits
+
+
+_SPLITS = ("train", "val", "test")
+
+
+def _write_cache(path: Path, splits: dict[str, tuple[list[Tensor], Tensor]]) -> None:
+    """The splits as safetensors (each split's sequences end to end, their lengths and labels), written
+    through an atomic rename; nothing is cached where safetensors is not installed."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        return
+    tensors = {}
+    for name, (sequences, labels) in splits.items():
+        tensors[f"{name}.tokens"] = torch.cat([*sequences, torch.zeros(0, dtype=torch.long)]).to(torch.uint8)
+        tensors[f"{name}.lengths"] = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+        tensors[f"{name}.labels"] = labels
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(splits, tmp)
+    save_file(tensors, str(tmp))
     tmp.replace(path)
-    return splits
+
+
+def _read_cache(path: Path) -> dict[str, tuple[list[Tensor], Tensor]] | None:
+    """The cached splits, or None where there is no cache, or it is damaged (then it is generated again)."""
+    if not path.is_file():
+        return None
+    try:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+        splits = {}
+        for name in _SPLITS:
+            flat, lengths, labels = (tensors[f"{name}.{part}"] for part in ("tokens", "lengths", "labels"))
+            fits = int(lengths.sum()) == flat.numel() and len(lengths) == len(labels)
+            if not fits or (flat.numel() and int(flat.max()) >= len(VOCAB)):
+                raise ValueError("the parts do not fit together")
+            splits[name] = (list(flat.long().split(lengths.tolist())), labels.long())
+        return splits
+    except Exception as error:  # a cache: anything wrong with it means generating the data again
+        warnings.warn(f"the ListOps cache {path} is damaged ({error}); generating it again", RuntimeWarning,
+                      stacklevel=3)  # fmt: skip
+        return None
 
 
 def pad_batch(sequences: list[Tensor]) -> tuple[Tensor, Tensor]:

@@ -28,9 +28,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from subquad.files import FileError, read_json, read_jsonl
+from subquad.train.loop import load_config_file
+
 __all__ = ["compare", "format_table", "variant_arguments"]
 
 PROBE_STEPS = 12  # a budget's probe run: its steps after the third are timed
+_AGAIN = "remove it to tabulate the variants again (their runs are kept)"
 
 
 def variant_arguments(variant: str) -> list[str]:
@@ -57,11 +61,19 @@ def _slug(variant: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", Path(variant).stem if variant.endswith(".toml") else variant)
 
 
+def _records(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A variant's run: its metrics' records and its config, each file checked."""
+    fix = f"remove {folder} to train the variant again"
+    records = [r for _, r in read_jsonl(folder / "metrics.jsonl", "metrics log", fix, partial_last=True)]
+    return records, load_config_file(folder / "config.json")
+
+
 def _row(variant: str, folder: Path, peak_mb: float | None) -> dict[str, Any]:
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
-    metric = next(k for r in records for k in r if k.startswith("val_"))
+    records, config = _records(folder)
+    metric = next((k for r in records for k in r if k.startswith("val_")), None)
+    if metric is None:
+        raise FileError(folder / "metrics.jsonl", "holds no evaluation", f"remove {folder} to train the variant again")
     values = [r[metric] for r in records if metric in r]
-    config = json.loads((folder / "config.json").read_text())
     rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
     tokens = statistics.median(rates)
     window = config["batch"] * config["seq_len"]
@@ -92,8 +104,7 @@ def _probe(variant: str, base: list[str], folder: Path) -> float:
     every = str(PROBE_STEPS)
     flags = [*base, "--steps", every, "--eval-every", every, "--eval-windows", "1", "--checkpoint-every", every]
     _train(variant, flags, folder, resume=False)
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
-    config = json.loads((folder / "config.json").read_text())
+    records, config = _records(folder)
     seconds = [config["batch"] * config["seq_len"] / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
     shutil.rmtree(folder)
     return statistics.median(seconds[3:])
@@ -102,8 +113,10 @@ def _probe(variant: str, base: list[str], folder: Path) -> float:
 def _budget_steps(variant: str, base: list[str], out: Path, minutes: float) -> int:
     """The steps that fill ``minutes`` of training for ``variant``: probed once, then read from ``budget.json``."""
     path = out / "budget.json"
-    budget = json.loads(path.read_text()) if path.exists() else {}
+    budget = read_json(path, "budget", "remove it to probe the variants' speed again") if path.exists() else {}
     entry = budget.get(variant)
+    if entry is not None and not (isinstance(entry, dict) and isinstance(entry.get("steps"), int)):
+        raise FileError(path, f"holds no step count for {variant!r}", "remove it to probe the variants' speed again")
     if entry is None or entry["minutes"] != minutes:
         s_per_step = _probe(variant, base, out / f".probe-{_slug(variant)}")
         entry = {"minutes": minutes, "probe_s_per_step": s_per_step, "steps": max(1, round(minutes * 60 / s_per_step))}
@@ -130,7 +143,10 @@ def compare(
         raise ValueError("--minutes sets each variant's steps from its speed; drop --steps from the training flags")
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "compare.json"
-    previous = {r["variant"]: r for r in json.loads(saved.read_text())} if saved.exists() else {}
+    rows = read_json(saved, "comparison", _AGAIN, kind=list) if saved.exists() else []
+    if not all(isinstance(r, dict) and isinstance(r.get("variant"), str) for r in rows):
+        raise FileError(saved, "holds rows that are not compare's own", _AGAIN)
+    previous = {r["variant"]: r for r in rows}
     rows = []
     for variant in variants:
         variant_arguments(variant)  # a bad spec fails before any training
@@ -181,11 +197,10 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> None:
     clock = (out / "budget.json").exists()  # an equal wall-clock budget: curves against training time
     fig, ax = plt.subplots(figsize=(9.5, 4.5))
     for r in rows:
-        folder = out / _slug(r["variant"])
-        config = json.loads((folder / "config.json").read_text())
+        records, config = _records(out / _slug(r["variant"]))
         window = config["batch"] * config["seq_len"]
         elapsed, points = 0.0, []
-        for x in (json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line):
+        for x in records:
             elapsed += window / x["tokens_per_s"] / 60 if "tokens_per_s" in x else 0.0
             if r["metric"] in x:
                 points.append((elapsed if clock else x["step"], x[r["metric"]]))

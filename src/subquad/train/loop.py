@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import time
+import typing
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -26,15 +27,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from subquad import hooks
+from subquad import __version__, hooks
 from subquad.bench.runner import setting
+from subquad.files import FileError, check_fields, read_json, read_jsonl, read_toml, write_atomic
 from subquad.nn import HeadGroup
 from subquad.nn.attention import resolve_head_groups
 from subquad.registry import parse_value
 from subquad.train import checkpoint
 from subquad.train.tasks import make_task
 
-__all__ = ["TrainConfig", "load_config_file", "plot_curve", "resolve_device", "train"]
+__all__ = ["TrainConfig", "load_config_file", "plot_curve", "resolve_device", "train", "trimmed_log"]
 
 _YES_NO = {"yes": True, "no": False}
 
@@ -157,23 +159,27 @@ def _frozen(layers: Any) -> tuple:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """A run's settings from a TOML file, or the ``config.json`` a run wrote (to reproduce it)."""
+    """A run's settings from a TOML file, or the ``config.json`` a run wrote (to reproduce it);
+    FileError, naming the file, for one that does not parse, has unknown settings or values of
+    the wrong type."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no config file at {path}")
+    fix = "subquad train --help lists the settings and what each takes"
     if path.suffix == ".json":
-        values = json.loads(path.read_text())
+        values = read_json(path, "run config", fix)
+        written = values.pop("subquad", None)  # the version that wrote a run's config.json
     else:
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            import tomli as tomllib
-        values = tomllib.loads(path.read_text())
+        values, written = read_toml(path, "run config", fix), None
     values = {k.replace("-", "_"): v for k, v in values.items()}
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"{path}: unknown setting(s) {unknown}; known: {', '.join(sorted(known))}")
+    if written is not None and written != __version__:
+        fix = f"it was written by subquad {written} (this is {__version__}); {fix}"
+    hints = typing.get_type_hints(TrainConfig)
+    types = {f.name: list if typing.get_origin(hints[f.name]) is tuple or hints[f.name] is tuple else hints[f.name]
+             for f in fields(TrainConfig)}  # fmt: skip
+    check_fields(values, path, types, noun="setting", fix=fix)
+    if not all(isinstance(item, str) for item in values.get("options", [])):
+        raise FileError(path, f"options must be strings name=value, got {values['options']!r}", fix)
     return values
 
 
@@ -196,20 +202,25 @@ def _evaluate(model: nn.Module, task: Any) -> float:
     return value
 
 
-def _start(config: TrainConfig, resume: bool) -> None:
-    """Create or check the run folder against ``config`` (rank 0)."""
-    out = Path(config.out)
-    saved = out / "config.json"
+def _check_run(config: TrainConfig, resume: bool) -> None:
+    """Check the run folder against ``config`` (rank 0): a run there is resumed only when asked,
+    and with its own config."""
+    saved = Path(config.out) / "config.json"
     if saved.exists():
         if not resume:
-            raise ValueError(f"{out} already holds a run; pass --resume to continue it, or choose another --out")
-        before = json.loads(saved.read_text())
+            raise ValueError(f"{config.out} already holds a run; pass --resume to continue it, or choose another --out")
+        before = load_config_file(saved)
         free = ("steps", "out", "device")  # a run may be extended, moved, or resumed on another device
         changed = {k: (before.get(k), v) for k, v in _jsonable(config).items() if before.get(k) != v and k not in free}
         if changed:
             raise ValueError(f"--resume needs the run's config; these differ (run, now): {changed}")
+
+
+def _write_config(config: TrainConfig) -> None:
+    """``config.json``, written once the run starts or its checkpoint has loaded (rank 0)."""
+    out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(_jsonable(config), indent=2))
+    write_atomic(out / "config.json", json.dumps({"subquad": __version__, **_jsonable(config)}, indent=2))
 
 
 def _jsonable(config: TrainConfig) -> dict[str, Any]:
@@ -218,15 +229,27 @@ def _jsonable(config: TrainConfig) -> dict[str, Any]:
     return json.loads(json.dumps(values))  # tuples as lists, as the file holds them
 
 
+def trimmed_log(path: Path, step: int) -> list[dict[str, Any]]:
+    """The records of a resumed run's log up to ``step``, the file rewritten to hold only those: what a
+    run logged after its last checkpoint is done again. A last line cut off by a kill is dropped; a
+    broken line elsewhere is a FileError naming it."""
+    if not path.exists():
+        return []
+    fix = "a run's own log holds one JSON object per line; remove the lines that are not, or the file, to resume"
+    records = read_jsonl(path, "metrics log", fix, partial_last=True)
+    for number, record in records:
+        if not isinstance(record.get("step"), int):
+            raise FileError(path, f"line {number} has no integer step", "a run's own log gives each line's step")
+    kept = [record for _, record in records if record["step"] <= step]
+    write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
+    return kept
+
+
 class _Log:
     """``metrics.jsonl``: on resume, lines past the checkpoint's step are dropped (they are redone)."""
 
     def __init__(self, path: Path, step: int) -> None:
-        kept = []
-        if path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
-        self.kept = [json.loads(line) for line in kept]  # what the run logged before its checkpoint
+        self.kept = trimmed_log(path, step)  # what the run logged before its checkpoint
         self.file = path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -251,7 +274,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     task.device = device
     out = Path(config.out)
     if rank == 0:
-        _start(config, resume)
+        _check_run(config, resume)
     _barrier(world)
     last = checkpoint.latest(out / "checkpoints") if resume else None  # every rank, after rank 0 checked
     torch.manual_seed(config.seed)
@@ -261,11 +284,14 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
     step = 0
     if last is not None:
-        state = checkpoint.load(last, model)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        checkpoint.set_rng_state(state["rng"])
-        step = state["step"]
+        with checkpoint.fitting(last):  # nothing is written before the checkpoint has loaded
+            state = checkpoint.load(last, model)
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            checkpoint.set_rng_state(state["rng"])
+            step = state["step"]
+    if rank == 0:
+        _write_config(config)
     runner = _Losses(model, task, world, device)
     log = _Log(out / "metrics.jsonl", step) if rank == 0 else None
     sign = 1 if task.lower_is_better else -1
@@ -434,7 +460,7 @@ def plot_curve(metrics: Path, png: Path, title: str = "") -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+    records = [record for _, record in read_jsonl(metrics, "metrics log", partial_last=True)]
     train_key = next((k for r in records for k in r if k.startswith("loss")), "loss")
     val_key = next((k for r in records for k in r if k.startswith("val_")), "val")
     train_points = [(r["step"], r[train_key]) for r in records if train_key in r]

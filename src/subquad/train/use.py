@@ -1,7 +1,8 @@
 """Using a trained run: ``subquad evaluate`` and ``subquad generate`` load its checkpoint.
 
 A run folder (``subquad train --out``) holds the config the model was built from; the model is
-rebuilt from it and the newest checkpoint (or a named one) loaded into it, on ``device`` (``auto``,
+rebuilt from it and the newest checkpoint's weights (or a named one's) loaded into it, and nothing
+else of the checkpoint read, on ``device`` (``auto``,
 as training's default: cuda where this torch sees a CUDA device). A run evaluated on the device it
 trained on gives the value its own evaluation logged.
 """
@@ -14,11 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from subquad.files import FileError
 from subquad.train import checkpoint
 from subquad.train.loop import TrainConfig, load_config_file, resolve_device
 from subquad.train.tasks import TextTask, make_task
 
 __all__ = ["evaluate_run", "generate_text", "load_run"]
+
+_FIX = "the run's config.json and its checkpoints must come from one subquad train run, unedited"
 
 
 def load_run(run: str | Path, step: int | None = None, device: str = "auto") -> tuple[TrainConfig, Any, nn.Module]:
@@ -28,7 +32,12 @@ def load_run(run: str | Path, step: int | None = None, device: str = "auto") -> 
     run = Path(run)
     if not (run / "config.json").is_file():
         raise FileNotFoundError(f"{run} holds no run (no config.json); pass the --out folder of subquad train")
-    config = TrainConfig(**load_config_file(run / "config.json"))
+    try:
+        config = TrainConfig(**load_config_file(run / "config.json"))
+    except FileError:
+        raise
+    except (ValueError, TypeError) as error:
+        raise FileError(run / "config.json", f"is not a valid run config ({error})", _FIX) from error
     folder = run / "checkpoints"
     path = checkpoint.latest(folder) if step is None else folder / f"step-{step:09d}"
     if path is None or not (path / "model.safetensors").is_file():
@@ -37,7 +46,7 @@ def load_run(run: str | Path, step: int | None = None, device: str = "auto") -> 
     task = make_task(config)
     task.device = place
     model = task.model()
-    checkpoint.load(path, model)
+    checkpoint.load_weights(path, model, fix=_FIX)
     return config, task, model.to(place).eval()
 
 
