@@ -149,7 +149,12 @@ def test_a_damaged_converted_folder_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"subquad.safetensors: was changed or damaged after it was written"):
         hf.from_pretrained(tmp_path / "m")
     record = json.loads((tmp_path / "m" / hf.SPEC_FILE).read_text())
-    del record["sha256"]  # as saved before the hash was recorded: read unchecked
+    assert sorted(record["sha256"]) == ["config.json", "model.safetensors", hf.TENSOR_FILE]
+    del record["sha256"]
+    with pytest.raises(ValueError, match=r"subquad.json: was changed after it was written \(its checksum"):
+        (tmp_path / "m" / hf.SPEC_FILE).write_text(json.dumps(record))
+        hf.from_pretrained(tmp_path / "m")
+    del record["checksum"]  # as saved before the checks were recorded: read unchecked
     (tmp_path / "m" / hf.SPEC_FILE).write_text(json.dumps(record))
     with pytest.raises(ValueError, match=r"subquad.safetensors: does not fit layer 0's subquad_state: (.|\n)*bias"):
         hf.from_pretrained(tmp_path / "m")
@@ -296,7 +301,7 @@ def test_bad_specs_and_inputs_raise(data, tmp_path):
         hf.use(bert(), "agglomerative")
     with pytest.raises(ValueError, match="no subquad attention to save; subquad.hf.convert"):
         hf.save(bert(), tmp_path / "x")
-    with pytest.raises(FileNotFoundError, match=r"has no subquad.json: it is not a model subquad.hf.save \(or subquad distill\) wrote"):
+    with pytest.raises(FileNotFoundError, match=r"has no subquad.json: it is not a model subquad.hf.save \(or"):
         hf.from_pretrained(data / "bert")
     with pytest.raises(ValueError, match="no layer of this model runs subquad attention"):
         ds.AttentionTransfer(bert())
@@ -330,3 +335,21 @@ def test_the_command_line(data, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["approx", str(data / "bert"), "--data", str(data / "passages.jsonl"), "--out", str(tmp_path / "o")])
     assert "pass --mechanisms SPEC ..., --converted FOLDER ..., or both" in capsys.readouterr().err
+
+
+def test_a_damaged_checkpoint_is_named_and_a_failed_resume_changes_nothing(data, tmp_path):
+    from subquad.files import FileError
+
+    config = run(data, tmp_path, "bert", steps=4, eval_every=2, checkpoint_every=2)
+    ds.distill(config, progress=False)
+    longer = run(data, tmp_path, "bert", steps=4, finetune_steps=2, eval_every=2, checkpoint_every=2)
+    newest = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[-1]
+    for name, cut in (("state.json", 40), ("state.safetensors", 200), ("model.safetensors", 100)):
+        original = (newest / name).read_bytes()
+        (newest / name).write_bytes(original[:cut])
+        before = {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()}
+        with pytest.raises(FileError, match=f"{name}: "):
+            ds.distill(longer, resume=True, progress=False)
+        assert {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()} == before
+        (newest / name).write_bytes(original)
+    assert ds.distill(longer, resume=True, progress=False)["history"][-1]["step"] == 6  # whole again: it resumes

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from subquad import __version__
+from subquad.files import FileError
 from subquad.registry import Mechanism, get_mechanism, mechanism_names
 
 if TYPE_CHECKING:
@@ -278,7 +279,7 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from subquad.train.loop import TrainConfig, load_config_file, train
+    from subquad.train.loop import TrainConfig, load_config_file, train, train_config
 
     hints = typing.get_type_hints(TrainConfig)
     given = load_config_file(args.config) if args.config else {}
@@ -288,7 +289,10 @@ def _run_train(args: argparse.Namespace) -> int:
             value = _setting_value(f, hints[f.name], args)
             # a flag left at its default yields to the file (argparse cannot tell "not given" apart)
             values[f.name] = given[f.name] if f.name in given and value == f.default else value
-    summary = train(TrainConfig(**values), resume=args.resume)
+    data = given.get("data")
+    if data and values["data"] == data and not Path(data).exists():
+        raise FileError(args.config, f"names data at {data}, where there is none", "pass --data PATH, or fix the file")
+    summary = train(train_config(values, args.config), resume=args.resume)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         print(json.dumps(summary))
     return 0

@@ -55,14 +55,18 @@ interface is handed, so a generation cache needs nothing more. They are kept on 
 module as ``subquad_inputs`` and the state as ``subquad_state``; ``converted_parameters(model)``
 lists what to train (``subquad distill`` does). ``save(model, folder)`` writes the model (loadable
 by transformers as the original architecture), ``subquad.json`` (each layer's mechanism and
-options) and ``subquad.safetensors`` (what conversion added); ``from_pretrained(folder)`` loads it
-back with subquad attention.
+options, the SHA-256 of the model's config and weights and of ``subquad.safetensors``, and a
+checksum of its own) and ``subquad.safetensors`` (what conversion added); ``from_pretrained(folder)``
+checks every recorded file and loads it back with subquad attention. A changed or damaged file is
+refused by name (``subquad.files.FileError``), and only data is read: safetensors and JSON, never
+a pickle or the folder's own code (``model_source``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -546,7 +550,8 @@ def save(model: nn.Module, folder: str | Path, tokenizer: Any = None) -> Path:
     with _dequantized(model):
         model.save_pretrained(folder, state_dict=own)
     save_file(tensors, str(folder / TENSOR_FILE))
-    record = {"format": 1, "layers": layers, "sha256": {TENSOR_FILE: sha256(folder / TENSOR_FILE)}}
+    record = {"format": 1, "layers": layers, "sha256": {p.name: sha256(p) for p in _recorded(folder)}}
+    record["checksum"] = _checksum(record)
     (folder / SPEC_FILE).write_text(json.dumps(record, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
@@ -576,6 +581,17 @@ def _dequantized(model: nn.Module):
             config.quantization_config = quantization
 
 
+def _recorded(folder: Path) -> list[Path]:
+    """The files of a saved folder that its ``subquad.json`` records the SHA-256 of: the model's
+    config and weights (one file or shards and their index) and what conversion added."""
+    names = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json", TENSOR_FILE)
+    return sorted({p for name in names for p in folder.glob(name) if p.is_file()})
+
+
+def _checksum(record: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}
 
@@ -588,11 +604,11 @@ def from_pretrained(folder: str | Path, *, model_class: Any = None, **kwargs: An
     import transformers
 
     folder = Path(folder)
-    layers, recorded = _read_spec(folder)
     fixed = sorted({"local_files_only", "trust_remote_code", "use_safetensors", "gguf_file"} & set(kwargs))
     if fixed:
         raise ValueError(f"from_pretrained sets {fixed} itself: it loads local safetensors and no model code only")
-    source = {**model_source(folder), **kwargs}
+    source = {**model_source(folder), **kwargs}  # first: a pickle-only folder is refused as such
+    layers = _read_spec(folder)
     with loading(folder):
         if model_class is None:
             config = transformers.AutoConfig.from_pretrained(**source)
@@ -608,7 +624,7 @@ def from_pretrained(folder: str | Path, *, model_class: Any = None, **kwargs: An
             _add(model, LayerAttention.build(mechanism, converted=True, **options), [index])
         except ValueError as error:
             raise FileError(spec_file, f"layer {index}: {error}", _RESAVE) from error
-    tensors = _saved_tensors(folder, recorded)
+    tensors = load_safetensors(folder / TENSOR_FILE, fix=_RESAVE)
     by_index = {int(m.layer_idx): m for m in attention_modules(model)}
     expected = set()
     for index, module in by_index.items():
@@ -630,25 +646,38 @@ _RESAVE = "save the model again with subquad.hf.save, or copy the folder again f
 
 def saved_layers(folder: str | Path) -> dict[int, tuple[str, dict[str, Any]]]:
     """Each converted layer's (mechanism, options), from the ``subquad.json`` of a folder ``save``
-    wrote; FileError naming the file for one that is broken or from another version."""
-    return _read_spec(folder)[0]
+    wrote; FileError naming the file for one that is broken, changed, or from another version."""
+    return _read_spec(folder)
 
 
-def _read_spec(folder: str | Path) -> tuple[dict[int, tuple[str, dict[str, Any]]], str | None]:
-    """``saved_layers``, and the SHA-256 of ``subquad.safetensors`` the file records (None in folders
-    saved before it was recorded)."""
-    spec_file = Path(folder) / SPEC_FILE
+def _read_spec(folder: str | Path) -> dict[int, tuple[str, dict[str, Any]]]:
+    """``saved_layers``, with every file ``subquad.json`` records checked against its SHA-256 and
+    ``subquad.json`` against its checksum (folders saved before they were recorded are read unchecked)."""
+    folder = Path(folder)
+    spec_file = folder / SPEC_FILE
     if not spec_file.is_file():
         raise FileNotFoundError(
             f"{folder} has no {SPEC_FILE}: it is not a model subquad.hf.save (or subquad distill) wrote; load a plain "
             "model with transformers, then subquad.hf.convert or use it"
         )
     saved = read_json(spec_file, SPEC_FILE, _RESAVE)
-    check_fields(saved, spec_file, {"format": int, "layers": dict, "sha256": dict}, required=("format", "layers"),
-                 fix=_RESAVE)  # fmt: skip
+    check_fields(saved, spec_file, {"format": int, "layers": dict, "sha256": dict, "checksum": str},
+                 required=("format", "layers"), fix=_RESAVE)  # fmt: skip
     if saved["format"] != 1:
         raise FileError(spec_file, f"is format {saved['format']}; this version of subquad reads format 1",
                         "load it with the subquad version that wrote it")  # fmt: skip
+    if "sha256" in saved or "checksum" in saved:  # written with its checks: they are all there
+        if saved.get("checksum") != _checksum({k: v for k, v in saved.items() if k != "checksum"}):
+            raise FileError(spec_file, "was changed after it was written (its checksum does not match it)", _RESAVE)
+        for name, digest in saved.get("sha256", {}).items():
+            path = folder / name
+            if Path(name).name != name:
+                raise FileError(spec_file, f"records a file {name!r} outside its folder", _RESAVE)
+            if not path.is_file():
+                raise FileError(folder, f"lacks {name}, which {SPEC_FILE} records", _RESAVE)
+            if sha256(path) != digest:
+                raise FileError(path, f"was changed or damaged after it was written (its SHA-256 is not "
+                                f"{SPEC_FILE}'s)", _RESAVE)  # fmt: skip
     if not saved["layers"]:
         raise FileError(spec_file, "names no converted layer", _RESAVE)
     layers = {}
@@ -665,22 +694,7 @@ def _read_spec(folder: str | Path) -> tuple[dict[int, tuple[str, dict[str, Any]]
         except (ValueError, TypeError) as error:
             raise FileError(spec_file, f"{where}: {error}", _RESAVE) from error
         layers[int(index)] = layer["mechanism"], options
-    recorded = saved.get("sha256", {}).get(TENSOR_FILE)
-    if recorded is not None and not isinstance(recorded, str):
-        raise FileError(spec_file, f"records a SHA-256 of {TENSOR_FILE} that is not a string", _RESAVE)
-    return layers, recorded
-
-
-def _saved_tensors(folder: Path, recorded: str | None) -> dict[str, Tensor]:
-    """``subquad.safetensors``, checked against the SHA-256 ``subquad.json`` records (``recorded``;
-    folders saved before it was recorded are read unchecked)."""
-    path = folder / TENSOR_FILE
-    if not path.is_file():
-        raise FileError(folder, f"has no {TENSOR_FILE}", _RESAVE)
-    if recorded is not None and sha256(path) != recorded:
-        raise FileError(path, f"was changed or damaged after it was written (its SHA-256 is not {SPEC_FILE}'s)",
-                        _RESAVE)  # fmt: skip
-    return load_safetensors(path, fix=_RESAVE)
+    return layers
 
 
 _PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
@@ -724,13 +738,13 @@ def model_source(path: str | Path) -> dict[str, Any]:
 def loading(path: str | Path):
     """Errors of transformers while it loads the local model ``path`` (a truncated weights file, a
     config it cannot read, a tokenizer that does not fit) as FileError naming it."""
-    from safetensors import SafetensorError
-
     try:
         yield
     except FileError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError, AttributeError, SafetensorError) as error:
+    except ImportError:  # a package the model needs (gguf): its own message says which
+        raise
+    except Exception as error:  # whatever the files made transformers raise: named, never a traceback
         reason = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
         raise FileError(
             path, f"could not be loaded as a Hugging Face model ({type(error).__name__}: {reason[:300]})",

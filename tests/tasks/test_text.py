@@ -5,12 +5,13 @@ import math
 import pytest
 import torch
 
+from subquad.files import FileError
 from subquad.tasks.text import ByteCorpus, bits_per_byte
 
 
 @pytest.fixture
 def corpus_file(tmp_path):
-    data = bytes(range(256)) * 40  # 10240 bytes; byte i holds i mod 256
+    data = bytes(i % 255 + 1 for i in range(10240))  # byte i holds i mod 255, plus 1: text has no NUL bytes
     path = tmp_path / "corpus.txt"
     path.write_bytes(data)
     return path
@@ -31,11 +32,11 @@ def test_windows_are_contiguous_bytes_of_their_split_and_reproducible(corpus_fil
     c = ByteCorpus(corpus_file, seq_len=15, fractions=(0.8, 0.1, 0.1), block=256, seed=0)
     batch = c.train_batch(step=7, batch=32)
     assert batch.shape == (32, 16) and batch.dtype == torch.long
-    assert bool(((batch[:, 1:] - batch[:, :-1]) % 256 == 1).all())  # consecutive bytes
+    assert bool(((batch[:, 1:] - batch[:, :-1]) % 255 == 1).all())  # consecutive bytes
     assert torch.equal(batch, c.train_batch(step=7, batch=32))  # a function of (seed, step)
     assert not torch.equal(batch, c.train_batch(step=8, batch=32))
     train = [(r.start, r.stop) for r in c.runs["train"]]
-    data = torch.arange(10240) % 256
+    data = torch.arange(10240) % 255 + 1
     for row in batch:  # every window lies inside one training run
         starts = [s for s in range(10240 - 15) if torch.equal(data[s : s + 16], row)]
         assert any(a <= s and s + 16 <= b for s in starts for a, b in train)
@@ -89,9 +90,17 @@ def _file(name, content):
             FileNotFoundError,
             "no text file at .*missing.txt; any text file.*dict-gcide",
         ),
-        (_file("empty.txt", b""), {}, ValueError, "empty.txt is empty"),
+        (_file("empty.txt", b""), {}, FileError, "empty.txt: is empty"),
+        (_file("blank.txt", b" \n\n"), {}, FileError, "blank.txt: is empty"),
+        (
+            _file("weights.bin", b"abc\0def" * 100),
+            {},
+            FileError,
+            r"weights.bin: is binary \(it holds NUL bytes\), not text",
+        ),
+        (_file("empty.gz", gzip.compress(b"")), {}, FileError, "empty.gz: is empty"),
         (_file("short.txt", b"abc"), {}, ValueError, r"\(3 bytes\) holds no 17-byte window for the train split"),
-        (_file("bad.gz", b"\x1f\x8bnot gzip"), {}, ValueError, "looks like gzip but cannot be decompressed"),
+        (_file("bad.gz", b"\x1f\x8bnot gzip"), {}, FileError, "bad.gz: looks like gzip but cannot be decompressed"),
         (lambda p: p / "corpus.txt", {"fractions": (0.5, 0.5)}, ValueError, "fractions must be three numbers"),
         (lambda p: p / "corpus.txt", {"block": 8}, ValueError, "need 1 <= seq_len < block, got seq_len=16, block=8"),
     ],

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from subquad.files import FileError, read_bytes
+
 __all__ = ["FILES", "load_idx", "load_split"]
 
 FILES = {
@@ -39,23 +41,28 @@ def _find(folder: Path, name: str) -> Path:
 def load_idx(path: str | Path) -> Tensor:
     """An IDX file of unsigned bytes as a uint8 tensor of its dimensions."""
     path = Path(path)
-    raw = path.read_bytes()
+    raw = read_bytes(path, "IDX file")
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError) as error:
-            raise ValueError(f"{path} looks like gzip but cannot be decompressed ({error}); is it complete?") from error
+            raise FileError(path, f"looks like gzip but cannot be decompressed ({error})", "is it complete?") from error
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise ValueError(f"{path} is not an IDX file (it must start with two zero bytes); {HINT}")
+        raise FileError(path, "is not an IDX file (it must start with two zero bytes)", HINT)
     if raw[2] != 0x08:
-        raise ValueError(f"{path} holds IDX type {raw[2]:#04x}; only unsigned bytes (0x08) are images or labels")
+        raise FileError(path, f"holds IDX type {raw[2]:#04x}; only unsigned bytes (0x08) are images or labels", HINT)
+    start = 4 + 4 * raw[3]
+    if len(raw) < start:
+        raise FileError(path, f"ends inside its header ({len(raw)} bytes)", "is it complete?")
     dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(raw[3])]
-    start = 4 + 4 * len(dims)
     count = 1
     for d in dims:
         count *= d
     if len(raw) - start != count:
-        raise ValueError(f"{path} declares dimensions {dims} ({count} bytes) but holds {len(raw) - start}")
+        raise FileError(path, f"declares dimensions {dims} ({count} bytes) but holds {len(raw) - start}",
+                        "is it complete?")  # fmt: skip
+    if count == 0:
+        return torch.zeros(dims, dtype=torch.uint8)
     return torch.frombuffer(bytearray(raw[start:]), dtype=torch.uint8).view(*dims)
 
 
@@ -68,8 +75,8 @@ def load_split(folder: str | Path, split: str) -> tuple[Tensor, Tensor]:
         raise ValueError(f"split must be one of {', '.join(FILES)}, got {split!r}")
     images, labels = (load_idx(_find(folder, name)) for name in FILES[split])
     if images.dim() != 3 or labels.dim() != 1 or images.shape[0] != labels.shape[0]:
-        raise ValueError(
-            f"{folder}: images {tuple(images.shape)} and labels {tuple(labels.shape)} do not pair up; need "
-            "images (n, rows, cols) and labels (n,)"
-        )
+        raise FileError(
+            folder, f"its images {tuple(images.shape)} and labels {tuple(labels.shape)} do not pair up",
+            "need images (n, rows, cols) and labels (n,)",
+        )  # fmt: skip
     return images.flatten(1), labels.long()

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from subquad.files import FileError
+
 __all__ = ["GCIDE_HINT", "ByteCorpus", "bits_per_byte", "cache_dir"]
 
 SPLITS = ("train", "val", "test")
@@ -53,8 +55,11 @@ def bits_per_byte(nats: float) -> float:
 
 
 def _is_gzip(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(2) == b"\x1f\x8b"
+    try:
+        with path.open("rb") as f:
+            return f.read(2) == b"\x1f\x8b"
+    except OSError as error:
+        raise FileError(path, f"cannot be read ({error.strerror or error})") from error
 
 
 def _decompressed(path: Path) -> Path:
@@ -72,7 +77,7 @@ def _decompressed(path: Path) -> Path:
             shutil.copyfileobj(src, dst, 1 << 20)
     except (OSError, EOFError) as error:
         tmp.unlink(missing_ok=True)
-        raise ValueError(f"{path} looks like gzip but cannot be decompressed ({error}); is it complete?") from error
+        raise FileError(path, f"looks like gzip but cannot be decompressed ({error})", "is it complete?") from error
     tmp.replace(out)
     return out
 
@@ -114,18 +119,22 @@ class ByteCorpus:
             raise ValueError(f"fractions must be three numbers >= 0 summing to 1 (train, val, test), got {fractions}")
         mapped = _decompressed(path) if _is_gzip(path) else path
         size = mapped.stat().st_size
-        if size == 0:
-            raise ValueError(f"{path} is empty; {GCIDE_HINT}")
+        with mapped.open("rb") as f:
+            head = f.read(1 << 16)
+        if not head.strip():
+            raise FileError(path, "is empty (or blank): there is no text to learn", GCIDE_HINT)
+        if b"\0" in head:
+            raise FileError(path, "is binary (it holds NUL bytes), not text", f"pass a text file; {GCIDE_HINT}")
         self.path, self.seq_len, self.seed = path, seq_len, seed
         self.data = torch.from_file(str(mapped), shared=False, size=size, dtype=torch.uint8)
         self.runs = self._split(size, fractions, block, seed)
         for name in SPLITS:
             if fractions[SPLITS.index(name)] > 0 and not self.runs[name]:
-                raise ValueError(
-                    f"{path} ({size} bytes) holds no {seq_len + 1}-byte window for the {name} split "
-                    f"(blocks of {block} bytes, fractions {fractions}); use a longer file, a shorter "
-                    "--seq-len or smaller blocks"
-                )
+                raise FileError(
+                    path, f"({size} bytes) holds no {seq_len + 1}-byte window for the {name} split (blocks of "
+                    f"{block} bytes, fractions {fractions})",
+                    "use a longer file, a shorter --seq-len or smaller blocks",
+                )  # fmt: skip
 
     def _split(self, size: int, fractions: tuple[float, ...], block: int, seed: int) -> dict[str, list[_Run]]:
         blocks = -(-size // block)

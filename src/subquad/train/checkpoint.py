@@ -36,7 +36,9 @@ from torch import Tensor, nn
 from subquad import __version__
 from subquad.files import FileError, check_fields, load_safetensors, read_json, sha256, write_atomic
 
-__all__ = ["fitting", "latest", "load", "load_weights", "require", "rng_state", "save", "set_rng_state", "upgrade"]
+__all__ = [
+    "fitting", "latest", "load", "load_weights", "meta", "require", "rng_state", "save", "set_rng_state", "upgrade",
+]  # fmt: skip
 
 _PREFIX = "step-"
 FORMAT = 2
@@ -73,14 +75,17 @@ def require() -> Any:
     return safetensors.torch
 
 
-def save(folder: Path, step: int, model: nn.Module, state: dict[str, Any], keep: int) -> Path:
-    """Write the checkpoint of ``step`` atomically and keep the newest ``keep``."""
+def save(
+    folder: Path, step: int, model: nn.Module, state: dict[str, Any], keep: int, meta: dict[str, Any] | None = None
+) -> Path:
+    """Write the checkpoint of ``step`` atomically and keep the newest ``keep``. ``meta``: plain
+    values read without the state (``meta()``), such as the config the run was trained with."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"{_PREFIX}{step:09d}"
     tmp = folder / f".tmp-{step:09d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    _write_state(tmp, {**state, "step": step}, model)
+    _write_state(tmp, {**state, "step": step}, model, meta)
     for f in tmp.iterdir():  # on disk before the rename makes the checkpoint visible
         with f.open("rb") as handle:
             os.fsync(handle.fileno())
@@ -92,7 +97,7 @@ def save(folder: Path, step: int, model: nn.Module, state: dict[str, Any], keep:
     return final
 
 
-def _write_state(path: Path, state: dict[str, Any], model: nn.Module | None = None) -> None:
+def _write_state(path: Path, state: dict[str, Any], model: nn.Module | None = None, meta: dict | None = None) -> None:
     """``state.safetensors`` and, last, ``state.json`` in ``path``; the weights first when ``model``
     is given (else ``path`` already holds them)."""
     if model is not None:
@@ -101,7 +106,7 @@ def _write_state(path: Path, state: dict[str, Any], model: nn.Module | None = No
     tree = _encode(state, tensors)
     require().save_file(tensors, str(path / TENSORS))
     record = {"format": FORMAT, "subquad": __version__, "sha256": {n: sha256(path / n) for n in (WEIGHTS, TENSORS)},
-              "state": tree}  # fmt: skip
+              "state": tree, "meta": meta or {}}  # fmt: skip
     write_atomic(path / STATE, json.dumps({**record, "checksum": _checksum(record)}) + "\n")
 
 
@@ -111,13 +116,21 @@ def latest(folder: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_weights(path: Path, model: nn.Module, fix: str = "") -> None:
-    """Load the checkpoint's weights into ``model``: all that evaluating or generating needs. They are
-    checked against the checkpoint's record where it has one (a checkpoint of the pickle format has
-    none; its ``state.pt`` is never read)."""
+def load_weights(path: Path, model: nn.Module, fix: str = "") -> dict[str, Any]:
+    """Load the checkpoint's weights into ``model``: all that evaluating or generating needs; returns
+    its ``meta``. The weights are checked against the checkpoint's record where it has one (a
+    checkpoint of the pickle format has none, and no meta; its ``state.pt`` is never read)."""
+    record = {"meta": {}}
     if (path / STATE).is_file() or not (path / LEGACY).is_file():
-        _verify(path, _record(path), WEIGHTS)
+        record = _record(path)
+        _verify(path, record, WEIGHTS)
     _load_model(path, model, fix or _FIT)
+    return record["meta"]
+
+
+def meta(path: Path) -> dict[str, Any]:
+    """The plain values saved beside the state (``save``'s ``meta``), from the checked record."""
+    return _record(path)["meta"]
 
 
 def load(path: Path, model: nn.Module) -> dict[str, Any]:
@@ -181,8 +194,8 @@ def _record(path: Path) -> dict[str, Any]:
             )  # fmt: skip
         raise FileError(path, f"holds no {STATE}: it is not a whole checkpoint", _DAMAGED)
     record = read_json(path / STATE, "checkpoint record", _DAMAGED)
-    check_fields(record, path / STATE, {"format": int, "subquad": str, "sha256": dict, "state": dict, "checksum": str},
-                 required=("format", "subquad", "sha256", "state", "checksum"), fix=_DAMAGED)  # fmt: skip
+    types = {"format": int, "subquad": str, "sha256": dict, "state": dict, "meta": dict, "checksum": str}
+    check_fields(record, path / STATE, types, required=list(types), fix=_DAMAGED)
     if record["format"] != FORMAT:
         raise FileError(
             path / STATE, f"is checkpoint format {record['format']} (subquad {record['subquad']}); subquad "

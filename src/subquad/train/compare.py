@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from subquad.files import FileError, read_json, read_jsonl
-from subquad.train.loop import load_config_file
+from subquad.files import FileError, read_json
+from subquad.train.loop import load_config_file, read_metrics
 
 __all__ = ["compare", "format_table", "variant_arguments"]
 
@@ -63,9 +63,7 @@ def _slug(variant: str) -> str:
 
 def _records(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """A variant's run: its metrics' records and its config, each file checked."""
-    fix = f"remove {folder} to train the variant again"
-    records = [r for _, r in read_jsonl(folder / "metrics.jsonl", "metrics log", fix, partial_last=True)]
-    return records, load_config_file(folder / "config.json")
+    return read_metrics(folder / "metrics.jsonl"), load_config_file(folder / "config.json")
 
 
 def _row(variant: str, folder: Path, peak_mb: float | None) -> dict[str, Any]:

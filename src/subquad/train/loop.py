@@ -36,7 +36,10 @@ from subquad.registry import parse_value
 from subquad.train import checkpoint
 from subquad.train.tasks import make_task
 
-__all__ = ["TrainConfig", "load_config_file", "plot_curve", "resolve_device", "train", "trimmed_log"]
+__all__ = [
+    "TrainConfig", "check_trained_with", "load_config_file", "plot_curve", "read_metrics", "resolve_device", "train",
+    "train_config", "trimmed_log",
+]  # fmt: skip
 
 _YES_NO = {"yes": True, "no": False}
 
@@ -183,6 +186,20 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return values
 
 
+def train_config(values: dict[str, Any], source: str | Path | None = None) -> TrainConfig:
+    """``TrainConfig(**values)``; where the values came from a file (``source``), an invalid one is a
+    FileError naming it."""
+    try:
+        return TrainConfig(**values)
+    except FileError:
+        raise
+    except (ValueError, TypeError) as error:
+        if source is None:
+            raise
+        raise FileError(source, f"does not make a valid run config with the flags given ({error})",
+                        "subquad train --help lists the settings and what each takes") from error  # fmt: skip
+
+
 def _schedule(config: TrainConfig):
     def factor(step: int) -> float:
         if step < config.warmup:
@@ -213,7 +230,27 @@ def _check_run(config: TrainConfig, resume: bool) -> None:
         free = ("steps", "out", "device")  # a run may be extended, moved, or resumed on another device
         changed = {k: (before.get(k), v) for k, v in _jsonable(config).items() if before.get(k) != v and k not in free}
         if changed:
-            raise ValueError(f"--resume needs the run's config; these differ (run, now): {changed}")
+            raise FileError(saved, f"--resume needs the run's config; these differ (run, now): {changed}",
+                            f"pass the run's settings, or resume with --config {saved} --resume")  # fmt: skip
+
+
+def check_trained_with(config: TrainConfig, meta: dict[str, Any], where: Path, resume: bool = False) -> None:
+    """Refuse a checkpoint trained with another config than ``config`` (a run folder of mixed
+    origins, or an edited config.json), naming ``where``. Free to differ: the steps, the folder and
+    the device, and, for evaluating, the data file's path. Checkpoints written before the config
+    was recorded (or by an upgrade) are not checked."""
+    trained = meta.get("config")
+    if not isinstance(trained, dict):
+        return
+    free = {"steps", "out", "device"} | (set() if resume else {"data"})
+    now = _jsonable(config)
+    changed = {k: (trained.get(k), now[k]) for k in now if k not in free and trained.get(k) != now[k]}
+    if changed:
+        raise FileError(
+            where, f"the checkpoint was trained with another config; these differ (trained, now): {changed}",
+            "a run's config.json and its checkpoints must come from one run: restore config.json, or pass the run "
+            "folder the checkpoint came from",
+        )  # fmt: skip
 
 
 def _write_config(config: TrainConfig) -> None:
@@ -229,18 +266,26 @@ def _jsonable(config: TrainConfig) -> dict[str, Any]:
     return json.loads(json.dumps(values))  # tuples as lists, as the file holds them
 
 
-def trimmed_log(path: Path, step: int) -> list[dict[str, Any]]:
-    """The records of a resumed run's log up to ``step``, the file rewritten to hold only those: what a
-    run logged after its last checkpoint is done again. A last line cut off by a kill is dropped; a
-    broken line elsewhere is a FileError naming it."""
-    if not path.exists():
-        return []
-    fix = "a run's own log holds one JSON object per line; remove the lines that are not, or the file, to resume"
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's ``metrics.jsonl`` (``train`` or ``distill``): each a step and numbers.
+    A last line cut off by a kill is dropped; any other broken line is a FileError naming it."""
+    fix = "a run's own log holds a JSON object of a step and numbers per line; remove the lines that are not"
     records = read_jsonl(path, "metrics log", fix, partial_last=True)
     for number, record in records:
-        if not isinstance(record.get("step"), int):
-            raise FileError(path, f"line {number} has no integer step", "a run's own log gives each line's step")
-    kept = [record for _, record in records if record["step"] <= step]
+        if not isinstance(record.get("step"), int) or isinstance(record["step"], bool):
+            raise FileError(path, f"line {number} has no integer step", fix)
+        wrong = [k for k, v in record.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+        if wrong:
+            raise FileError(path, f"line {number}: {', '.join(wrong)} not a number", fix)
+    return [record for _, record in records]
+
+
+def trimmed_log(path: Path, step: int) -> list[dict[str, Any]]:
+    """The records of a resumed run's log up to ``step``, the file rewritten to hold only those: what a
+    run logged after its last checkpoint is done again (``read_metrics``)."""
+    if not path.exists():
+        return []
+    kept = [record for record in read_metrics(path) if record["step"] <= step]
     write_atomic(path, "".join(json.dumps(record) + "\n" for record in kept))
     return kept
 
@@ -249,6 +294,7 @@ class _Log:
     """``metrics.jsonl``: on resume, lines past the checkpoint's step are dropped (they are redone)."""
 
     def __init__(self, path: Path, step: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         self.kept = trimmed_log(path, step)  # what the run logged before its checkpoint
         self.file = path.open("a")
 
@@ -284,16 +330,17 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
     step = 0
     if last is not None:
+        check_trained_with(config, checkpoint.meta(last), last / "state.json", resume=True)
         with checkpoint.fitting(last):  # nothing is written before the checkpoint has loaded
             state = checkpoint.load(last, model)
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             checkpoint.set_rng_state(state["rng"])
             step = state["step"]
+    log = _Log(out / "metrics.jsonl", step) if rank == 0 else None  # a broken log refused before any write
     if rank == 0:
         _write_config(config)
     runner = _Losses(model, task, world, device)
-    log = _Log(out / "metrics.jsonl", step) if rank == 0 else None
     sign = 1 if task.lower_is_better else -1
     before = [r[task.metric] * sign for r in (log.kept if log else []) if task.metric in r]
     best, started = min(before, default=math.inf) * sign, time.perf_counter()
@@ -313,7 +360,8 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
                 if step % config.checkpoint_every == 0 or step == config.steps:
                     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
                     state["rng"] = checkpoint.rng_state()
-                    checkpoint.save(out / "checkpoints", step, model, state, config.keep)
+                    meta = {"config": _jsonable(config)}  # what evaluate checks config.json against
+                    checkpoint.save(out / "checkpoints", step, model, state, config.keep, meta)
             bar.update(step, record[0], best)
     summary = {"steps": step, "seconds": time.perf_counter() - started, f"best_{task.metric}": best, "processes": world}
     if rank == 0:
@@ -460,7 +508,7 @@ def plot_curve(metrics: Path, png: Path, title: str = "") -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    records = [record for _, record in read_jsonl(metrics, "metrics log", partial_last=True)]
+    records = read_metrics(metrics)
     train_key = next((k for r in records for k in r if k.startswith("loss")), "loss")
     val_key = next((k for r in records for k in r if k.startswith("val_")), "val")
     train_points = [(r["step"], r[train_key]) for r in records if train_key in r]
@@ -471,7 +519,8 @@ def plot_curve(metrics: Path, png: Path, title: str = "") -> Path | None:
     if val_points:
         ax.plot(*zip(*val_points), "o-", label="validation")
     ax.set(xlabel="step", ylabel=f"{train_key} / {val_key}", title=title)
-    ax.legend()
+    if train_points or val_points:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

@@ -17,7 +17,7 @@ from torch import nn
 
 from subquad.files import FileError
 from subquad.train import checkpoint
-from subquad.train.loop import TrainConfig, load_config_file, resolve_device
+from subquad.train.loop import TrainConfig, check_trained_with, load_config_file, resolve_device, train_config
 from subquad.train.tasks import TextTask, make_task
 
 __all__ = ["evaluate_run", "generate_text", "load_run"]
@@ -32,21 +32,22 @@ def load_run(run: str | Path, step: int | None = None, device: str = "auto") -> 
     run = Path(run)
     if not (run / "config.json").is_file():
         raise FileNotFoundError(f"{run} holds no run (no config.json); pass the --out folder of subquad train")
-    try:
-        config = TrainConfig(**load_config_file(run / "config.json"))
-    except FileError:
-        raise
-    except (ValueError, TypeError) as error:
-        raise FileError(run / "config.json", f"is not a valid run config ({error})", _FIX) from error
+    source = run / "config.json"
+    config = train_config(load_config_file(source), source)
     folder = run / "checkpoints"
     path = checkpoint.latest(folder) if step is None else folder / f"step-{step:09d}"
     if path is None or not (path / "model.safetensors").is_file():
         have = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
         raise FileNotFoundError(f"{run} has no checkpoint {'' if step is None else step}; it has: {have or 'none'}")
-    task = make_task(config)
+    try:
+        task = make_task(config)
+    except (FileNotFoundError, FileError) as error:
+        raise FileError(source, f"names data that cannot be read ({error})",
+                        "put the data back, or set config.json's data to where it is now") from error  # fmt: skip
     task.device = place
     model = task.model()
-    checkpoint.load_weights(path, model, fix=_FIX)
+    meta = checkpoint.load_weights(path, model, fix=_FIX)
+    check_trained_with(config, meta, source)
     return config, task, model.to(place).eval()
 
 
