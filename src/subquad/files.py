@@ -22,6 +22,7 @@ __all__ = [
     "FileError",
     "check_fields",
     "check_gguf",
+    "json_checksum",
     "load_safetensors",
     "read_bytes",
     "read_json",
@@ -83,7 +84,7 @@ def read_json(path: str | os.PathLike, what: str = "JSON file", fix: str = "", *
             path, f"is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno})", fix
         ) from error
     if not isinstance(value, kind):
-        raise FileError(path, f"holds a JSON {_json_type(value)} where a {what} holds a {_json_type(kind())}", fix)
+        raise FileError(path, f"holds {_a(_json_type(value))} where a {what} holds {_a(_json_type(kind()))}", fix)
     return value
 
 
@@ -111,7 +112,7 @@ def read_jsonl(
             reason = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8"
             raise FileError(path, f"line {number} is not valid JSON ({reason})", fix) from error
         if not isinstance(record, dict):
-            raise FileError(path, f"line {number} is a JSON {_json_type(record)}, not an object", fix)
+            raise FileError(path, f"line {number} is {_a(_json_type(record))}, not an object", fix)
         records.append((number, record))
     return records
 
@@ -151,8 +152,8 @@ def check_fields(
     for name, value in values.items():
         wanted = types[name] if isinstance(types[name], tuple) else (types[name],)
         if not _is_a(value, wanted):
-            names = " or ".join(_json_type(t()) if t is not type(None) else "null" for t in wanted)
-            raise FileError(path, f"{at}{noun} {name!r} is a {_json_type(value)} ({value!r:.40}), not a {names}", fix)
+            names = _a(" or ".join(_json_type(t()) if t is not type(None) else "null" for t in wanted))
+            raise FileError(path, f"{at}{noun} {name!r} is {_a(_json_type(value))} ({value!r:.40}), not {names}", fix)
 
 
 def _is_a(value: Any, types: tuple[type, ...]) -> bool:
@@ -161,6 +162,10 @@ def _is_a(value: Any, types: tuple[type, ...]) -> bool:
     if isinstance(value, int) and float in types:
         return True
     return isinstance(value, types)
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _json_type(value: Any) -> str:
@@ -205,6 +210,12 @@ def sha256(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def json_checksum(record: Mapping[str, Any]) -> str:
+    """The SHA-256 of a JSON object's canonical text (keys sorted, no spaces): the same before it
+    is written and after it is read back, whatever the file's layout."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -76,7 +75,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from subquad.files import FileError, check_fields, check_gguf, load_safetensors, read_json, sha256
+from subquad.files import FileError, check_fields, check_gguf, json_checksum, load_safetensors, read_json, sha256
 from subquad.mechanisms.routing import RoutingState
 from subquad.registry import Config, Mechanism, attention, get_mechanism, make_config, mechanism_names
 
@@ -551,7 +550,7 @@ def save(model: nn.Module, folder: str | Path, tokenizer: Any = None) -> Path:
         model.save_pretrained(folder, state_dict=own)
     save_file(tensors, str(folder / TENSOR_FILE))
     record = {"format": 1, "layers": layers, "sha256": {p.name: sha256(p) for p in _recorded(folder)}}
-    record["checksum"] = _checksum(record)
+    record["checksum"] = json_checksum(record)
     (folder / SPEC_FILE).write_text(json.dumps(record, indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
@@ -586,10 +585,6 @@ def _recorded(folder: Path) -> list[Path]:
     config and weights (one file or shards and their index) and what conversion added."""
     names = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json", TENSOR_FILE)
     return sorted({p for name in names for p in folder.glob(name) if p.is_file()})
-
-
-def _checksum(record: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
@@ -667,7 +662,7 @@ def _read_spec(folder: str | Path) -> dict[int, tuple[str, dict[str, Any]]]:
         raise FileError(spec_file, f"is format {saved['format']}; this version of subquad reads format 1",
                         "load it with the subquad version that wrote it")  # fmt: skip
     if "sha256" in saved or "checksum" in saved:  # written with its checks: they are all there
-        if saved.get("checksum") != _checksum({k: v for k, v in saved.items() if k != "checksum"}):
+        if saved.get("checksum") != json_checksum({k: v for k, v in saved.items() if k != "checksum"}):
             raise FileError(spec_file, "was changed after it was written (its checksum does not match it)", _RESAVE)
         for name, digest in saved.get("sha256", {}).items():
             path = folder / name

@@ -21,7 +21,6 @@ killed at any moment leaves either the whole checkpoint or none; the oldest are 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -34,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from subquad import __version__
-from subquad.files import FileError, check_fields, load_safetensors, read_json, sha256, write_atomic
+from subquad.files import FileError, check_fields, json_checksum, load_safetensors, read_json, sha256, write_atomic
 
 __all__ = [
     "fitting", "latest", "load", "load_weights", "meta", "require", "rng_state", "save", "set_rng_state", "upgrade",
@@ -107,7 +106,7 @@ def _write_state(path: Path, state: dict[str, Any], model: nn.Module | None = No
     require().save_file(tensors, str(path / TENSORS))
     record = {"format": FORMAT, "subquad": __version__, "sha256": {n: sha256(path / n) for n in (WEIGHTS, TENSORS)},
               "state": tree, "meta": meta or {}}  # fmt: skip
-    write_atomic(path / STATE, json.dumps({**record, "checksum": _checksum(record)}) + "\n")
+    write_atomic(path / STATE, json.dumps({**record, "checksum": json_checksum(record)}) + "\n")
 
 
 def latest(folder: Path) -> Path | None:
@@ -201,7 +200,7 @@ def _record(path: Path) -> dict[str, Any]:
             path / STATE, f"is checkpoint format {record['format']} (subquad {record['subquad']}); subquad "
             f"{__version__} reads format {FORMAT}", f"resume it with subquad {record['subquad']}",
         )  # fmt: skip
-    if record["checksum"] != _checksum({k: v for k, v in record.items() if k != "checksum"}):
+    if record["checksum"] != json_checksum({k: v for k, v in record.items() if k != "checksum"}):
         raise FileError(path / STATE, "was changed after it was written (its checksum does not match it)", _DAMAGED)
     return record
 
@@ -212,10 +211,6 @@ def _verify(path: Path, record: dict[str, Any], name: str) -> None:
     if sha256(path / name) != record["sha256"].get(name):
         raise FileError(path / name, f"was changed or damaged after it was written (its SHA-256 is not {STATE}'s)",
                         _DAMAGED)  # fmt: skip
-
-
-def _checksum(record: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _encode(value: Any, tensors: dict[str, Tensor]) -> Any:

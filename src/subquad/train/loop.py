@@ -226,9 +226,7 @@ def _check_run(config: TrainConfig, resume: bool) -> None:
     if saved.exists():
         if not resume:
             raise ValueError(f"{config.out} already holds a run; pass --resume to continue it, or choose another --out")
-        before = load_config_file(saved)
-        free = ("steps", "out", "device")  # a run may be extended, moved, or resumed on another device
-        changed = {k: (before.get(k), v) for k, v in _jsonable(config).items() if before.get(k) != v and k not in free}
+        changed = _changed(load_config_file(saved), config, _FREE)
         if changed:
             raise FileError(saved, f"--resume needs the run's config; these differ (run, now): {changed}",
                             f"pass the run's settings, or resume with --config {saved} --resume")  # fmt: skip
@@ -242,15 +240,22 @@ def check_trained_with(config: TrainConfig, meta: dict[str, Any], where: Path, r
     trained = meta.get("config")
     if not isinstance(trained, dict):
         return
-    free = {"steps", "out", "device"} | (set() if resume else {"data"})
-    now = _jsonable(config)
-    changed = {k: (trained.get(k), now[k]) for k in now if k not in free and trained.get(k) != now[k]}
+    changed = _changed(trained, config, _FREE if resume else {*_FREE, "data"})
     if changed:
         raise FileError(
             where, f"the checkpoint was trained with another config; these differ (trained, now): {changed}",
             "a run's config.json and its checkpoints must come from one run: restore config.json, or pass the run "
             "folder the checkpoint came from",
         )  # fmt: skip
+
+
+_FREE = {"steps", "out", "device"}  # a run may be extended, moved, or resumed on another device
+
+
+def _changed(before: dict[str, Any], config: TrainConfig, free: set[str]) -> dict[str, tuple[Any, Any]]:
+    """The settings of ``config`` that differ from ``before`` (a run's recorded config), but ``free``."""
+    now = _jsonable(config)
+    return {k: (before.get(k), v) for k, v in now.items() if k not in free and before.get(k) != v}
 
 
 def _write_config(config: TrainConfig) -> None:
