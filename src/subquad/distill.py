@@ -214,6 +214,8 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     found = checkpoint.latest(folder) if folder.is_dir() else None
     if found is not None and not resume:
         raise ValueError(f"{out} already holds a distillation run; pass --resume to continue it, or another --out")
+    if found is not None:
+        checkpoint.verify(found)  # a damaged checkpoint is refused before the model loads
     out.mkdir(parents=True, exist_ok=True)
 
     model, tokenizer, decoder = load_model(config.model)

@@ -36,7 +36,7 @@ from subquad import __version__
 from subquad.files import FileError, check_fields, json_checksum, load_safetensors, read_json, sha256, write_atomic
 
 __all__ = [
-    "fitting", "latest", "load", "load_weights", "meta", "require", "rng_state", "save", "set_rng_state", "upgrade",
+    "fitting", "latest", "load", "load_weights", "require", "rng_state", "save", "set_rng_state", "upgrade", "verify",
 ]  # fmt: skip
 
 _PREFIX = "step-"
@@ -78,7 +78,7 @@ def save(
     folder: Path, step: int, model: nn.Module, state: dict[str, Any], keep: int, meta: dict[str, Any] | None = None
 ) -> Path:
     """Write the checkpoint of ``step`` atomically and keep the newest ``keep``. ``meta``: plain
-    values read without the state (``meta()``), such as the config the run was trained with."""
+    values ``verify`` returns, such as the config the run was trained with."""
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"{_PREFIX}{step:09d}"
     tmp = folder / f".tmp-{step:09d}-{os.getpid()}"
@@ -127,16 +127,22 @@ def load_weights(path: Path, model: nn.Module, fix: str = "") -> dict[str, Any]:
     return record["meta"]
 
 
-def meta(path: Path) -> dict[str, Any]:
-    """The plain values saved beside the state (``save``'s ``meta``), from the checked record."""
-    return _record(path)["meta"]
+def verify(path: Path) -> dict[str, Any]:
+    """Check a checkpoint whole (its record, and both tensor files against it) without loading it,
+    so a resume refuses a damaged one before any costly work; returns its meta."""
+    return _checked(path)["meta"]
+
+
+def _checked(path: Path) -> dict[str, Any]:
+    record = _record(path)
+    for name in (WEIGHTS, TENSORS):
+        _verify(path, record, name)
+    return record
 
 
 def load(path: Path, model: nn.Module) -> dict[str, Any]:
     """Load the weights into ``model``; returns the rest of the state, each file checked first."""
-    record = _record(path)
-    for name in (WEIGHTS, TENSORS):
-        _verify(path, record, name)
+    record = _checked(path)
     _load_model(path, model, _FIT)
     tensors = load_safetensors(path / TENSORS, fix=_DAMAGED)
     used: set[str] = set()

@@ -328,6 +328,8 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
         _check_run(config, resume)
     _barrier(world)
     last = checkpoint.latest(out / "checkpoints") if resume else None  # every rank, after rank 0 checked
+    if last is not None:  # a damaged or foreign checkpoint is refused before the model is built
+        check_trained_with(config, checkpoint.verify(last), last / "state.json", resume=True)
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     model = task.model().to(device)
@@ -335,7 +337,6 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
     step = 0
     if last is not None:
-        check_trained_with(config, checkpoint.meta(last), last / "state.json", resume=True)
         with checkpoint.fitting(last):  # nothing is written before the checkpoint has loaded
             state = checkpoint.load(last, model)
             optimizer.load_state_dict(state["optimizer"])
