@@ -8,8 +8,10 @@ forward to the innermost active collector, and the training loop adds them to it
         task_loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss = task_loss + sum(losses)
 
-Without an active collector ``add_auxiliary_loss`` does nothing: evaluation code, and code that
-does not train what the losses train, need not know about them.
+Without an active collector ``add_auxiliary_loss`` drops the loss: evaluation code need not know
+about them. A loss that could train something (it carries a gradient) warns once per place, with
+``UncollectedLossWarning``, as a training loop that forgot the collector would otherwise train
+without it silently; filter that warning where dropping it is meant.
 
 **Recomputation.** Gradient checkpointing (``torch.utils.checkpoint``, non-reentrant) runs a
 forward a second time during the backward pass, to rebuild the activations it did not keep. A
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AuxiliaryLosses",
+    "UncollectedLossWarning",
     "add_auxiliary_loss",
     "auxiliary_losses",
     "checkpoint_contexts",
@@ -112,13 +116,30 @@ def auxiliary_losses() -> Iterator[AuxiliaryLosses]:
         _COLLECTOR.reset(token)
 
 
+class UncollectedLossWarning(UserWarning):
+    """An auxiliary loss that could train something was dropped: no ``auxiliary_losses()`` collector
+    was active around the forward that computed it."""
+
+
 def add_auxiliary_loss(name: str, loss: Tensor) -> None:
     """Hand ``loss`` (a scalar tensor, differentiable) to the innermost active collector. Nothing
-    happens without one, or while a checkpoint recomputes (its forward already handed it over)."""
+    happens while a checkpoint recomputes (its forward already handed it over); without a collector
+    the loss is dropped, with an ``UncollectedLossWarning`` (once per place) where it carries a
+    gradient."""
+    if is_recomputing():
+        return
     losses = _COLLECTOR.get()
-    if losses is not None and not is_recomputing():
+    if losses is not None:
         losses.append(loss)
         losses.names.append(name)
+    elif loss.requires_grad:
+        warnings.warn(
+            f"the auxiliary loss {name!r} of this training forward is dropped: no collector is active. Run the "
+            "forward inside `with subquad.hooks.auxiliary_losses() as losses:` and add sum(losses) to the loss "
+            "(or give the loss a weight of 0 to train without it)",
+            UncollectedLossWarning,
+            stacklevel=3,
+        )
 
 
 def recomputing(replay: _Replay | None = None) -> _Frame:

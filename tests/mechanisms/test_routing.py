@@ -1,4 +1,5 @@
 import functools
+import warnings
 
 import pytest
 import torch
@@ -334,13 +335,43 @@ def test_the_collected_loss_reaches_the_inputs_and_collectors_nest():
     assert model.backbone.blocks[0].attn.q_proj.weight.grad.abs().sum() > 0
 
 
-def test_without_a_collector_the_loss_goes_nowhere_and_nothing_fails():
+def test_without_a_collector_a_training_forward_warns_that_its_loss_is_dropped():
     torch.manual_seed(0)
     model = subquad.nn.CausalLM(31, 16, 1, 2, attention=HeadGroup("routing", clusters=3), max_len=40).double()
-    model(torch.randint(0, 31, (2, 20))).sum().backward()
-    with subquad.hooks.auxiliary_losses() as losses:
-        model.eval()(torch.randint(0, 31, (2, 20)))
-    assert losses == [], "eval mode reports no loss"
+    tokens = torch.randint(0, 31, (2, 20))
+    with pytest.warns(
+        subquad.hooks.UncollectedLossWarning,
+        match="'routing.commitment' of this training forward is "
+        "dropped: no collector is active. Run the forward inside `with subquad.hooks.auxiliary_losses",
+    ):
+        model(tokens).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none where the loss is collected, cannot train, or weighs nothing
+        with subquad.hooks.auxiliary_losses() as collected:
+            model(tokens)
+        with torch.no_grad():
+            model(tokens)
+        with subquad.hooks.auxiliary_losses() as losses:
+            model.eval()(tokens)
+        unweighted = subquad.nn.CausalLM(31, 16, 1, 2, attention=HeadGroup("routing", clusters=3, commitment=0.0),
+                                         max_len=40).double()  # fmt: skip
+        unweighted(tokens).sum().backward()
+    assert len(collected) == 1 and losses == [], "eval mode reports no loss"
+
+
+def test_functional_routing_without_a_state_warns_where_its_inputs_train():
+    q, k, v = qkv(1, 2, 20, 20, 6)
+    config = RoutingConfig(clusters=3)
+    with pytest.warns(UserWarning, match=r"routing without state= routes with fixed centroids \(seed 0\) that never "
+                      r"move, even in training: pass state=RoutingState"):  # fmt: skip
+        routing_attention(q.requires_grad_(), k, v, config=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        routing_attention(q.detach(), k, v, config=config)  # inference: fixed centroids are what it asks for
+        with torch.no_grad():
+            routing_attention(q.requires_grad_(), k, v, config=config)
+        with subquad.hooks.auxiliary_losses():
+            routing_attention(q, k, v, config=config, state=state(3).train())
 
 
 def test_the_deprecated_routing_loss_sums_each_layers_last_loss_and_warns():

@@ -51,11 +51,14 @@ current centroids, moves every centroid by an exponential moving average (``deca
 mean of the normalised queries and keys routed to it, leaving out padded keys and padded queries
 (``query_padding_mask``; layers pass it in self-attention). The commitment loss
 β·‖x̂ − sg(μ)‖² of that call goes to ``subquad.hooks.add_auxiliary_loss``: the training loop
-collects it with ``subquad.hooks.auxiliary_losses()`` and adds ``sum(losses)`` to its loss. Under
+collects it with ``subquad.hooks.auxiliary_losses()`` and adds ``sum(losses)`` to its loss; a
+training forward with no collector active warns (``UncollectedLossWarning``) that the loss is
+dropped, and with ``commitment=0`` there is none to collect. Under
 gradient checkpointing (``subquad.hooks.checkpoint_contexts``), the recomputation routes with the
 centroids the forward used and neither moves them nor reports the loss again. With no state the
 function builds the same initial centroids from seed 0, on the inputs' device, and updates
-nothing; a state on another device than the inputs is refused.
+nothing, so a call whose inputs carry gradients (training) warns that its centroids never move;
+a state on another device than the inputs is refused.
 
 **Decoding.** A causal output depends only on its query and on the keys up to it, and a query
 sees at most its cluster's last two tiles. ``RoutingCache`` therefore keeps, per head and
@@ -211,6 +214,14 @@ def routing_attention(
     config = config or RoutingConfig()
     shape = check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
     check_query_padding_mask(query_padding_mask, shape, q.device)
+    if state is None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        warnings.warn(
+            "routing without state= routes with fixed centroids (seed 0) that never move, even in training: pass "
+            "state=RoutingState(config, heads, head_dim).train() (and collect its commitment loss), or use a "
+            "subquad.nn layer, which owns one",
+            UserWarning,
+            stacklevel=2,
+        )
     state = _resolve_state(state, config, shape, q.device)
     B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
     R = B * H
@@ -243,7 +254,8 @@ def routing_attention(
         )
         if not is_recomputing():
             state.loss = loss  # for the deprecated routing_loss
-            add_auxiliary_loss("routing.commitment", loss)
+            if config.commitment:  # β = 0: trained without it, nothing to collect
+                add_auxiliary_loss("routing.commitment", loss)
             state.update([(qn.detach(), q_cluster, query_padding_mask), (kn.detach(), k_cluster, key_padding_mask)])
     return out
 
