@@ -9,7 +9,7 @@ import subquad
 import subquad.kernels.blocksparse as blocksparse
 from subquad.kernels import threads
 from subquad.kernels.threads import PERIOD, Sample, adapted, free_cores, threads_for
-from subquad.kernels.tuning import tuned
+from subquad.kernels.tuning import Tuning, tuned
 from subquad.registry import get_mechanism, mechanism_names
 
 STEP = PERIOD * 1.01  # a period has passed (PERIOD itself could fall short by rounding)
@@ -40,6 +40,13 @@ class FakeMachine:
     def run(self, seconds: float, others: float) -> None:
         self.now += seconds
         self.busy += seconds * others
+
+
+@pytest.fixture(autouse=True)
+def _switched_on():
+    """The adaptation is opt-in; these tests are about what it does when on."""
+    with tuned(adaptive_threads=1):
+        yield
 
 
 @pytest.fixture
@@ -322,3 +329,17 @@ def test_outputs_and_gradients_do_not_depend_on_the_thread_count(name, causal):
 def _torch_is_bitwise_across_thread_counts() -> bool:
     pairs = [(_outputs_and_gradients("full", c, 1), _outputs_and_gradients("full", c, 2)) for c in (False, True)]
     return all(torch.equal(a, b) for x, y in pairs for a, b in zip(x, y))
+
+
+def test_by_default_a_call_never_changes_the_callers_thread_count_even_on_a_busy_machine(machine, two_threads):
+    threads._LOAD.free_now()
+    machine.run(STEP, others=1.0)  # a busy process on one of the two cores
+    seen = []
+    with tuned(adaptive_threads=0):  # the library's default
+        assert Tuning().adaptive_threads == 0
+        q = torch.randn(1, 2, 64, 8, requires_grad=True)
+        with adapted(torch.device("cpu")):
+            seen.append(torch.get_num_threads())
+        subquad.attention(q, q, q, mechanism="local", window=8, is_causal=True).sum().backward()
+        seen.append(torch.get_num_threads())
+    assert seen == [2, 2] and machine.reads == 1, "the load is not even read"

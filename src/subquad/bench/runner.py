@@ -115,6 +115,10 @@ class BenchSettings:
         None, "run the full-attention baseline only up to this N; longer cells get no ratio", shown_default="all"
     )
     busy: int = setting(0, "competing processes that each keep one core busy during the run (behaviour under load)")
+    adaptive_threads: bool = setting(
+        False, "calls on fewer threads while other processes keep cores busy (opt-in: kernels.threads)",
+        choices={"yes": True, "no": False},
+    )  # fmt: skip
     timeout: float = setting(1800.0, "seconds per cell")
     seed: int = setting(0, "input and state seed")
 

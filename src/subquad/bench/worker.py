@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from subquad.bench.inputs import make_qkv
+from subquad.kernels.tuning import TUNING
 from subquad.mechanisms.full import FullConfig, full_attention
 from subquad.registry import Config, Mechanism, get_mechanism, make_config
 
@@ -63,6 +64,7 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     """Time, peak memory and error of one (mechanism, options, length, causal, pass) cell."""
     if cell.get("threads"):
         torch.set_num_threads(int(cell["threads"]))
+    TUNING.adaptive_threads = int(cell.get("adaptive_threads", False))  # this worker process's own setting
     device = torch.device(cell["device"])
     dtype = getattr(torch, cell["dtype"])
     mech = get_mechanism(cell["mechanism"])

@@ -7,7 +7,10 @@ slice; the waiting threads spin meanwhile, taking CPU from the thread with work 
 region (full attention's) loses about half a core. The mechanisms run many short regions, and lost
 up to 3.6× their quiet speed relative to full attention (docs/performance.md).
 
-``adapted`` runs a call with as many threads as there are cores left free. The load comes from
+It is opt-in (``TUNING.adaptive_threads = 1``, ``tuned(adaptive_threads=1)``, ``subquad bench
+--adaptive-threads yes``): a library call must not change its caller's thread count, and on a quiet
+machine it changes nothing measurable. Switched on, ``adapted`` runs a call with as many threads as
+there are cores left free. The load comes from
 ``/proc/stat``: the busy time of the cores this process may run on, less this process's own CPU
 time (``getrusage``), averaged since the previous reading, which is taken when at least ``PERIOD``
 seconds have passed (so a call costs a clock read). With a core's worth or more taken by others, a
@@ -16,8 +19,8 @@ machine changes nothing.
 
 Where it does nothing:
 
-- off the CPU, where there is no ``/proc/stat`` (not Linux), or with ``TUNING.adaptive_threads = 0``
-  (``tuned(adaptive_threads=0)``): calls run on ``torch.get_num_threads()`` threads, as set;
+- by default (``TUNING.adaptive_threads = 0``), off the CPU, or where there is no ``/proc/stat``
+  (not Linux): calls run on ``torch.get_num_threads()`` threads, as set;
 - in a process running other Python threads: ``torch.set_num_threads`` also sets the count a
   thread takes when it first uses torch, so a thread starting while a call ran on fewer threads
   would keep that count.

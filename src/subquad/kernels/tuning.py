@@ -41,7 +41,9 @@ class Tuning:
     """Block sizes and element budgets; each field's ``metadata["why"]`` says why it has its value."""
 
     adaptive_threads: int = _switch(
-        1, "1: calls run on fewer threads while other processes keep cores busy (kernels.threads); 0: never"
+        0,
+        "0: calls run on the threads the caller set, which a library call never changes; 1 (opt-in): on fewer "
+        "while other processes keep cores busy (kernels.threads), a help on busy VMs, none measured on quiet ones",
     )
     accelerator_scale: int = _knob(
         32, "element budgets are this many times larger off the CPU: fewer launches, memory still bounded"
