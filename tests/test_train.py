@@ -376,3 +376,20 @@ def test_compare_at_equal_wall_clock_sets_each_variant_s_steps_from_its_probe(co
     assert bad.returncode == 2 and "--minutes sets each variant's steps" in bad.stderr
     zero = subprocess.run([*command[:7], "0", *command[8:]], env=_env(), capture_output=True, text=True, timeout=120)
     assert zero.returncode == 2 and "minutes must be > 0, got 0.0" in zero.stderr
+
+
+def test_a_metrics_log_is_read_as_steps_and_numbers_and_a_cut_off_last_line_dropped(tmp_path):
+    from subquad.files import FileError
+    from subquad.train.loop import read_metrics, trimmed_log
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1, "loss_bpb": 2.5}\n{"step": 2, "val_bpb": 2.0}\n{"step": 3, "loss_b')
+    assert read_metrics(log) == [{"step": 1, "loss_bpb": 2.5}, {"step": 2, "val_bpb": 2.0}]
+    assert trimmed_log(log, 1) == [{"step": 1, "loss_bpb": 2.5}] and log.read_text() == '{"step": 1, "loss_bpb": 2.5}\n'
+    broken = [('{"loss_bpb": 2.5}', "line 2 has no integer step"), ('{"step": true}', "line 2 has no integer"),
+              ('{"step": 2, "lr": "x", "a": null}', "line 2: lr, a are not a number; a run's own log"),
+              ('{"step": 2, "lr": [1]}', "line 2: lr is not a number")]  # fmt: skip
+    for line, match in broken:
+        log.write_text('{"step": 1}\n' + line + "\n")
+        with pytest.raises(FileError, match=match):
+            read_metrics(log)

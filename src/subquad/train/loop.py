@@ -281,7 +281,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             raise FileError(path, f"line {number} has no integer step", fix)
         wrong = [k for k, v in record.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
         if wrong:
-            raise FileError(path, f"line {number}: {', '.join(wrong)} not a number", fix)
+            verb = "is" if len(wrong) == 1 else "are"
+            raise FileError(path, f"line {number}: {', '.join(wrong)} {verb} not a number", fix)
     return [record for _, record in records]
 
 
