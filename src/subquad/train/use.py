@@ -1,8 +1,9 @@
 """Using a trained run: ``subquad evaluate`` and ``subquad generate`` load its checkpoint.
 
 A run folder (``subquad train --out``) holds the config the model was built from; the model is
-rebuilt from it and the newest checkpoint's weights (or a named one's) loaded into it, and nothing
-else of the checkpoint read, on ``device`` (``auto``,
+rebuilt from it and the newest checkpoint's weights (or a named one's) loaded into it, checked
+against the checkpoint's record (its hashes and the config it was trained with); the rest of its
+state is never read. On ``device`` (``auto``,
 as training's default: cuda where this torch sees a CUDA device). A run evaluated on the device it
 trained on gives the value its own evaluation logged.
 """
