@@ -9,6 +9,7 @@ where no CUDA device is present.
 import pytest
 import torch
 
+from subquad.call import call
 from subquad.nn import CausalLM, HeadGroup
 from subquad.registry import get_mechanism, make_config, mechanism_names
 
@@ -65,7 +66,9 @@ def _run(case, device, dtype, is_causal, L, S, backward, stateless=False):
     logits = [t.requires_grad_(backward) for t in tensors.values() if t.is_floating_point()]
     if state is not None:
         state = state.to(device, dtype)
-    out = mech(q, k, v, key_padding_mask=kpm.to(device), is_causal=is_causal, config=config, state=state, **tensors)
+    out = call(
+        mech, q, k, v, key_padding_mask=kpm.to(device), is_causal=is_causal, config=config, state=state, **tensors
+    )
     assert out.device.type == device and out.dtype == dtype
     grads = ()
     if backward:
@@ -107,7 +110,7 @@ def test_routing_refuses_a_state_on_another_device():
     config = make_config(mech, **CASES["routing"][1])
     q, k, v = (x.cuda() for x in qkv(B, H, 20, 20, D, seed=3))
     with pytest.raises(ValueError, match=r"centroids are on cpu but the inputs are on cuda:0; move the state"):
-        mech(q, k, v, config=config, state=mech.state(config, H, D, 7))
+        call(mech, q, k, v, config=config, state=mech.state(config, H, D, 7))
 
 
 def test_the_routing_cache_without_a_state_on_cuda_equals_the_parallel_form():
@@ -116,7 +119,7 @@ def test_the_routing_cache_without_a_state_on_cuda_equals_the_parallel_form():
     q, k, v = (x.cuda() for x in qkv(B, H, 30, 30, D, seed=3, dtype=torch.float64))
     cache = mech.decoder(mech, config, None)
     steps = torch.cat([cache.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(30)], 2)
-    torch.testing.assert_close(steps, mech(q, k, v, is_causal=True, config=config), rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(steps, call(mech, q, k, v, is_causal=True, config=config), rtol=1e-9, atol=1e-10)
 
 
 # Mechanisms with a discrete choice (clusters, resolution) that rounding can flip; the others are

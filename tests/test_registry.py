@@ -5,6 +5,7 @@ import torch
 
 import subquad
 from subquad import registry
+from subquad.call import call
 from subquad.mechanisms.full import FullConfig, full_attention
 from subquad.registry import Config, Mechanism, get_mechanism, make_config, option
 
@@ -137,7 +138,9 @@ def test_tensor_arguments_are_routed_by_name(toy):
     out = subquad.attention(q, k, v, mechanism="toy", gate=gate, width=2)
     assert torch.allclose(out, full_attention(q, k, v) * gate[..., None])
     with pytest.raises(ValueError, match=r"toy takes no tensor argument \['bias'\]; it takes \['gate'\]"):
-        TOY(q, k, v, bias=gate)
+        call(TOY, q, k, v, bias=gate)
+    with pytest.raises(TypeError, match=r"not called directly: use subquad.attention\(q, k, v, mechanism='toy'"):
+        TOY(q, k, v)
 
 
 def test_make_config_builds_defaults():

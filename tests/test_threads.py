@@ -7,6 +7,7 @@ import torch
 
 import subquad
 import subquad.kernels.blocksparse as blocksparse
+from subquad.call import call
 from subquad.kernels import threads
 from subquad.kernels.threads import PERIOD, Sample, adapted, free_cores, threads_for
 from subquad.kernels.tuning import Tuning, tuned
@@ -214,7 +215,7 @@ def test_a_backward_of_torchs_own_operations_runs_on_the_free_cores(machine, mon
         extra = mech.example_tensors(q, k, v, config, torch.Generator().manual_seed(1))
     grad = torch.randn(1, 4, 48, 8, generator=gen)
     with tuned(adaptive_threads=0):
-        (expected,) = torch.autograd.grad(mech(q, k, v, config=config, **extra), (x,), grad)
+        (expected,) = torch.autograd.grad(call(mech, q, k, v, config=config, **extra), (x,), grad)
     threads._LOAD.free_now()
     machine.run(STEP, others=1.0)
     seen = []
@@ -224,7 +225,7 @@ def test_a_backward_of_torchs_own_operations_runs_on_the_free_cores(machine, mon
         out.register_hook(lambda g: seen.append(torch.get_num_threads()))
         return out.view_as(out)
 
-    out = dataclasses.replace(mech, fn=fn)(q, k, v, config=config, **extra)
+    out = call(dataclasses.replace(mech, fn=fn), q, k, v, config=config, **extra)
     assert torch.get_num_threads() == 2
     x.register_hook(lambda g: seen.append(torch.get_num_threads()))  # after q's, k's and v's: restored
     out.backward(grad)
@@ -302,7 +303,7 @@ def _outputs_and_gradients(name: str, causal: bool, threads_: int) -> list[torch
     torch.set_num_threads(threads_)
     try:
         with tuned(adaptive_threads=0):
-            out = mech(q, k, v, is_causal=causal, config=config, **extra)
+            out = call(mech, q, k, v, is_causal=causal, config=config, **extra)
             out.backward(torch.randn(out.shape, generator=gen))
     finally:
         torch.set_num_threads(saved)

@@ -6,10 +6,10 @@
 ``subquad list`` (or ``subquad.mechanism_names()``) shows every mechanism and its options.
 """
 
+from subquad.call import attention, causal_lower_right
 from subquad.registry import (
     Config,
     Mechanism,
-    attention,
     get_mechanism,
     make_config,
     mechanism_names,
@@ -24,6 +24,7 @@ __all__ = [
     "Mechanism",
     "__version__",
     "attention",
+    "causal_lower_right",
     "get_mechanism",
     "make_config",
     "mechanism_names",

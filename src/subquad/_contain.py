@@ -36,9 +36,10 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
+from subquad.registry import KEY, QUERY
+
 __all__ = ["KEY", "QUERY", "contained"]
 
-QUERY, KEY = "query", "key"  # what an extra tensor's last dimension runs over
 
 Run = Callable[[Tensor, Tensor, Tensor, dict], Tensor]
 

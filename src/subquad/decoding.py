@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
+from subquad._contain import contained
 from subquad._validate import check_attention_inputs
 
 if TYPE_CHECKING:
@@ -164,7 +165,25 @@ class KVCache(Decoder):
         self.values = _append(self.values, self.length, v)
         end = self.length + k.shape[2]
         keys, values = self.keys[:, :, :end], self.values[:, :, :end]
-        return self.mechanism(q, keys, values, is_causal=True, config=self.config, state=self.state, **tensors)
+
+        def run(q: Tensor, k: Tensor, v: Tensor, tensors: dict) -> Tensor:  # end-aligned: the new queries last
+            return self.mechanism.fn(
+                q,
+                k,
+                v,
+                key_padding_mask=None,
+                is_causal=True,
+                scale=None,
+                config=self.config,
+                state=self.state,
+                **tensors,
+            )
+
+        mech = self.mechanism
+        return contained(
+            run, q, keys, values, dict(tensors), positions=mech.positions, key_padding_mask=None,
+            query_padding_mask=None, is_causal=True, uses_qk=mech.uses_qk, groups_queries=mech.groups_queries,
+        )  # fmt: skip
 
 
 def _append(buffer: Tensor | None, length: int, x: Tensor) -> Tensor:

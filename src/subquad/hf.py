@@ -75,9 +75,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from subquad.call import attention, causal_lower_right
 from subquad.files import FileError, check_fields, check_gguf, json_checksum, load_safetensors, read_json, sha256
 from subquad.mechanisms.routing import RoutingState
-from subquad.registry import Config, Mechanism, attention, get_mechanism, make_config, mechanism_names
+from subquad.registry import Config, Mechanism, get_mechanism, make_config, mechanism_names
 
 try:
     from transformers import AttentionInterface
@@ -351,8 +352,10 @@ def _forward(
         tensors.update(inputs(query, key))
     if _CAPTURE is not None and module in _CAPTURE:
         _capture(module, query, key, key_padding_mask)
+    # transformers' queries continue the keys (a cache's prefix first): the end-aligned causal form
+    aligned = causal_lower_right(queries, keys) if causal and queries != keys else None
     out = attention(
-        query, key, value, None, dropout, causal, _scale(spec, scaling, query.shape[-1]),
+        query, key, value, aligned, dropout, causal and aligned is None, _scale(spec, scaling, query.shape[-1]),
         enable_gqa=key.shape[1] != query.shape[1], mechanism=spec.mechanism.name, key_padding_mask=key_padding_mask,
         config=spec.config, state=_state(module, spec, query), **tensors,
     )  # fmt: skip

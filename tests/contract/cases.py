@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 import subquad
+from subquad.call import call as call_mechanism
+from subquad.call import causal_lower_right
 from subquad.registry import KEY, QUERY, Config, Mechanism, get_mechanism
 
 settings.register_profile(
@@ -111,15 +113,19 @@ def call(
     query_padding_mask: Tensor | None = None,
     state: torch.nn.Module | None = None,
 ) -> Tensor:
-    """The mechanism through the registry's dispatcher, as ``subquad.attention`` calls it."""
+    """The mechanism through the call path, as ``subquad.attention`` calls it. The causal form is
+    the mechanisms' own, end-aligned (query ``i`` at key position ``i + S - L``): the properties
+    below are those of decoding; ``test_alignment`` pins SDPA's top-left form."""
     tensors = dict(x.extras)
     if case.takes_query_mask and (query_padding_mask is not None or key_padding_mask is not None):
         B, _, L, _ = x.q.shape
         tensors["query_padding_mask"] = (
             torch.ones(B, L, dtype=torch.bool) if query_padding_mask is None else query_padding_mask
         )
-    return case.mech(
-        x.q, x.k, x.v, key_padding_mask=key_padding_mask, is_causal=is_causal, config=case.config, state=state,
+    L, S = x.q.shape[2], x.k.shape[2]
+    causal = {"attn_mask": causal_lower_right(L, S)} if is_causal else {}
+    return call_mechanism(
+        case.mech, x.q, x.k, x.v, key_padding_mask=key_padding_mask, config=case.config, state=state, **causal,
         **tensors,
     )  # fmt: skip
 

@@ -22,7 +22,20 @@ from torch.autograd import gradcheck
 
 from subquad.kernels.tuning import tuned
 
-from .cases import CONTRACT, DTYPES, FILLS, SEEDS, all_cases, call, cut, edit, fill_with, make_inputs, with_batch
+from .cases import (
+    CONTRACT,
+    DTYPES,
+    FILLS,
+    SEEDS,
+    all_cases,
+    call,
+    call_mechanism,
+    cut,
+    edit,
+    fill_with,
+    make_inputs,
+    with_batch,
+)
 from .cases import sizes as sizes_of
 
 CASES = all_cases()
@@ -123,10 +136,12 @@ def test_scale_is_used_where_the_mechanism_says_it_applies_and_refused_elsewhere
     x = make_inputs(case, B=1, H=2, L=256, S=256, D=8, Dv=8, dtype=torch.float64, seed=3)  # several keys a tile
     tensors = dict(x.extras)
     if case.mech.takes_scale(case.config):
-        default = case.mech(x.q, x.k, x.v, config=case.config, **tensors)
-        assert torch.equal(default, case.mech(x.q, x.k, x.v, config=case.config, scale=8**-0.5, **tensors))
-        hotter = case.mech(x.q, x.k, x.v, config=case.config, scale=2.0, **tensors)
+        default = call_mechanism(case.mech, x.q, x.k, x.v, config=case.config, **tensors)
+        assert torch.equal(
+            default, call_mechanism(case.mech, x.q, x.k, x.v, config=case.config, scale=8**-0.5, **tensors)
+        )
+        hotter = call_mechanism(case.mech, x.q, x.k, x.v, config=case.config, scale=2.0, **tensors)
         assert not torch.allclose(default, hotter)
     else:
         with pytest.raises(ValueError, match=r"scale"):
-            case.mech(x.q, x.k, x.v, config=case.config, scale=8**-0.5, **tensors)
+            call_mechanism(case.mech, x.q, x.k, x.v, config=case.config, scale=8**-0.5, **tensors)

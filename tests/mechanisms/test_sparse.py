@@ -346,7 +346,12 @@ def test_pattern_with_a_user_mask_mod_equals_full_attention_with_gradients(mask_
     kpm = padding(2, S, seed=1)
     config = PatternConfig(block=8, kernel=kernel)
     out = subquad.attention(
-        *inputs, mechanism="pattern", key_padding_mask=kpm, is_causal=causal, config=config, mask_mod=mask_mod
+        *inputs,
+        subquad.causal_lower_right(L, S) if causal else None,
+        mechanism="pattern",
+        key_padding_mask=kpm,
+        config=config,
+        mask_mod=mask_mod,
     )
     mask = dense_mask(mask_mod, 2, 3, L, S)
     ref = full_attention(*inputs, key_padding_mask=kpm, is_causal=causal, attn_mask=mask, config=EAGER)

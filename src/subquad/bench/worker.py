@@ -49,8 +49,8 @@ import torch
 from torch import Tensor
 
 from subquad.bench.inputs import make_qkv
+from subquad.call import call as call_mechanism
 from subquad.kernels.tuning import TUNING
-from subquad.mechanisms.full import FullConfig, full_attention
 from subquad.registry import Config, Mechanism, get_mechanism, make_config
 
 __all__ = ["measure_cell", "reference_rows", "short_op_speedup"]
@@ -76,7 +76,9 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     shape = (cell["device"], cell["dtype"], B, H, N, D, cell["causal"], cell["backward"], torch.get_num_threads())
     baseline = None  # full attention, timed call for call alongside: the cell's own ratio
     if cell.get("paired") and _BASELINE_SECONDS.get(shape, 0.0) <= cell["max_seconds"]:
-        baseline = _make_call(get_mechanism("full"), FullConfig(), None, cell["causal"], cell["backward"], cell["seed"])
+        baseline = _make_call(
+            get_mechanism("full"), make_config("full"), None, cell["causal"], cell["backward"], cell["seed"]
+        )
 
     call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"]))  # start thread pools
     probe_before = short_op_speedup() if device.type == "cpu" else None
@@ -118,7 +120,7 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
         result["short_op_speedup"] = [probe_before, short_op_speedup()]
     if baseline is not None:
         result["calls_per_round"] = calls
-    if mech.name == "full" and config == FullConfig():  # the baseline cell: what pairing would cost
+    if mech.name == "full" and config == make_config("full"):  # the baseline cell: what pairing would cost
         _BASELINE_SECONDS[shape] = result["time_s"]
     if baseline is not None:
         result.update(
@@ -209,9 +211,9 @@ def _make_call(
             tensors = extras[key]
         if not backward:
             with torch.no_grad():
-                return mech(q, k, v, is_causal=causal, config=config, state=state, **tensors)
+                return call_mechanism(mech, q, k, v, is_causal=causal, config=config, state=state, **tensors)
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        out = mech(q, k, v, is_causal=causal, config=config, state=state, **tensors)
+        out = call_mechanism(mech, q, k, v, is_causal=causal, config=config, state=state, **tensors)
         key = (out.shape, out.dtype, out.device)
         if key not in grads:
             grads[key] = torch.ones_like(out)
@@ -229,9 +231,9 @@ def reference_rows(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, is_causal: boo
     mask = None
     if is_causal:
         mask = torch.arange(S, device=q.device) <= (rows + S - L).unsqueeze(-1)  # (R, S), bottom-right
-    eager = FullConfig(backend="eager")
+    eager = make_config("full", backend="eager")
     heads = [
-        full_attention(
+        get_mechanism("full").fn(
             q[:, h : h + 1, rows].double(), k[:, h : h + 1].double(), v[:, h : h + 1].double(),
             attn_mask=mask, config=eager,
         )

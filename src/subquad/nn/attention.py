@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from subquad.call import call
 from subquad.registry import Config, Mechanism, get_mechanism, make_config
 
 __all__ = ["AttentionSpec", "HeadGroup", "MultiheadAttention"]
@@ -185,7 +186,8 @@ class MultiheadAttention(nn.Module):
                 continue
             state = self.states[str(i)] if str(i) in self.states else None
             outputs.append(
-                g.mechanism(
+                call(
+                    g.mechanism,
                     q[:, heads],
                     k[:, heads],
                     v[:, heads],

@@ -1,0 +1,102 @@
+"""``subquad.nn.MultiheadAttention`` is torch's class, with torch's conventions, whatever its heads run."""
+
+import pytest
+import torch
+from torch import nn
+
+import subquad
+from subquad.nn import Attention, MultiheadAttention
+
+
+def _pair(mechanism="full", batch_first=False, kdim=None, vdim=None, **options):
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(16, 4, kdim=kdim, vdim=vdim, batch_first=batch_first, dtype=torch.float64)
+    ours = MultiheadAttention(16, 4, kdim=kdim, vdim=vdim, batch_first=batch_first, dtype=torch.float64,
+                              mechanism=mechanism, **options)  # fmt: skip
+    ours.load_state_dict(ref.state_dict())  # the same parameters, by torch's names
+    return ref, ours
+
+
+def _padding(B=3, S=10):
+    pad = torch.zeros(B, S, dtype=torch.bool)  # torch: True = padding
+    pad[1, 7:] = True
+    pad[2, 3:] = True
+    return pad
+
+
+def test_it_is_torchs_class_and_full_attention_is_torchs_own_forward_weights_included():
+    ref, ours = _pair()
+    assert isinstance(ours, nn.MultiheadAttention)
+    x = torch.randn(10, 3, 16, dtype=torch.float64)  # sequence first, torch's default
+    expected = ref(x, x, x, key_padding_mask=_padding())
+    got = ours(x, x, x, key_padding_mask=_padding())
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])  # the (B, L, S) weights averaged over heads
+
+
+@pytest.mark.parametrize("mechanism", [{"mechanism": "full", "backend": "eager"}, {"mechanism": "local", "window": 16}])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_torch_padding_mask_means_padding_and_the_answer_is_torchs(mechanism, causal):
+    """The silent case: the layer of this name used to read True as a *real* token, inverting a
+    torch-convention mask without a word."""
+    ref, ours = _pair(**mechanism)
+    x = torch.randn(10, 3, 16, dtype=torch.float64)
+    blocked = torch.ones(10, 10, dtype=torch.bool).triu(1) if causal else None  # torch: True = not allowed
+    expected, _ = ref(x, x, x, key_padding_mask=_padding(), attn_mask=blocked, need_weights=False)
+    out, weights = ours(x, x, x, key_padding_mask=_padding(), attn_mask=blocked, is_causal=causal)
+    assert weights is None
+    real = ~_padding().T[:, :, None]  # (L, B, 1): padded queries are torch's garbage, ours are zeros
+    torch.testing.assert_close(out * real, expected * real)
+    if causal:  # is_causal alone means the same top-left mask
+        torch.testing.assert_close(ours(x, x, x, key_padding_mask=_padding(), is_causal=True)[0] * real, out * real)
+
+
+def test_batch_first_unbatched_cross_attention_and_float_masks_follow_torch():
+    ref, ours = _pair("local", batch_first=True, kdim=6, vdim=5, window=32)
+    q, k, v = (torch.randn(2, n, d, dtype=torch.float64) for n, d in ((7, 16), (12, 6), (12, 5)))
+    pad = torch.zeros(2, 12).masked_fill(_padding(2, 12), float("-inf"))  # additive: -inf = padding
+    torch.testing.assert_close(ours(q, k, v, key_padding_mask=pad)[0], ref(q, k, v, key_padding_mask=pad)[0])
+    torch.testing.assert_close(ours(q[0], k[0], v[0])[0], ref(q[0], k[0], v[0])[0])  # unbatched (L, E)
+    lower_right = torch.ones(7, 12, dtype=torch.bool).tril(5).logical_not()
+    torch.testing.assert_close(
+        ours(q, k, v, attn_mask=lower_right)[0], ref(q, k, v, attn_mask=lower_right, need_weights=False)[0]
+    )
+
+
+def test_head_mixes_run_each_group_on_its_heads():
+    mixed = MultiheadAttention(16, 4, batch_first=True, mechanism="local:window=2*2+full", dtype=torch.float64)
+    assert [(g.mechanism.name, g.heads) for g in mixed.groups] == [("local", 2), ("full", 2)]
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    out, _ = mixed(x, x, x, is_causal=True)
+    assert out.shape == (2, 9, 16) and torch.isfinite(out).all()
+
+
+def test_what_torchs_class_takes_and_a_mechanism_cannot_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"the third is dropout\), got 'local': pass mechanism=\.\.\. by keyword.*"
+                       r"subquad.nn.Attention"):  # fmt: skip
+        MultiheadAttention(16, 4, "local")
+    with pytest.raises(ValueError, match=r"add_bias_kv and add_zero_attn append a key .* local×4"):
+        MultiheadAttention(16, 4, add_bias_kv=True, mechanism="local")
+    with pytest.raises(ValueError, match=r"local×4 has no attention dropout \(dropout=0.1\); pass dropout=0.0"):
+        MultiheadAttention(16, 4, 0.1, mechanism="local")
+    layer = MultiheadAttention(16, 4, batch_first=True, mechanism="local")
+    x = torch.randn(2, 6, 16)
+    with pytest.raises(ValueError, match=r"takes query, key and value as torch's does .*subquad.nn.Attention"):
+        layer(x)
+    with pytest.raises(ValueError, match=r"local×4 takes no attn_mask but a causal one .*mechanism='full'"):
+        layer(x, x, x, attn_mask=torch.eye(6, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"a float key_padding_mask here may hold only 0 \(a token\) and -inf"):
+        layer(x, x, x, key_padding_mask=torch.full((2, 6), 0.5))
+    with pytest.raises(ValueError, match=r"key_padding_mask must be \(B, S\), True = padding, got \(6,\)"):
+        layer(x, x, x, key_padding_mask=torch.zeros(6, dtype=torch.bool))
+
+
+def test_subquads_own_layer_keeps_its_conventions_under_its_own_name():
+    layer = Attention(16, 4, "full").double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    real = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    out = layer(x, key_padding_mask=real)  # True = real token, the output alone
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 5, 16)
+    q, k, v = (p(x).view(2, 5, 4, 4).transpose(1, 2) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
+    inner = subquad.attention(q, k, v, key_padding_mask=real).transpose(1, 2).reshape(2, 5, 16)
+    torch.testing.assert_close(out, layer.out_proj(inner))
