@@ -129,8 +129,10 @@ def test_bad_inputs_are_refused(data, tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x.txt").write_text("one")
     assert ap.read_passages(tmp_path) == (["one"], ["a"])
-    with pytest.raises(ValueError, match="a mechanism spec is NAME or NAME:option=value"):
+    with pytest.raises(ValueError, match=r"an attention spec is NAME, NAME:option=value.*bad option 'window'"):
         ap.parse_spec("local:window")
+    with pytest.raises(ValueError, match=r"'local\*2\+full' is a head mix; inside a pretrained model each layer"):
+        ap.parse_spec("local*2+full")
     assert ap.parse_spec("multires:rates=0.5|0.25,similarity=softmax") == (
         "multires", {"rates": (0.5, 0.25), "similarity": "softmax"})  # fmt: skip
     with pytest.raises(ValueError, match="agglomerative needs inputs from learned projections"):

@@ -182,3 +182,17 @@ def test_list_and_bench_need_no_train_or_hf_extra_and_train_says_which_to_instal
     assert trained.returncode == 2 and "Traceback" not in trained.stderr
     assert "checkpoints need safetensors" in trained.stderr and "pip install 'subquad[train]'" in trained.stderr
     assert not out.exists()
+
+
+def test_bench_mechanisms_take_the_one_spec_grammar_beside_the_sweep_flags():
+    settings = _bench_settings(
+        _bench_args(["--mechanisms", "local:window=64,sinks=2", "full", "--local.window", "8", "16"])
+    )
+    assert [v.label for v in settings.variants][-1] == "full"
+    assert [dict(v.options) for v in settings.variants[:2]] == [{"window": 8, "sinks": 2}, {"window": 16, "sinks": 2}]
+    one = _bench_settings(_bench_args(["--mechanisms", "local:window=64"]))
+    assert [dict(v.options) for v in one.variants] == [{"window": 64}]
+    with pytest.raises(ValueError, match=r"'local\*2\+full' is a head mix; a bench cell times one mechanism"):
+        _bench_settings(_bench_args(["--mechanisms", "local*2+full"]))
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\] for local"):
+        _bench_settings(_bench_args(["--mechanisms", "local:windw=3"]))

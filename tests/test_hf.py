@@ -279,3 +279,14 @@ def test_four_d_masks_are_reduced_to_padding_or_refused():
         outputs(model, ids, dense & ~torch.eye(12, dtype=torch.bool))
     with pytest.raises(ValueError, match="additive attention bias"):
         outputs(model, ids, additive.masked_fill(dense, 0.5))
+
+
+def test_use_reads_the_one_spec_grammar():
+    model = hf.use(llama(), "local:window=4")
+    assert {
+        (m.subquad_attention.mechanism.name, m.subquad_attention.config.window) for m in hf.attention_modules(model)
+    } == {("local", 4)}
+    with pytest.raises(ValueError, match=r"'local:window=4\*2\+full' is a head mix; inside a pretrained model"):
+        hf.use(llama(), "local:window=4*2+full")
+    with pytest.raises(ValueError, match=r"option\(s\) \['window'\] given both in the spec 'local:window=4' and as"):
+        hf.use(llama(), "local:window=4", window=8)

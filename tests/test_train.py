@@ -88,8 +88,9 @@ def test_the_same_config_gives_the_same_numbers_and_learns(corpus, tmp_path):
     "options, match",
     [
         ({"attention": "nope"}, "unknown mechanism 'nope'"),
-        ({"attention": "local", "options": ("window=0",)}, "local option window must be >= 1, got 0"),
-        ({"attention": "local", "options": ("window",)}, "an attention option is name=value, got 'window'"),
+        ({"attention": "local:window=0"}, "local option window must be >= 1, got 0"),
+        ({"attention": "local:window"}, r"an attention spec is NAME.*bad option 'window'"),
+        ({"attention": "local*3+full", "heads": 2}, r"head groups claim 3 of 2 heads"),
         ({"batch": 6, "accumulate": 4}, "batch 6 must split into accumulate=4 equal micro-batches"),
         ({"dim": 30, "heads": 4}, "dim 30 must divide between heads=4"),
         ({"data": ""}, "pass --data PATH"),
@@ -98,6 +99,26 @@ def test_the_same_config_gives_the_same_numbers_and_learns(corpus, tmp_path):
 def test_bad_configs_are_refused(corpus, options, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**{"data": str(corpus), **options})
+
+
+def test_the_old_options_spelling_still_works_for_one_release_and_says_so(corpus):
+    with pytest.warns(DeprecationWarning, match=r"--options is deprecated .*--attention local:window=8"):
+        old = TrainConfig(data=str(corpus), attention="local", options=("window=8",))
+    new = TrainConfig(data=str(corpus), attention="local:window=8")
+    assert repr(old.attention_specs()) == repr(new.attention_specs())
+    with (
+        pytest.raises(ValueError, match=r"an attention option is name=value, got 'window'"),
+        pytest.warns(DeprecationWarning),
+    ):
+        TrainConfig(data=str(corpus), attention="local", options=("window",))
+
+
+def test_a_head_mix_in_one_spec_builds_each_layer_from_it(corpus):
+    config = TrainConfig(data=str(corpus), attention="local:window=8*2+routing:clusters=2", heads=4, depth=2)
+    specs = config.attention_specs()
+    assert len(specs) == 2 and [(g.mechanism.name, g.heads) for g in specs[0]] == [("local", 2), ("routing", None)]
+    assert config.input_position() == "learned"
+    assert TrainConfig(data=str(corpus), attention="agglomerative*2+full").input_position() == "conv"
 
 
 def test_the_input_position_is_the_convolution_where_a_layer_is_agglomerative(corpus):
@@ -149,7 +170,7 @@ def test_a_cuda_device_the_machine_lacks_is_refused_with_the_fix(corpus, tmp_pat
 )
 def test_a_moved_run_that_lost_its_last_checkpoint_resumes_to_the_same_weights(corpus, tmp_path, device):
     settings = dict(data=str(corpus), seq_len=32, dim=32, depth=2, heads=2, batch=4, warmup=2, eval_every=5, steps=10,
-                    eval_windows=4, checkpoint_every=5, dropout=0.1, attention="local", options=("window=8",),
+                    eval_windows=4, checkpoint_every=5, dropout=0.1, attention="local:window=8",
                     device=device)  # fmt: skip
     whole = train(TrainConfig(out=str(tmp_path / "whole"), **settings), progress=False)
     assert whole["best_val_bpb"] < 8
@@ -222,7 +243,7 @@ def test_pixels_and_listops_train_and_report_accuracy(images, tmp_path, monkeypa
     common = dict(dim=32, depth=1, heads=2, batch=16, warmup=5, lr=3e-3, eval_every=40, eval_windows=4,
                   checkpoint_every=40)  # fmt: skip
     pixels = train(TrainConfig(task="pixels", data=str(images), out=str(tmp_path / "p"), seq_len=16, steps=120,
-                               attention="local", options=("window=4",), **common), progress=False)  # fmt: skip
+                               attention="local:window=4", **common), progress=False)  # fmt: skip
     assert pixels["best_val_accuracy"] >= 0.9  # which quadrant is bright: learnable from 16 pixels
     lo = train(TrainConfig(task="listops", out=str(tmp_path / "l"), seq_len=48, steps=40, **common), progress=False)
     assert 0 <= lo["best_val_accuracy"] <= 1
@@ -298,7 +319,7 @@ def test_evaluate_and_generate_load_a_run(corpus, tmp_path):
 
     config = TrainConfig(data=str(corpus), out=str(tmp_path / "r"), seq_len=32, dim=32, depth=1, heads=2, batch=8,
                          steps=80, warmup=5, lr=3e-3, eval_every=40, eval_windows=4, checkpoint_every=40,
-                         attention="local", options=("window=16",))  # fmt: skip
+                         attention="local:window=16")  # fmt: skip
     train(config, progress=False)
     records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     last_val = [r["val_bpb"] for r in records if "val_bpb" in r][-1]  # the run's own evaluation at step 80
@@ -342,12 +363,12 @@ def test_compare_trains_each_variant_once_and_tabulates_them(corpus, tmp_path):
     assert all(r["peak_mb"] > 0 and r["s_per_step"] > 0 and 0 < r["best"] <= r["final"] + 1e-12 for r in rows)
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
     local = json.loads((tmp_path / "cmp" / "local_window=8" / "config.json").read_text())
-    assert local["attention"] == "local" and local["options"] == ["window=8"]
+    assert local["attention"] == "local:window=8" and local["options"] == []
     stamp = (tmp_path / "cmp" / "full" / "metrics.jsonl").stat().st_mtime_ns
     again = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and (tmp_path / "cmp" / "full" / "metrics.jsonl").stat().st_mtime_ns == stamp
     assert json.loads((tmp_path / "cmp" / "compare.json").read_text()) == rows  # finished variants are not rerun
-    wrong_calls = [(["--variants", ":window=8"], "a variant is NAME"),
+    wrong_calls = [(["--variants", ":window=8"], "a variant is an attention spec or a .toml file; an attention"),
                    (["--variants", "full", "--", "--out", "x"], "pass --out before --")]  # fmt: skip
     for bad, message in wrong_calls:
         wrong = subprocess.run([sys.executable, "-m", "subquad", "compare", "--out", str(tmp_path / "w"), *bad],

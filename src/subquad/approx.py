@@ -41,23 +41,15 @@ import torch
 from torch import Tensor, nn
 
 from subquad.files import FileError, read_json, read_jsonl, read_text
-from subquad.registry import parse_value
 
 __all__ = ["Windows", "approx", "format_table", "load_model", "parse_spec", "read_passages", "token_windows"]
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``NAME`` or ``NAME:option=value,option=value`` (tuples as ``a|b``) as (name, options)."""
-    name, _, text = spec.partition(":")
-    options = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"a mechanism spec is NAME or NAME:option=value,..., got {spec!r}")
-        options[key] = parse_value(value, tuples="|")
-    if not name:
-        raise ValueError(f"a mechanism spec is NAME or NAME:option=value,..., got {spec!r}")
-    return name, options
+    """A spec (``subquad.config.parse_spec``) as the one mechanism and options each layer runs."""
+    from subquad.hf import layer_spec
+
+    return layer_spec(spec)
 
 
 _DATA_FIX = (

@@ -34,7 +34,7 @@ from subquad._contain import KEY, contained
 from subquad._validate import AttentionShape, check_attention_inputs, check_dtype, check_gqa, check_query_padding_mask
 from subquad.config import Config
 from subquad.kernels.threads import adapted, backward_adapted
-from subquad.registry import Mechanism, _default_config, get_mechanism, make_config, mechanism_names, no_causal_form
+from subquad.registry import Mechanism, default_config, get_mechanism, make_config, mechanism_names, no_causal_form
 
 __all__ = ["attention", "call", "causal_lower_right"]
 
@@ -106,7 +106,7 @@ def call(
                                                                tensors, shape)  # fmt: skip
         shape = dataclasses.replace(shape, keys=shape.queries)
     exact = mech.exact_full is not None and mech.exact_full(
-        config or _default_config(mech.config), shape, is_causal, state, tensors
+        config or default_config(mech.config), shape, is_causal, state, tensors
     )
     if dropout_p:
         tensors["dropout_p"] = dropout_p

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from subquad import __version__
 from subquad.files import FileError
-from subquad.registry import Mechanism, get_mechanism, mechanism_names
+from subquad.registry import Mechanism, get_mechanism, make_config, mechanism_names
 
 if TYPE_CHECKING:
     from subquad.bench.runner import BenchSettings
@@ -372,8 +372,9 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(BenchSettings):
         if f.name == "variants":  # mechanism names here; with the --NAME.OPTION flags they make the variants
             parser.add_argument(
-                "--mechanisms", nargs="+", default=names, metavar="NAME",
-                help=f"mechanisms to run (default: all: {' '.join(names)}); full always runs as baseline",
+                "--mechanisms", nargs="+", default=names, metavar="SPEC",
+                help=f"mechanisms to run, each NAME or NAME:option=value,... (default: all: {' '.join(names)}); "
+                "full always runs as baseline",
             )  # fmt: skip
         elif f.name in GRIDS["default"]:  # unset, it comes from --grid
             flag = _setting_flag(f, hints[f.name])
@@ -487,16 +488,29 @@ def _variants(args: argparse.Namespace) -> list[Any]:
         if key.startswith("opt:") and values is not None:
             _, mech, option = key.split(":")
             sweeps.setdefault(mech, {})[option] = values
-    unselected = sorted(set(sweeps) - set(args.mechanisms))
+    specs = [_bench_spec(text) for text in args.mechanisms]
+    unselected = sorted(set(sweeps) - {name for name, _ in specs})
     if unselected:
         raise ValueError(f"options given for {unselected}, which --mechanisms does not select")
     variants = []
-    for mech in args.mechanisms:
-        get_mechanism(mech)
-        options = sweeps.get(mech, {})
+    for name, fixed in specs:
+        options = {k: [v] for k, v in fixed.items()} | sweeps.get(name, {})  # a --NAME.OPTION sweep wins
         for combo in itertools.product(*options.values()):
-            variants.append(Variant(mech, tuple(zip(options, combo))))
+            variants.append(Variant(name, tuple(zip(options, combo))))
     return variants
+
+
+def _bench_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """One ``--mechanisms`` entry: a spec of one mechanism (a bench cell runs one on every head)."""
+    from subquad.config import parse_spec
+
+    groups = parse_spec(text)
+    if len(groups) > 1 or groups[0].heads is not None:
+        raise ValueError(
+            f"{text!r} is a head mix; a bench cell times one mechanism on all heads: give each as its own spec"
+        )
+    make_config(groups[0].name, **dict(groups[0].options))  # an unknown name or option raises now
+    return groups[0].name, dict(groups[0].options)
 
 
 def _run_bench(args: argparse.Namespace) -> int:

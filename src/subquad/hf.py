@@ -76,6 +76,7 @@ import torch
 from torch import Tensor, nn
 
 from subquad.call import attention, causal_lower_right
+from subquad.config import parse_spec
 from subquad.files import FileError, check_fields, check_gguf, json_checksum, load_safetensors, read_json, sha256
 from subquad.mechanisms.routing import RoutingState
 from subquad.registry import Config, Mechanism, get_mechanism, make_config, mechanism_names
@@ -101,6 +102,7 @@ __all__ = [
     "convert",
     "converted_parameters",
     "from_pretrained",
+    "layer_spec",
     "loading",
     "model_source",
     "register",
@@ -168,11 +170,28 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def layer_spec(spec: str, **options: Any) -> tuple[str, dict[str, Any]]:
+    """A spec string (``subquad.config.parse_spec``) as the one mechanism and options a pretrained
+    model's layer runs; ``options`` join the spec's own."""
+    groups = parse_spec(spec)
+    if len(groups) > 1 or groups[0].heads is not None:
+        raise ValueError(
+            f"{spec!r} is a head mix; inside a pretrained model each layer runs one mechanism on all its heads "
+            "for now: give one (e.g. local:window=128), and choose it per layer with layers="
+        )
+    both = sorted(set(dict(groups[0].options)) & set(options))
+    if both:
+        raise ValueError(f"option(s) {both} given both in the spec {spec!r} and as arguments; pass each once")
+    return groups[0].name, {**dict(groups[0].options), **options}
+
+
 def use(model: nn.Module, mechanism: str, *, layers: Iterable[int] | None = None, **options: Any) -> nn.Module:
     """Compute the attention of ``layers`` (their ``layer_idx``; all by default) with ``mechanism``
-    and ``options``, and switch ``model`` to ``"subquad"``; returns ``model``. Calls for different
-    layers combine; layers never set run exact attention."""
-    _apply(model, LayerAttention.build(mechanism, **options), layers)
+    (a name or a spec such as ``"local:window=128"``) and ``options``, and switch ``model`` to
+    ``"subquad"``; returns ``model``. Calls for different layers combine; layers never set run
+    exact attention."""
+    name, options = layer_spec(mechanism, **options)
+    _apply(model, LayerAttention.build(name, **options), layers)
     return model
 
 

@@ -105,6 +105,8 @@ class Mechanism:
         plain_backward: its backward is torch's own operations, run by autograd (no autograd
             Function of its own): the call runs through ``kernels.threads.backward_adapted``, so
             that backward too runs on the cores other processes leave free.
+        conv_input: its paper's model reads a convolution of the token embeddings rather than
+            learned positions (agglomerative); models trained by ``subquad train`` follow it.
         exact_full: ``exact_full(config, shape, is_causal, state, tensors) -> bool``: whether the
             call (its ``AttentionShape``) is exactly full attention (a window that covers every key,
             clusters >= L, top-k >= S). Such a call runs full attention's kernel instead: the same
@@ -133,6 +135,7 @@ class Mechanism:
     scaled: bool | Callable[[Config], bool] = True
     exact_full: Callable[[Config, AttentionShape, bool, Any, typing.Mapping[str, Any]], bool] | None = None
     plain_backward: bool = False
+    conv_input: bool = False
     positions: typing.Mapping[str, str] = field(default_factory=dict, hash=False)
     examples: tuple[typing.Mapping[str, Any], ...] = field(default=({},), hash=False)
 
@@ -244,7 +247,7 @@ def make_config(mechanism: str | Mechanism, **options: Any) -> Config:
                 raise ValueError(f"{mech.name}: pass {new} only ({old} is its old name), got both")
             options[new] = options.pop(old)
     if not options:
-        return _default_config(mech.config)
+        return default_config(mech.config)
     valid = [f.name for f in fields(mech.config)]
     unknown = sorted(set(options) - set(valid))
     if unknown:
@@ -255,7 +258,7 @@ def make_config(mechanism: str | Mechanism, **options: Any) -> Config:
 
 
 @functools.cache
-def _default_config(cls: type[Config]) -> Config:
+def default_config(cls: type[Config]) -> Config:
     """``cls()``, built once: configs are frozen, and checking every field of a new one cost more
     than a short attention call's own kernel."""
     return cls()

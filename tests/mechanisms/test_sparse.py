@@ -20,7 +20,7 @@ from subquad.mechanisms.sparse import (
     strided_column_mask,
     strided_local_mask,
 )
-from subquad.nn import CausalLM, HeadGroup, MultiheadAttention
+from subquad.nn import Attention, CausalLM, HeadGroup
 
 from ..conftest import needs_native, padding, qkv
 
@@ -143,14 +143,12 @@ def test_a_layer_split_into_head_groups_equals_one_group():
     """The paper's third combination: heads split among patterns, each group told its first head."""
     torch.manual_seed(0)
     fixed = dict(pattern="fixed", stride=8, summary=2, groups=4)
-    one = MultiheadAttention(32, 4, HeadGroup("sparse", 4, **fixed)).double()
-    split = MultiheadAttention(
-        32, 4, (HeadGroup("sparse", 2, **fixed), HeadGroup("sparse", 2, head_offset=2, **fixed))
-    ).double()
+    one = Attention(32, 4, HeadGroup("sparse", 4, **fixed)).double()
+    split = Attention(32, 4, (HeadGroup("sparse", 2, **fixed), HeadGroup("sparse", 2, head_offset=2, **fixed))).double()
     split.load_state_dict(one.state_dict())
     x = torch.randn(2, 40, 32, dtype=torch.float64)
     assert (split(x, is_causal=True) - one(x, is_causal=True)).abs().max() <= 1e-12
-    mixed = MultiheadAttention(
+    mixed = Attention(
         32, 4, (HeadGroup("sparse", 2, step="local", stride=8), HeadGroup("sparse", 2, step="column", stride=8))
     ).double()
     mixed.load_state_dict(one.state_dict())
@@ -413,10 +411,10 @@ def test_a_named_layout_is_built_once_and_follows_a_replaced_registration():
 def test_registered_pattern_reaches_layers_by_name():
     register_pattern("test-band", lambda config, L, S: lambda b, h, i, j: (i - j).abs() <= config.window, replace=True)
     torch.manual_seed(0)
-    layer = MultiheadAttention(16, 2, HeadGroup("pattern", name="test-band", window=3)).double()
+    layer = Attention(16, 2, HeadGroup("pattern", name="test-band", window=3)).double()
     x = torch.randn(1, 20, 16, dtype=torch.float64)
     out = layer(x)
-    full_layer = MultiheadAttention(16, 2, "full").double()
+    full_layer = Attention(16, 2, "full").double()
     full_layer.load_state_dict(layer.state_dict())
     i, j = torch.arange(20)[:, None], torch.arange(20)[None, :]
     qh, kh, vh = (full_layer._split_heads(p(x)) for p in (layer.q_proj, layer.k_proj, layer.v_proj))

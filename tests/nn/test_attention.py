@@ -8,11 +8,11 @@ import subquad
 from subquad import registry
 from subquad.decoding import KVCache
 from subquad.mechanisms.full import full_attention
-from subquad.nn import HeadGroup, MultiheadAttention
+from subquad.nn import Attention, HeadGroup
 from subquad.registry import Config, Mechanism, option
 
 
-def _copy_into_torch_mha(layer: MultiheadAttention) -> nn.MultiheadAttention:
+def _copy_into_torch_mha(layer: Attention) -> nn.MultiheadAttention:
     ref = nn.MultiheadAttention(layer.embed_dim, layer.num_heads, batch_first=True, dtype=torch.float64)
     with torch.no_grad():
         ref.in_proj_weight.copy_(torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]))
@@ -24,7 +24,7 @@ def _copy_into_torch_mha(layer: MultiheadAttention) -> nn.MultiheadAttention:
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_layer_equals_torch_multihead_attention(is_causal):
-    layer = MultiheadAttention(16, 4).double()
+    layer = Attention(16, 4).double()
     ref = _copy_into_torch_mha(layer)
     x = torch.randn(3, 10, 16, dtype=torch.float64)
     kpm = torch.ones(3, 10, dtype=torch.bool)
@@ -37,7 +37,7 @@ def test_layer_equals_torch_multihead_attention(is_causal):
 
 
 def test_cross_attention_with_other_key_and_value_widths():
-    layer = MultiheadAttention(16, 2, kdim=6, vdim=5).double()
+    layer = Attention(16, 2, kdim=6, vdim=5).double()
     x, mem, val = torch.randn(2, 4, 16), torch.randn(2, 9, 6), torch.randn(2, 9, 5)
     x, mem, val = x.double(), mem.double(), val.double()
     out = layer(x, mem, val)
@@ -50,8 +50,8 @@ def test_cross_attention_with_other_key_and_value_widths():
 
 def test_split_heads_equal_one_group_with_the_same_weights():
     torch.manual_seed(1)
-    split = MultiheadAttention(24, 6, (HeadGroup("full", 2), HeadGroup("full", backend="eager"))).double()
-    whole = MultiheadAttention(24, 6, "full").double()
+    split = Attention(24, 6, (HeadGroup("full", 2), HeadGroup("full", backend="eager"))).double()
+    whole = Attention(24, 6, "full").double()
     whole.load_state_dict(split.state_dict())
     x = torch.randn(2, 8, 24, dtype=torch.float64)
     assert [g.heads for g in split.groups] == [2, 4]
@@ -74,25 +74,25 @@ def test_split_heads_equal_one_group_with_the_same_weights():
 )
 def test_bad_head_groups_raise(spec, message):
     with pytest.raises(ValueError) as err:
-        MultiheadAttention(16, 4, spec)
+        Attention(16, 4, spec)
     assert message in str(err.value)
 
 
 def test_bad_layer_arguments_raise():
     with pytest.raises(ValueError, match="embed_dim=10 must be divisible by num_heads=4"):
-        MultiheadAttention(10, 4)
+        Attention(10, 4)
     with pytest.raises(ValueError, match="num_heads must be a positive int, got 0"):
-        MultiheadAttention(10, 0)
+        Attention(10, 0)
     with pytest.raises(ValueError, match="HeadGroup heads must be a positive int or None, got 0"):
         HeadGroup("full", 0)
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['window'\] for full"):
-        MultiheadAttention(16, 4, "full", window=3)
+        Attention(16, 4, "full", window=3)
     with pytest.raises(ValueError, match=r"options \['backend'\] apply to a mechanism name only"):
-        MultiheadAttention(16, 4, HeadGroup("full"), backend="eager")
+        Attention(16, 4, HeadGroup("full"), backend="eager")
 
 
 def test_bad_layer_inputs_raise():
-    layer = MultiheadAttention(16, 4)
+    layer = Attention(16, 4)
     with pytest.raises(ValueError, match=r"query must be \(B, N, 16\) \(batch first\), got \(5, 16\)"):
         layer(torch.randn(5, 16))
     with pytest.raises(ValueError, match=r"key must be \(B, N, 16\) \(batch first\), got \(2, 5, 8\)"):
@@ -106,7 +106,7 @@ def test_bad_layer_inputs_raise():
 
 
 def test_kv_cache_decoding_equals_the_parallel_causal_pass():
-    layer = MultiheadAttention(16, 4, (HeadGroup("full", 1), HeadGroup("full", backend="eager"))).double()
+    layer = Attention(16, 4, (HeadGroup("full", 1), HeadGroup("full", backend="eager"))).double()
     x = torch.randn(2, 12, 16, dtype=torch.float64)
     parallel = layer(x, is_causal=True)
     cache = layer.new_cache()
@@ -169,7 +169,7 @@ def gated_mechanism(monkeypatch):
 
 
 def test_layer_owns_state_inputs_and_decoder_of_a_plugged_in_mechanism(gated_mechanism):
-    layer = MultiheadAttention(16, 4, (HeadGroup("gated", 2), HeadGroup("full")), seed=7).double()
+    layer = Attention(16, 4, (HeadGroup("gated", 2), HeadGroup("full")), seed=7).double()
     assert "states.0.temperature" in layer.state_dict() and "inputs.0.proj.weight" in layer.state_dict()
     x = torch.randn(2, 6, 16, dtype=torch.float64)
     q, k, v = (p(x).view(2, 6, 4, 4).transpose(1, 2) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
@@ -194,9 +194,9 @@ def test_layer_owns_state_inputs_and_decoder_of_a_plugged_in_mechanism(gated_mec
 
 
 def test_state_is_seeded_by_the_layer(gated_mechanism):
-    a = MultiheadAttention(16, 4, "gated", seed=3).states["0"].temperature
-    b = MultiheadAttention(16, 4, "gated", seed=3).states["0"].temperature
-    c = MultiheadAttention(16, 4, "gated", seed=4).states["0"].temperature
+    a = Attention(16, 4, "gated", seed=3).states["0"].temperature
+    b = Attention(16, 4, "gated", seed=3).states["0"].temperature
+    c = Attention(16, 4, "gated", seed=4).states["0"].temperature
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -205,7 +205,7 @@ def test_a_mechanism_without_a_decoder_cannot_decode_from_a_cache(monkeypatch):
 
     subquad.mechanism_names()
     monkeypatch.setitem(registry._REGISTRY, "toy", test_registry.TOY)
-    layer = MultiheadAttention(16, 4, "toy")
+    layer = Attention(16, 4, "toy")
     with pytest.raises(ValueError, match="toy has no decoder for cached generation; generate with use_cache=False"):
         layer.new_cache()
     with pytest.raises(ValueError, match="toy needs a causal form that takes L != S to decode from a KV cache"):
@@ -225,7 +225,7 @@ def test_kv_cache_checks_new_entries_before_writing():
 
 def test_cross_attention_with_a_query_grouping_mechanism_takes_the_query_padding_mask():
     torch.manual_seed(0)
-    layer = MultiheadAttention(16, 2, "clustered", clusters=3).eval()
+    layer = Attention(16, 2, "clustered", clusters=3).eval()
     query, memory = torch.randn(2, 9, 16), torch.randn(2, 7, 16)
     kpm, qpm = torch.ones(2, 7, dtype=torch.bool), torch.ones(2, 9, dtype=torch.bool)
     kpm[0, 5:], qpm[1, 6:] = False, False

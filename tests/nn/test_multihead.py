@@ -20,7 +20,7 @@ def _pair(mechanism="full", batch_first=False, kdim=None, vdim=None, **options):
 def _padding(B=3, S=10):
     pad = torch.zeros(B, S, dtype=torch.bool)  # torch: True = padding
     pad[1, 7:] = True
-    pad[2, 3:] = True
+    pad[-1, 3:] = True
     return pad
 
 
@@ -54,7 +54,7 @@ def test_a_torch_padding_mask_means_padding_and_the_answer_is_torchs(mechanism, 
 def test_batch_first_unbatched_cross_attention_and_float_masks_follow_torch():
     ref, ours = _pair("local", batch_first=True, kdim=6, vdim=5, window=32)
     q, k, v = (torch.randn(2, n, d, dtype=torch.float64) for n, d in ((7, 16), (12, 6), (12, 5)))
-    pad = torch.zeros(2, 12).masked_fill(_padding(2, 12), float("-inf"))  # additive: -inf = padding
+    pad = torch.zeros(2, 12, dtype=torch.float64).masked_fill(_padding(2, 12), float("-inf"))  # -inf = padding
     torch.testing.assert_close(ours(q, k, v, key_padding_mask=pad)[0], ref(q, k, v, key_padding_mask=pad)[0])
     torch.testing.assert_close(ours(q[0], k[0], v[0])[0], ref(q[0], k[0], v[0])[0])  # unbatched (L, E)
     lower_right = torch.ones(7, 12, dtype=torch.bool).tril(5).logical_not()

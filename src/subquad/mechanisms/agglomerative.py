@@ -284,6 +284,7 @@ class AgglomerativeDecoder(Decoder):
 
 MECHANISM = Mechanism(
     name="agglomerative",
+    conv_input=True,
     fn=agglomerative_attention,
     config=AgglomerativeConfig,
     summary="soft class assignments; each query takes its classes' (running) value averages: linear time",

@@ -1,4 +1,4 @@
-"""Transformer blocks built on ``MultiheadAttention``."""
+"""Transformer blocks built on ``Attention``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as recompute
 
 from subquad.hooks import checkpoint_contexts
-from subquad.nn.attention import AttentionSpec, MultiheadAttention
+from subquad.nn.attention import Attention, AttentionSpec
 
 __all__ = ["MLP", "TransformerBlock"]
 
@@ -65,7 +65,7 @@ class TransformerBlock(nn.Module):
             raise ValueError(f"checkpoint must be True or False, got {checkpoint!r}")
         self.checkpoint = checkpoint
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = MultiheadAttention(dim, num_heads, attention, bias=bias, seed=seed, **options)
+        self.attn = Attention(dim, num_heads, attention, bias=bias, seed=seed, **options)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim, int(mlp_ratio * dim), dropout, bias)
         self.dropout = nn.Dropout(dropout)

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from subquad.config import parse_spec
 from subquad.files import FileError, read_json
 from subquad.train.loop import load_config_file, read_metrics
 
@@ -43,13 +44,11 @@ def variant_arguments(variant: str) -> list[str]:
         if not Path(variant).is_file():
             raise FileNotFoundError(f"no config file at {variant}")
         return ["--config", variant]
-    name, _, options = variant.partition(":")
-    if not name:
-        raise ValueError(f"a variant is NAME, NAME:option=value,... or a .toml file, got {variant!r}")
-    flags = ["--attention", name]
-    if options:
-        flags += ["--options", *options.split(",")]
-    return flags
+    try:
+        parse_spec(variant)
+    except ValueError as error:
+        raise ValueError(f"a variant is an attention spec or a .toml file; {error}") from None
+    return ["--attention", variant]
 
 
 def _label(variant: str) -> str:

@@ -18,6 +18,7 @@ import random
 import sys
 import time
 import typing
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from subquad import __version__, hooks
 from subquad.bench.runner import setting
 from subquad.files import FileError, check_fields, read_json, read_jsonl, read_toml, write_atomic
 from subquad.nn import HeadGroup
-from subquad.nn.attention import resolve_head_groups
+from subquad.nn.attention import resolve_head_groups, spec_head_groups
 from subquad.registry import parse_value
 from subquad.train import checkpoint
 from subquad.train.tasks import make_task
@@ -58,8 +59,13 @@ class TrainConfig:
         "small", "listops sizes: small (2k/200/200) or lra (96k/2k/2k)", choices=("small", "lra")
     )
     out: str = setting("subquad-run", "the run folder: config, metrics, checkpoints, summary", metavar="DIR")
-    attention: str = setting("full", "the mechanism of every layer (subquad list)", metavar="NAME")
-    options: tuple[str, ...] = setting((), "the mechanism's options as name=value", metavar="NAME=VALUE")
+    attention: str = setting(
+        "full", "every layer's attention: NAME, NAME:option=value,... or a head mix such as "
+        "local:window=64*2+routing*2 (subquad list)", metavar="SPEC",
+    )  # fmt: skip
+    options: tuple[str, ...] = setting(
+        (), "deprecated: the options go in --attention (local:window=64)", metavar="NAME=VALUE"
+    )
     layers: tuple = setting(
         (), "config files only: [[layers]] tables of head groups, one for every layer or one per layer"
     )
@@ -119,18 +125,25 @@ class TrainConfig:
         """``position`` with ``auto`` resolved: the convolution input where any layer is agglomerative."""
         if self.position != "auto":
             return self.position
-        mechanisms = {self.attention} | {dict(g)["mechanism"] for layer in self.layers for g in layer}
-        return "conv" if "agglomerative" in mechanisms else "learned"
+        groups = [g for spec in self.attention_specs() for g in spec]
+        return "conv" if any(g.mechanism.conv_input for g in groups) else "learned"
 
     def attention_specs(self) -> list:
         """The attention spec of each layer: ``layers``' head groups, else ``attention`` with its options."""
         if not self.layers:
-            return [HeadGroup(self.attention, **self.attention_options())] * self.depth
+            return [tuple(spec_head_groups(self.attention, **self.attention_options()))] * self.depth
         specs = [tuple(HeadGroup(**dict(group)) for group in layer) for layer in self.layers]
         return specs * self.depth if len(specs) == 1 else specs
 
     def attention_options(self) -> dict[str, Any]:
-        """``options`` parsed: numbers and true/false as such, the rest as strings."""
+        """``options`` (deprecated) parsed: numbers and true/false as such, the rest as strings."""
+        if self.options:
+            warnings.warn(
+                f"--options is deprecated (until the next release): write the options into --attention, e.g. "
+                f"--attention {self.attention}:{','.join(self.options)}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         parsed = {}
         for item in self.options:
             name, sep, text = item.partition("=")

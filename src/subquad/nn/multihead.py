@@ -1,0 +1,207 @@
+"""``torch.nn.MultiheadAttention`` with its heads running registered mechanisms: a drop-in.
+
+It *is* torch's class (a subclass): the same constructor, the same parameters (``in_proj_weight``
+or ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``, ``in_proj_bias``, ``out_proj``), so a
+state dict moves between the two, and torch's conventions: sequence first unless
+``batch_first=True``, ``key_padding_mask`` True = *padding* (or an additive float mask),
+``attn_mask`` True = *not allowed* (or additive), and ``(output, weights)`` returned.
+
+With ``mechanism="full"`` and its default options the forward *is* torch's own, weights included.
+Any other mechanism differs where it must, and says so:
+
+- ``weights`` is None: a sub-quadratic mechanism never forms the (L, S) weight matrix.
+- ``attn_mask`` may only be a causal mask (top-left, which is what ``is_causal=True`` means, or
+  lower-right); any other mask raises, naming ``full`` and ``pattern`` as the mechanisms that take
+  one. ``is_causal=True`` alone is accepted too (torch requires the mask as a hint).
+- ``add_bias_kv`` and ``add_zero_attn`` raise: they append a key to every sequence, which a
+  mechanism with positions (windows, strides, causal scans) has no place for.
+- Mechanisms that group their queries (clustered, routing) need the padded queries: in
+  self-attention they are the padded keys; in cross-attention pass ``query_padding_mask``
+  (True = padding, as ``key_padding_mask`` here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from subquad.call import causal_lower_right
+from subquad.nn.attention import AttentionSpec, HeadGroup, HeadGroups
+from subquad.registry import make_config
+
+__all__ = ["MultiheadAttention"]
+
+
+class MultiheadAttention(HeadGroups, nn.MultiheadAttention):
+    """``torch.nn.MultiheadAttention`` whose heads run ``mechanism`` (module docstring).
+
+    Args:
+        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first,
+            device, dtype: as torch's.
+        mechanism: a mechanism name (with ``options``), a ``HeadGroup``, or a sequence of them.
+        seed: seeds the mechanisms' state modules.
+        **options: the mechanism's config options when ``mechanism`` is a name.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        mechanism: AttentionSpec = "full",
+        seed: int = 0,
+        **options: Any,
+    ) -> None:
+        if isinstance(dropout, (str, HeadGroup, Sequence)):
+            raise ValueError(
+                f"subquad.nn.MultiheadAttention takes torch's arguments (the third is dropout), got {dropout!r}: pass "
+                "mechanism=... by keyword. Its conventions are torch's: sequence first unless batch_first=True, "
+                "key_padding_mask True = padding, (output, weights) returned. The batch-first layer with "
+                "key_padding_mask True = real token is subquad.nn.Attention"
+            )
+        super().__init__(
+            embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype
+        )
+        self._init_groups(mechanism, num_heads, embed_dim, seed, options)
+        self.states.to(device=device, dtype=dtype)
+        self.inputs.to(device=device, dtype=dtype)
+        only = self.groups[0] if len(self.groups) == 1 else None
+        self._torch_forward = only is not None and only.mechanism.name == "full" and only.config == make_config("full")
+        if not self._torch_forward:
+            if add_bias_kv or add_zero_attn:
+                raise ValueError(
+                    f"add_bias_kv and add_zero_attn append a key to every sequence, which {self._groups_repr()} has "
+                    "no place for; leave them False, or use mechanism='full'"
+                )
+            if dropout and not all(g.mechanism.dropout for g in self.groups):
+                raise ValueError(
+                    f"{self._groups_repr()} has no attention dropout (dropout={dropout}); pass dropout=0.0, or "
+                    "use mechanism='full'"
+                )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        query_padding_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """torch's forward; ``weights`` is None unless the mechanism is torch's own (module docstring)."""
+        if key is None or value is None:
+            raise ValueError(
+                "MultiheadAttention takes query, key and value as torch's does (self-attention: mha(x, x, x)); "
+                "the layer that took mha(x), batch first with True = real token, is subquad.nn.Attention"
+            )
+        if self._torch_forward:
+            if query_padding_mask is not None:
+                raise ValueError("query_padding_mask is for mechanisms that group their queries; full takes none")
+            return super().forward(
+                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+            )
+        same = key is query
+        batched = query.dim() == 3
+        query, key, value = (self._batch_first(x, name, batched) for name, x in zip(("query", "key", "value"),
+                                                                                   (query, key, value)))  # fmt: skip
+        key = query if same else key
+        B, L, S = query.shape[0], query.shape[1], key.shape[1]
+        real = _real("key_padding_mask", key_padding_mask, batched)
+        real_queries = _real("query_padding_mask", query_padding_mask, batched)
+        causal = self._causal(attn_mask, is_causal, L, S)
+        q, k, v = (
+            x.view(B, -1, self.num_heads, self.head_dim).transpose(1, 2) for x in self._project(query, key, value)
+        )
+        out = self._attend(q, k, v, query, key, real, real_queries, causal,
+                           dropout_p=self.dropout if self.training else 0.0)  # fmt: skip
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return (out if batched else out.squeeze(1 if not self.batch_first else 0)), None
+
+    def _batch_first(self, x: Tensor, name: str, batched: bool) -> Tensor:
+        """``x`` as ``(B, N, ·)``; checks its rank against the query's."""
+        if not isinstance(x, Tensor) or x.dim() != (3 if batched else 2):
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            layout = ("(N, B, E)" if not self.batch_first else "(B, N, E)") if batched else "(N, E)"
+            raise ValueError(f"{name} must be {layout} like the query, got {got}")
+        if not batched:
+            return x.unsqueeze(0)
+        return x if self.batch_first else x.transpose(0, 1)
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """torch's input projections, from its own parameters."""
+        E = self.embed_dim
+        if self._qkv_same_embed_dim:
+            weights = self.in_proj_weight.split(E)
+        else:
+            weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+        biases = self.in_proj_bias.split(E) if self.in_proj_bias is not None else (None, None, None)
+        for name, x, w in zip(("query", "key", "value"), (query, key, value), weights):
+            if x.shape[-1] != w.shape[1]:
+                raise ValueError(f"{name} has {x.shape[-1]} features, but this layer takes {w.shape[1]}")
+        if query.shape[0] != key.shape[0] or key.shape[:2] != value.shape[:2]:
+            raise ValueError(
+                f"query, key and value disagree on batch or length: {tuple(query.shape)}, {tuple(key.shape)}, "
+                f"{tuple(value.shape)} (batch first)"
+            )
+        return tuple(F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))  # type: ignore[return-value]
+
+    def _causal(self, attn_mask: Tensor | None, is_causal: bool, L: int, S: int) -> Any:
+        """False, True (top-left) or a lower-right ``CausalBias``, from torch's ``attn_mask``
+        (True / -inf = not allowed), which governs when given, as in torch."""
+        if attn_mask is None:
+            return bool(is_causal)
+        if not isinstance(attn_mask, Tensor) or attn_mask.shape != (L, S):
+            got = tuple(attn_mask.shape) if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
+            raise ValueError(f"{self._groups_repr()} takes an attn_mask of shape (L, S) = ({L}, {S}) only, got {got}")
+        allowed = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        if attn_mask.dtype != torch.bool and not bool((allowed | (attn_mask == float("-inf"))).all()):
+            raise ValueError("a float attn_mask here may hold only 0 (allowed) and -inf (not allowed)")
+        ones = torch.ones(L, S, dtype=torch.bool, device=attn_mask.device)
+        if bool(allowed.all()):
+            return False
+        if torch.equal(allowed, ones.tril()):
+            return True
+        if torch.equal(allowed, ones.tril(S - L)):
+            return causal_lower_right(L, S)
+        raise ValueError(
+            f"{self._groups_repr()} takes no attn_mask but a causal one (top-left, as is_causal=True, or lower-right); "
+            "use mechanism='full' (any mask) or 'pattern' (a mask_mod)"
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}heads=[{self._groups_repr()}]"
+
+
+def _real(name: str, mask: Tensor | None, batched: bool) -> Tensor | None:
+    """torch's padding mask (True or -inf = padding) as subquad's: bool, True = real."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or mask.dim() != (2 if batched else 1):
+        got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"{name} must be {'(B, S)' if batched else '(S,)'}, True = padding, got {got}")
+    if mask.dtype == torch.bool:
+        real = ~mask
+    else:
+        real = mask == 0
+        if not bool((real | (mask == float("-inf"))).all()):
+            raise ValueError(f"a float {name} here may hold only 0 (a token) and -inf (padding)")
+    return real if batched else real.unsqueeze(0)
