@@ -17,7 +17,7 @@ from pathlib import Path
 
 # Lowest first. A name is a top-level module or package of subquad.
 LAYERS = (
-    ("config",),
+    ("config", "version"),
     ("_validate", "masks", "files"),
     ("registry",),
     ("_contain", "hooks"),
@@ -27,8 +27,7 @@ LAYERS = (
     ("mechanisms",),
     ("call",),
     ("nn",),
-    ("hf",),
-    ("bench", "train"),
+    ("hf", "bench", "train"),  # the jobs: distill (in hf/) keeps train's checkpoints
     ("cli", "__main__", "__init__"),
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -13,8 +13,10 @@ pytest.importorskip("transformers", minversion="5")
 
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
-from subquad import approx as ap
 from subquad import hf
+from subquad.hf import approx as ap
+from subquad.hf.data import is_decoder
+from subquad.hf.interface import capturing
 
 from .conftest import VOCAB, word_passages
 
@@ -82,13 +84,8 @@ def test_calibration_fits_routing_centroids_to_the_model_s_queries_and_keys(data
     ids = torch.randint(5, 30, (4, 32), generator=torch.Generator().manual_seed(1))
     model(input_ids=ids)
     before = [m.subquad_state.centroids.clone() for m in hf.attention_modules(model)]
-    captured = {}
-    hf._CAPTURE = {m: [] for m in hf.attention_modules(model)}
-    try:
+    with capturing(hf.attention_modules(model)) as captured:
         model(input_ids=ids)
-        captured = hf._CAPTURE
-    finally:
-        hf._CAPTURE = None
     assert hf.calibrate(model, [{"input_ids": ids}]) == 2
     for module, old in zip(hf.attention_modules(model), before):
         points = torch.cat(captured[module], dim=1)
@@ -153,7 +150,7 @@ def test_a_config_without_architectures_is_a_decoder_by_its_model_type():
     also has a causal-LM head) is not; a named architecture or is_decoder decides where present."""
     from transformers import LlamaConfig
 
-    assert ap._is_decoder(LlamaConfig()) and ap._is_decoder(GPT2Config())
-    assert not ap._is_decoder(BertConfig())
-    assert not ap._is_decoder(LlamaConfig(architectures=["LlamaModel"]))
-    assert ap._is_decoder(BertConfig(architectures=["BertLMHeadModel"])) and ap._is_decoder(BertConfig(is_decoder=True))
+    assert is_decoder(LlamaConfig()) and is_decoder(GPT2Config())
+    assert not is_decoder(BertConfig())
+    assert not is_decoder(LlamaConfig(architectures=["LlamaModel"]))
+    assert is_decoder(BertConfig(architectures=["BertLMHeadModel"])) and is_decoder(BertConfig(is_decoder=True))

@@ -14,10 +14,10 @@ pytest.importorskip("transformers", minversion="5")
 
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
-from subquad import approx as ap
-from subquad import distill as ds
 from subquad import hf
 from subquad.cli import main
+from subquad.hf import approx as ap
+from subquad.hf import distill as ds
 
 from .conftest import VOCAB, word_passages
 

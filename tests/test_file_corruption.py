@@ -267,7 +267,7 @@ def test_a_damaged_toml_config_is_named(pristine, tmp_path):
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
 def test_passages_name_a_damaged_data_file(tmp_path, suffix):
-    from subquad.approx import read_passages
+    from subquad.hf.data import read_passages
 
     if suffix == ".jsonl":
         lines = [json.dumps({"text": f"passage {i} about cats", "label": "cats"}) for i in range(6)]
@@ -287,7 +287,7 @@ def test_passages_name_a_damaged_data_file(tmp_path, suffix):
 
 
 def test_a_damaged_text_corpus_is_named(tmp_path, monkeypatch):
-    from subquad.tasks.text import ByteCorpus
+    from subquad.train.tasks.text import ByteCorpus
 
     monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
     original = " ".join(f"line {i} of a corpus." for i in range(40)).encode()
@@ -303,7 +303,7 @@ def test_a_damaged_text_corpus_is_named(tmp_path, monkeypatch):
 
 
 def test_a_damaged_idx_file_is_named(tmp_path):
-    from subquad.tasks.pixels import load_idx
+    from subquad.train.tasks.pixels import load_idx
 
     original = bytes([0, 0, 8, 3, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 3]) + bytes(range(18))
 
@@ -352,7 +352,7 @@ def _same_json(data: bytes, original: bytes) -> bool:
 
 
 def test_a_file_that_is_not_gguf_is_named(tmp_path, capsys):
-    from subquad.approx import load_model
+    from subquad.hf.data import load_model
 
     @EXAMPLES
     @given(st.one_of(st.binary(max_size=32), st.binary(max_size=8).map(lambda b: b"GGUF" + b)))

@@ -44,8 +44,8 @@ def test_groups_are_checked():
 def test_a_non_causal_band_reads_its_end_blocks_from_the_first_and_last_keys_without_a_copy(L, offset):
     """Each end block lists the first (last) W keys, which hold every key of its window, and reads
     them through a view (no zero-padded copy); every key of its window is among them."""
+    from subquad.kernels.band import window_mask
     from subquad.kernels.layouts import band_groups
-    from subquad.mechanisms.local import window_mask
 
     w, block = 256, 32
     S = L + offset
@@ -62,8 +62,8 @@ def test_a_non_causal_band_reads_its_end_blocks_from_the_first_and_last_keys_wit
 
 
 def test_a_causal_band_lists_no_key_past_its_blocks():
+    from subquad.kernels.band import window_mask
     from subquad.kernels.layouts import band_groups
-    from subquad.mechanisms.local import window_mask
 
     groups = band_groups(1024, 0, 255, 0, 32, window_mask(256, True, 0), torch.device("cpu"))
     for group in groups:
@@ -92,8 +92,8 @@ def _pairs(groups, L, S):
 def test_a_transposed_band_lists_each_pair_of_the_band_once(is_causal, L, S, w, block):
     """``band_groups(transposed=True)``: blocks of keys against the queries that see them, each
     (query, key) pair of the window listed exactly once, as the band in query blocks lists it."""
+    from subquad.kernels.band import window_mask
     from subquad.kernels.layouts import band_groups
-    from subquad.mechanisms.local import window_mask
 
     offset = S - L
     left, right = (w - 1, 0) if is_causal else (w - 1, w - 1)
@@ -120,8 +120,8 @@ def test_a_transposed_backward_layout_gives_the_gradients_of_the_straight_one(ke
     """The engine's backward over transposed groups (blocks of keys against the queries that see
     them, beside a sinks part in query blocks) equals its backward over the band in query blocks:
     key padding, grouped-query heads, L ≠ S, key blocks with empty slots, both kernels."""
+    from subquad.kernels.band import window_layout as _layout
     from subquad.kernels.blocksparse import block_sparse_attention
-    from subquad.mechanisms.local import _layout
 
     from .conftest import padding, qkv, randn
 
@@ -143,8 +143,8 @@ def test_a_transposed_backward_layout_gives_the_gradients_of_the_straight_one(ke
 
 
 def test_transposed_groups_are_refused_as_forward_parts():
+    from subquad.kernels.band import window_layout as _layout
     from subquad.kernels.blocksparse import block_sparse_attention
-    from subquad.mechanisms.local import _layout
 
     from .conftest import qkv
 

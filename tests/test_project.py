@@ -1,5 +1,6 @@
 """The README, CI and lint stay true to the code."""
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -46,7 +47,17 @@ def test_readme_quick_start_runs():
     exec(compile(example, "README.md", "exec"), namespace)
     assert namespace["out"].shape == (2, 8, 1024, 64)
     assert namespace["y"].shape == (2, 100, 512)
+    assert namespace["torch_out"].shape == (100, 2, 512) and namespace["weights"] is None
+    assert [g.heads for g in namespace["mixed"].groups] == [g.heads for g in namespace["same"].groups] == [4, 4]
     assert namespace["tokens"].shape == (1, 66)
+
+
+def test_no_import_goes_up_the_layers():
+    """``scripts/layers.py``: the design's layers, lowest first; no module imports one above it."""
+    spec = importlib.util.spec_from_file_location("layers", Path(__file__).parent.parent / "scripts" / "layers.py")
+    layers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layers)
+    assert layers.upward(Path(subquad.__file__).parent) == []
 
 
 def test_readme_hugging_face_example_runs(tmp_path):

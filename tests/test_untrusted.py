@@ -96,7 +96,7 @@ def test_a_model_folder_s_pickled_weights_are_never_loaded(tmp_path, capsys):
     from transformers import BertConfig, BertModel
 
     from subquad import hf
-    from subquad.approx import load_model
+    from subquad.hf.data import load_model
 
     from .conftest import word_passages
 
@@ -120,7 +120,7 @@ def test_a_model_folder_s_pickled_weights_are_never_loaded(tmp_path, capsys):
 
 
 def test_a_listops_cache_file_is_never_unpickled(tmp_path, monkeypatch):
-    from subquad.tasks import listops
+    from subquad.train.tasks import listops
 
     monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
     marker = tmp_path / "code-ran"

@@ -16,8 +16,7 @@ from subquad.registry import (
     option,
     register,
 )
-
-__version__ = "0.1.0"
+from subquad.version import __version__
 
 __all__ = [
     "Config",

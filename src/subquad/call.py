@@ -110,6 +110,24 @@ def call(
     )
     if dropout_p:
         tensors["dropout_p"] = dropout_p
+    run = _runner(mech, exact, key_padding_mask, query_padding_mask, is_causal, scale, config, state, dropout_p)
+    if query_padding_mask is not None and "query_padding_mask" in mech.tensor_args:
+        tensors["query_padding_mask"] = query_padding_mask
+    with adapted(q.device):  # fewer threads while other processes keep cores busy (opt-in)
+        return contained(
+            run, q, k, v, tensors, positions=mech.positions, key_padding_mask=key_padding_mask,
+            query_padding_mask=query_padding_mask, is_causal=is_causal, uses_qk=mech.uses_qk,
+            groups_queries=mech.groups_queries,
+        )  # fmt: skip
+
+
+def _runner(
+    mech: Mechanism, exact: bool, key_padding_mask: Tensor | None, query_padding_mask: Tensor | None,
+    is_causal: bool, scale: float | None, config: Config | None, state: torch.nn.Module | None, dropout_p: float,
+) -> Any:  # fmt: skip
+    """The call ``contained`` makes: the mechanism, or full attention's kernel where the call is
+    exactly full attention (padded queries then return zeros, as from the mechanisms that take a
+    query mask)."""
 
     def run(q: Tensor, k: Tensor, v: Tensor, tensors: dict[str, Any]) -> Tensor:
         if exact:  # the same maths as full attention at this shape: full's kernel, without fixed costs
@@ -126,14 +144,7 @@ def call(
             state=state, **tensors,
         )  # fmt: skip
 
-    if query_padding_mask is not None and "query_padding_mask" in mech.tensor_args:
-        tensors["query_padding_mask"] = query_padding_mask
-    with adapted(q.device):  # fewer threads while other processes keep cores busy (opt-in)
-        return contained(
-            run, q, k, v, tensors, positions=mech.positions, key_padding_mask=key_padding_mask,
-            query_padding_mask=query_padding_mask, is_causal=is_causal, uses_qk=mech.uses_qk,
-            groups_queries=mech.groups_queries,
-        )  # fmt: skip
+    return run
 
 
 def _top_left(
@@ -256,6 +267,18 @@ def _tensor_arguments(mech: Mechanism, attn_mask: Any, options: dict[str, Any]) 
     return tensors
 
 
+def _positional_mechanism(name: str) -> str:
+    """The mechanism passed where SDPA's ``attn_mask`` goes (0.1's spelling): warns, returns it."""
+    warnings.warn(
+        f"subquad.attention(q, k, v, {name!r}): the fourth positional argument is attn_mask, as in torch's "
+        f"scaled_dot_product_attention; pass mechanism={name!r} by keyword (the positional spelling goes in the "
+        "next release)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return name
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -300,14 +323,7 @@ def attention(
         ``(B, H, L, Dv)``, in the dtype of ``q``.
     """
     if isinstance(attn_mask, str):  # the spelling of 0.1: attention(q, k, v, "linear", ...)
-        warnings.warn(
-            f"subquad.attention(q, k, v, {attn_mask!r}): the fourth positional argument is attn_mask, as in "
-            f"torch's scaled_dot_product_attention; pass mechanism={attn_mask!r} by keyword (the positional "
-            "spelling goes in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        mechanism, attn_mask = attn_mask, None
+        mechanism, attn_mask = _positional_mechanism(attn_mask), None
     mech = get_mechanism(mechanism)
     tensors = _tensor_arguments(mech, attn_mask, options)
     if config is not None and options:

@@ -20,9 +20,9 @@ from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from subquad import __version__
 from subquad.files import FileError
 from subquad.registry import Mechanism, get_mechanism, make_config, mechanism_names
+from subquad.version import __version__
 
 if TYPE_CHECKING:
     from subquad.bench.runner import BenchSettings
@@ -175,7 +175,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "calibration": "windows routing's k-means reads", "keep": "checkpoints kept",
         "seed": "window order and the new weights' initialisation",
     }  # fmt: skip
-    from subquad.distill import DistillConfig
+    from subquad.hf.distill import DistillConfig
 
     for field in fields(DistillConfig):
         if field.name in distill_help:
@@ -188,7 +188,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_distill(args: argparse.Namespace) -> int:
-    from subquad.distill import DistillConfig, distill
+    from subquad.hf.distill import DistillConfig, distill
 
     names = {f.name for f in fields(DistillConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
@@ -202,7 +202,7 @@ def _run_distill(args: argparse.Namespace) -> int:
 
 
 def _run_approx(args: argparse.Namespace) -> int:
-    from subquad.approx import approx, format_table
+    from subquad.hf.approx import approx, format_table
 
     for name in ("tokens", "samples", "batch"):
         if getattr(args, name) < 1:

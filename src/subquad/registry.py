@@ -107,6 +107,12 @@ class Mechanism:
             that backward too runs on the cores other processes leave free.
         conv_input: its paper's model reads a convolution of the token embeddings rather than
             learned positions (agglomerative); models trained by ``subquad train`` follow it.
+        sinks: the config option counting its positional sinks (the first keys every query sees),
+            e.g. ``"sinks"``; inside a pretrained model padding may not fall on them.
+        calibratable: its state's ``centroids`` ``(H, C, D)`` may be fit by spherical k-means to a
+            pretrained model's own queries and keys (``subquad.hf.calibrate``).
+        output_gain: swapped into a pretrained model, its output is scaled per head by a learned
+            gain (its weights sum to 1 across heads, so each head starts at 1/H of its scale).
         exact_full: ``exact_full(config, shape, is_causal, state, tensors) -> bool``: whether the
             call (its ``AttentionShape``) is exactly full attention (a window that covers every key,
             clusters >= L, top-k >= S). Such a call runs full attention's kernel instead: the same
@@ -136,6 +142,9 @@ class Mechanism:
     exact_full: Callable[[Config, AttentionShape, bool, Any, typing.Mapping[str, Any]], bool] | None = None
     plain_backward: bool = False
     conv_input: bool = False
+    sinks: str = ""
+    calibratable: bool = False
+    output_gain: bool = False
     positions: typing.Mapping[str, str] = field(default_factory=dict, hash=False)
     examples: tuple[typing.Mapping[str, Any], ...] = field(default=({},), hash=False)
 

@@ -138,22 +138,22 @@ def test_decoder_rejects_a_different_batch_and_missing_logits():
 
 
 def test_layer_builds_class_projections_and_no_query_key_projections():
-    layer = subquad.nn.MultiheadAttention(32, 4, "agglomerative")
+    layer = subquad.nn.Attention(32, 4, "agglomerative")
     assert layer.q_proj is None and layer.k_proj is None
     assert isinstance(layer.inputs["0"], AgglomerativeInputs)
     assert layer.inputs["0"].query_classes is not layer.inputs["0"].key_classes
-    shared = subquad.nn.MultiheadAttention(32, 4, "agglomerative", shared_classes=True)
+    shared = subquad.nn.Attention(32, 4, "agglomerative", shared_classes=True)
     assert shared.inputs["0"].query_classes is shared.inputs["0"].key_classes
     x = randn(2, 10, 32).float()
     assert layer(x, is_causal=True).shape == (2, 10, 32)
-    mixed = subquad.nn.MultiheadAttention(
+    mixed = subquad.nn.Attention(
         32, 4, (subquad.nn.HeadGroup("agglomerative", 2), subquad.nn.HeadGroup("full", 2))
     )
     assert mixed.q_proj is not None and mixed(x).shape == (2, 10, 32)
 
 
 def test_layer_gradients_reach_every_parameter():
-    layer = subquad.nn.MultiheadAttention(16, 4, "agglomerative").double()
+    layer = subquad.nn.Attention(16, 4, "agglomerative").double()
     layer(randn(2, 12, 16), is_causal=True).square().sum().backward()
     for name, p in layer.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
@@ -222,7 +222,7 @@ def test_bad_options_raise():
 
 
 def test_cross_attention_classifier_needs_matching_widths():
-    layer = subquad.nn.MultiheadAttention(16, 2, "agglomerative", kdim=8, vdim=8)
+    layer = subquad.nn.Attention(16, 2, "agglomerative", kdim=8, vdim=8)
     with pytest.raises(ValueError, match="agglomerative classifies references from inputs of width 16, got 8"):
         layer(randn(1, 4, 16).float(), randn(1, 5, 8).float())
 

@@ -442,7 +442,7 @@ def test_no_global_rng_is_used():
 
 
 def test_layer_state_is_seeded_per_layer_and_saved():
-    layer = subquad.nn.MultiheadAttention(32, 4, "improved-clustered", seed=3, clusters=4)
+    layer = subquad.nn.Attention(32, 4, "improved-clustered", seed=3, clusters=4)
     state = layer.states["0"]
     assert isinstance(state, ClusteredState) and int(state.seed) == 3
     assert {"states.0.planes", "states.0.offsets", "states.0.seed"} <= set(layer.state_dict())
@@ -457,7 +457,7 @@ def test_layer_state_is_seeded_per_layer_and_saved():
 def test_self_attention_layer_leaves_padded_queries_out(name):
     """The layer passes the key padding mask as the query mask in self-attention, so what sits at
     padded positions cannot move the real tokens' outputs."""
-    layer = subquad.nn.MultiheadAttention(16, 2, name, clusters=3).double()
+    layer = subquad.nn.Attention(16, 2, name, clusters=3).double()
     x = randn(2, 30, 16)
     kpm = padding(2, 30, seed=1)
     edited = torch.where(kpm[..., None], x, randn(2, 30, 16, seed=9) * 5)
@@ -617,7 +617,7 @@ def test_groups_of_rows_give_the_same_values_and_gradients(name, monkeypatch):
 
 @pytest.mark.parametrize("seed", [2**33, 2**70, -5])
 def test_any_int_seed_works(seed):
-    layer = subquad.nn.MultiheadAttention(16, 2, "clustered", clusters=3, seed=seed)
+    layer = subquad.nn.Attention(16, 2, "clustered", clusters=3, seed=seed)
     assert torch.isfinite(layer(randn(1, 20, 16).float())).all()
     assert torch.equal(
         ClusteredState(ClusteredConfig(), 2, 8, seed).planes, ClusteredState(ClusteredConfig(), 2, 8, seed).planes
@@ -661,17 +661,17 @@ def test_junk_at_padded_queries_does_not_reach_real_rows(name, metric, junk):
 def test_every_query_goes_to_its_nearest_final_centroid_when_fitted_on_a_sample(metric, padded, monkeypatch):
     """The sampled queries keep Lloyd's last assignment and only the others are assigned after it:
     together, each query's nearest of the centroids Lloyd returned, sampled or not."""
-    from subquad.mechanisms import clustered
+    from subquad.ops import query_clusters
 
     fitted = []
-    lloyd = clustered.lloyd
+    lloyd = query_clusters.lloyd
 
     def recording(*args, **kwargs):
         result = lloyd(*args, **kwargs)
         fitted.append(result[0])
         return result
 
-    monkeypatch.setattr(clustered, "lloyd", recording)
+    monkeypatch.setattr(query_clusters, "lloyd", recording)
     q = randn(3, 120, 8)
     config = ClusteredConfig(clusters=6, kmeans=metric, fit_per_cluster=4)  # a sample of 24 of 120
     state = ClusteredState(config, 3, 8, seed=2)
@@ -691,7 +691,7 @@ def test_every_query_goes_to_its_nearest_final_centroid_when_fitted_on_a_sample(
 
 def test_rows_are_split_into_as_few_groups_of_equal_size_as_the_budgets_allow(monkeypatch):
     from subquad._validate import AttentionShape
-    from subquad.mechanisms.clustered import _rows_per_group
+    from subquad.ops.query_clusters import _rows_per_group
 
     shape = AttentionShape(2, 4, 1024, 1024, 64, 64, 0.125)  # 8 rows
     cpu = torch.device("cpu")

@@ -242,7 +242,7 @@ def test_blocks_of_several_chunks_in_float64_and_float32(monkeypatch, fm, L, S):
     """Blocks of three chunks (the last one partial) with padding, their buffers filled with NaN
     before use: float64 equals the dense reference, and float32 (for elu, φ(q) and φ(k) in one
     pass) stays within its rounding."""
-    from subquad.kernels import linear
+    from subquad.ops import linear_blocks as linear
 
     def poisoned(shapes, dtype, device, zero):
         buffers = new_buffers(shapes, dtype, device, zero=False)

@@ -9,8 +9,8 @@ from torch.autograd import gradcheck
 
 import subquad
 import subquad.nn
+from subquad.kernels import band
 from subquad.kernels.tuning import TUNING
-from subquad.mechanisms import local
 from subquad.mechanisms.full import full_attention
 from subquad.mechanisms.local import LocalConfig, WindowCache, local_attention
 from subquad.registry import get_mechanism
@@ -105,16 +105,16 @@ def test_blocks_one_at_a_time_give_the_same_values_and_gradients(monkeypatch):
 def counted_masks(monkeypatch):
     """Counts evaluations of the window's mask_mod, from a fresh cache of band layouts."""
     calls = []
-    window_mask = local.window_mask
+    window_mask = band.window_mask
 
     def counting(*args):
         mask_mod = window_mask(*args)
         return lambda *idx: calls.append(1) or mask_mod(*idx)
 
-    monkeypatch.setattr(local, "window_mask", counting)
-    local._band.cache_clear()
+    monkeypatch.setattr(band, "window_mask", counting)
+    band._band.cache_clear()
     yield calls
-    local._band.cache_clear()
+    band._band.cache_clear()
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -374,7 +374,7 @@ def test_the_kernel_option_reaches_the_engine(monkeypatch):
     q, k, v = qkv(1, 2, 100, 100, 8)
     expected = dense_local(q, k, v, None, True, 16)
     calls = []
-    monkeypatch.setattr(local, "block_sparse_attention", functools.partial(_count_kernel, calls))
+    monkeypatch.setattr(band, "block_sparse_attention", functools.partial(_count_kernel, calls))
     for kernel in ("eager", "fused"):
         out = local_attention(q, k, v, is_causal=True, config=LocalConfig(window=16, kernel=kernel))
         assert (out - expected).abs().max() <= 1e-10

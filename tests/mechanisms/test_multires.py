@@ -355,7 +355,7 @@ def test_random_routing_in_decoding_uses_absolute_positions():
 
 
 def test_layer_owns_the_router_and_equals_the_functional_form():
-    layer = subquad.nn.MultiheadAttention(32, 8, "multires", rates=(0.5, 0.25)).double()
+    layer = subquad.nn.Attention(32, 8, "multires", rates=(0.5, 0.25)).double()
     router = layer.inputs["0"]
     assert isinstance(router, MultiresInputs) and router.router.weight.shape == (2, 32) and router.router.bias is None
     x = randn(2, 13, 32)
@@ -369,12 +369,12 @@ def test_layer_owns_the_router_and_equals_the_functional_form():
         )  # fmt: skip
         expected = layer.out_proj(heads.transpose(1, 2).reshape(2, 13, 32))
         assert (layer(x, key_padding_mask=kpm, is_causal=is_causal) - expected).abs().max() <= 1e-12
-    random = subquad.nn.MultiheadAttention(32, 8, "multires", routing="random", seed=4)
+    random = subquad.nn.Attention(32, 8, "multires", routing="random", seed=4)
     assert random.inputs["0"].router is None and int(random.states["0"].seed) == 4
 
 
 def test_router_weights_and_every_parameter_get_gradients():
-    layer = subquad.nn.MultiheadAttention(16, 4, "multires", rates=(0.5, 0.25)).double()
+    layer = subquad.nn.Attention(16, 4, "multires", rates=(0.5, 0.25)).double()
     x = randn(2, 12, 16)
     for is_causal in (False, True):
         layer.zero_grad()
@@ -453,7 +453,7 @@ def test_heads_must_split_between_the_rates():
     with pytest.raises(ValueError, match=message):
         subquad.attention(q, k, v, mechanism="multires", router_logits=logits)
     with pytest.raises(ValueError, match="but got 6 heads; use a multiple of 4 heads"):
-        subquad.nn.MultiheadAttention(24, 6, "multires")
+        subquad.nn.Attention(24, 6, "multires")
 
 
 @pytest.mark.parametrize(

@@ -226,15 +226,15 @@ def test_low_precision(dtype, tol, is_causal):
 
 
 def test_the_default_centroids_do_not_depend_on_the_length_and_survive_a_state_dict_round_trip():
-    layer = subquad.nn.MultiheadAttention(32, 4, "routing", seed=3)
+    layer = subquad.nn.Attention(32, 4, "routing", seed=3)
     assert layer.states["0"].centroids.shape == (4, 64, 8), "k fixed by the config, before any input"
     x = randn(1, 100, 32, dtype=torch.float32)
     out = layer(x)
     assert layer.states["0"].centroids.shape == (4, 64, 8)
-    small = subquad.nn.MultiheadAttention(32, 4, "routing", clusters=10, seed=3)
+    small = subquad.nn.Attention(32, 4, "routing", clusters=10, seed=3)
     with pytest.raises(ValueError, match=r"centroids of shape \(4, 64, 8\) do not fit .* = \(4, 10, 8\)"):
         small.load_state_dict(layer.state_dict())
-    copy = subquad.nn.MultiheadAttention(32, 4, "routing", seed=99)
+    copy = subquad.nn.Attention(32, 4, "routing", seed=99)
     copy.load_state_dict(layer.state_dict())
     assert torch.equal(copy.states["0"].centroids, layer.states["0"].centroids)
     layer.eval(), copy.eval()
@@ -395,7 +395,7 @@ def test_a_layer_mixes_local_and_routing_heads():
     """Heads split between local and routing: each group equals its mechanism alone."""
     torch.manual_seed(0)
     groups = [HeadGroup("local", 2, window=4), HeadGroup("routing", 2, clusters=3, tile=5)]
-    layer = subquad.nn.MultiheadAttention(16, 4, groups).double().eval()
+    layer = subquad.nn.Attention(16, 4, groups).double().eval()
     x = randn(2, 30, 16)
     out = layer(x, is_causal=True)
     q = layer._split_heads(layer.q_proj(x))
@@ -499,7 +499,7 @@ def test_bad_state_and_masks_raise():
         routing_attention(q, k, v, query_padding_mask=torch.ones(2, 9, dtype=torch.bool))
     with pytest.raises(ValueError, match="seed must be an int, got 1.5"):
         RoutingState(RoutingConfig(), 2, 6, seed=1.5)
-    layer = subquad.nn.MultiheadAttention(12, 2, "routing", clusters=4)
+    layer = subquad.nn.Attention(12, 2, "routing", clusters=4)
     with pytest.raises(ValueError, match=r"routing centroids of shape \(2, 5, 6\) do not fit"):
         layer.load_state_dict({**layer.state_dict(), "states.0.centroids": torch.zeros(2, 5, 6)})
 

@@ -3,8 +3,8 @@ import statistics
 import pytest
 import torch
 
-from subquad.tasks import listops
-from subquad.tasks.listops import VOCAB, evaluate, generate, load_splits, pad_batch, tokens
+from subquad.train.tasks import listops
+from subquad.train.tasks.listops import VOCAB, evaluate, generate, load_splits, pad_batch, tokens
 
 
 def _reference(toks):

@@ -3,7 +3,7 @@ import gzip
 import pytest
 import torch
 
-from subquad.tasks.pixels import load_idx, load_split
+from subquad.train.tasks.pixels import load_idx, load_split
 
 
 def _idx(dims, data, kind=0x08):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from subquad.files import FileError
-from subquad.tasks.text import ByteCorpus, bits_per_byte
+from subquad.train.tasks.text import ByteCorpus, bits_per_byte
 
 
 @pytest.fixture

@@ -284,6 +284,7 @@ class AgglomerativeDecoder(Decoder):
 
 MECHANISM = Mechanism(
     name="agglomerative",
+    output_gain=True,
     conv_input=True,
     fn=agglomerative_attention,
     config=AgglomerativeConfig,

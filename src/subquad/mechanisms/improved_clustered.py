@@ -29,15 +29,8 @@ from torch import Tensor, nn
 
 from subquad.kernels.memory import new_buffers, tracks_grad
 from subquad.kernels.tuning import TUNING, block_elements
-from subquad.mechanisms.clustered import (
-    PAPER,
-    ClusteredConfig,
-    ClusteredState,
-    _clustered,
-    _masked_softmax,
-    exactly_full,
-)
 from subquad.ops.clustering import flat_clusters
+from subquad.ops.query_clusters import ClusteredConfig, ClusteredState, clustered_outputs, exactly_full, masked_softmax
 from subquad.registry import Mechanism, option
 
 __all__ = ["ImprovedClusteredConfig", "improved_clustered_attention", "rescore_topk", "top_keys"]
@@ -177,7 +170,7 @@ def _tiles(
     v_tile = torch.index_select(v, 0, flat_keys, out=v_tile).view(n, kk, -1)
     scores = torch.baddbmm(q_tile.new_empty(()), q_tile, k_tile.transpose(1, 2), beta=0, alpha=scale)
     real = None if key_real is None else key_real.index_select(0, flat_keys).view(n, 1, kk)
-    swap = torch.addcmul(neg_top, _masked_softmax(scores, real), mass)  # m̂_j · softmax_T − A^c
+    swap = torch.addcmul(neg_top, masked_softmax(scores, real), mass)  # m̂_j · softmax_T − A^c
     return torch.baddbmm(base, swap, v_tile, out=out)
 
 
@@ -202,7 +195,7 @@ def improved_clustered_attention(
             "improved-clustered each take their own config"
         )
     rescore = functools.partial(rescore_topk, topk=config.topk)
-    return _clustered(q, k, v, key_padding_mask, is_causal, scale, config, state, query_padding_mask, rescore)
+    return clustered_outputs(q, k, v, key_padding_mask, is_causal, scale, config, state, query_padding_mask, rescore)
 
 
 MECHANISM = Mechanism(
@@ -210,7 +203,7 @@ MECHANISM = Mechanism(
     fn=improved_clustered_attention,
     config=ImprovedClusteredConfig,
     summary="clustered, plus exact re-scoring of each cluster's top-k keys for every query",
-    paper=f"{PAPER}, §3.3 eq. 9-10",
+    paper="Vyas, Katharopoulos & Fleuret 2020, Fast Transformers with Clustered Attention, §3.3 eq. 9-10",
     causal=False,
     tensor_args=("query_padding_mask",),
     groups_queries=True,

@@ -7,7 +7,7 @@ Softmax similarity is replaced by a feature map φ, so the sums over keys factor
 with φ = elu(x) + 1 (their default) or ReLU (AdaMRA's). ε keeps a query whose features are all
 zero (possible under ReLU), or that sees no key, at a zero output instead of 0/0. Padded keys get
 φ(k) = 0. The non-causal form costs O(N·D·Dv) time and O(D·Dv) state per head. It is one
-autograd Function (``kernels.linear.NonCausal``) that runs block by block in both passes, recomputing φ in the
+autograd Function (``ops.linear_blocks.NonCausal``) that runs block by block in both passes, recomputing φ in the
 backward, so only q, k, v and the two sums are saved.
 
 **Causal form.** The sums run over j ≤ i. Writing the normaliser as one more value column (v' = [v, 1])
@@ -15,7 +15,7 @@ makes numerator and denominator one causal product ``y_i = Σ_{j≤i} (a_i·b_j)
 b = φ(k), c = v'. It is computed in chunks of ``chunk`` positions: inside a chunk by a masked
 (chunk × chunk) product, across chunks through the running state ``S = Σ b_j c_jᵀ`` (D × Dv+1).
 The per-position cost is about 4·chunk·D + 4·D·Dv, least near chunk = √(D·Dv): 64 by default.
-One autograd Function (``kernels.linear.Causal``) runs over blocks of positions in time order, computing φ and
+One autograd Function (``ops.linear_blocks.Causal``) runs over blocks of positions in time order, computing φ and
 v for the block only, with the block's chunk states as running sums, so memory stays
 O(N·D + block·D·Dv), never O(N·D²). Its forward carries the normaliser's state Σ φ(k) beside
 S rather than as a ones column: (D × Dv+1) products run a quarter slower than (D × Dv) ones.
@@ -71,7 +71,8 @@ from torch import Tensor, nn
 
 from subquad._validate import check_attention_inputs
 from subquad.decoding import Decoder
-from subquad.kernels.linear import Causal, NonCausal, features, normalise
+from subquad.kernels.band import window_attention
+from subquad.ops.linear_blocks import Causal, NonCausal, features, normalise
 from subquad.ops.scan import causal_dot, causal_dot_forward
 from subquad.registry import Config, Mechanism, option
 
@@ -222,14 +223,11 @@ def windowed(
     """Linear attention with a softmax window (module docstring), ``(B, H, L, Dv)`` in fp32 or fp64.
     ``initial`` ``(B·H, F, Dv + 1)`` (causal only): the far sums of keys before ``k``'s first, which
     every query sees (decoding)."""
-    from subquad.mechanisms.local import LocalConfig, local_attention
-
     B, H, L, _ = q.shape
     S, Dv, w = k.shape[2], v.shape[-1], config.window
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     s = min(config.sinks, S)
-    near = local_attention(q, k, v, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-                           config=LocalConfig(window=w, sinks=s)).to(work)  # fmt: skip
+    near = window_attention(q, k, v, key_padding_mask, is_causal, scale, w, s, "fused").to(work)
     # m_i: whether query i's window (key positions p - w < j <= p, or |j - p| < w) or its sinks hold a real key
     real = torch.ones(B, S, device=q.device) if key_padding_mask is None else key_padding_mask.to(torch.float32)
     counts = torch.nn.functional.pad(real.cumsum(1), (1, 0))  # (B, S + 1): real keys before each position
@@ -348,6 +346,7 @@ class LinearDecoder(Decoder):
 
 MECHANISM = Mechanism(
     name="linear",
+    sinks="sinks",
     fn=linear_attention,
     config=LinearConfig,
     summary="kernel attention φ(Q)(φ(K)ᵀV): linear time, chunked causal form, recurrent decoding",

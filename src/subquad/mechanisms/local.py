@@ -42,19 +42,15 @@ token attends to them and itself, so decoding cost and memory do not grow with t
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
-from subquad.kernels import native as _native
-from subquad.kernels.blocksparse import band_blocks, block_sparse_attention
-from subquad.kernels.layouts import Group, band_groups, sink_groups, sink_mask
-from subquad.masks import MaskMod, window_covers
+from subquad.kernels.band import window_attention, window_mask
+from subquad.masks import window_covers
 from subquad.mechanisms._options import kernel_option
 from subquad.registry import Config, Mechanism, option
 
@@ -70,17 +66,6 @@ class LocalConfig(Config):
     window: int = option(256, "w: keys with |p − j| < w (causal: the last w, itself included)", ge=1)
     sinks: int = option(0, "the first s keys are visible to every query as well (StreamingLLM's attention sinks)", ge=0)
     kernel: str = kernel_option()
-
-
-def window_mask(window: int, is_causal: bool, offset: int) -> MaskMod:
-    """The window as a mask_mod: ``|p - j| < window`` (causal: ``p - window < j <= p``), with
-    ``p = q_idx + offset``."""
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        distance = q_idx + offset - kv_idx
-        return ((distance >= 0) & (distance < window)) if is_causal else distance.abs() < window
-
-    return mask_mod
 
 
 def local_attention(
@@ -110,48 +95,9 @@ def local_attention(
         ``(B, H, L, Dv)``; zero rows for queries whose window holds no real key.
     """
     config = config or LocalConfig()
-    shape = check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
-    L, S = shape.queries, shape.keys
-    w = min(config.window, L + S)  # a wider window sees no more keys: the same result, bounded work
-    offset = S - L
-    native = config.kernel == "native" and _native.supports(q, k, v) is None  # runs Dv != D too
-    blocks = band_blocks(q, k, v, config.kernel, native, w if is_causal else 2 * w - 1)
-    layout = functools.partial(_layout, L, offset, w, is_causal, min(config.sinks, S), device=q.device)
-    parts = layout(min(blocks.forward, L))
-    backward = None
-    if blocks.transposed is not None:
-        backward = layout(min(blocks.transposed, S), transposed=True)
-    elif blocks.backward is not None:
-        backward = layout(min(blocks.backward, L))
-    return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel, backward)
-
-
-def _layout(
-    L: int, offset: int, w: int, is_causal: bool, sinks: int, block: int, device: torch.device, transposed: bool = False
-) -> list:
-    """The window's parts in blocks of ``block`` queries: the band, and the sinks its windows leave
-    out. ``transposed``: the band in blocks of ``block`` keys against the queries that see them, for
-    the backward (``band_groups``), beside the sinks' part in query blocks."""
-    parts = [_band(L, offset, w, is_causal, block, device, transposed)]
-    # the part is needed where some query's window leaves out a sink: the last query misses key 0,
-    # or (non-causal, L > S) the first query, before the keys, misses the last sink
-    if sinks and (offset + L - 1 >= w or (not is_causal and sinks - 1 - offset >= w)):
-        window = window_mask(w, is_causal, offset)
-        parts.append(sink_groups(L, sinks, min(block, L), 1, sink_mask(sinks, window, is_causal, offset), device))
-    return parts
-
-
-@functools.lru_cache(maxsize=32)
-def _band(
-    L: int, offset: int, w: int, is_causal: bool, block: int, device: torch.device, transposed: bool
-) -> list[Group]:
-    """The window's band layout for this shape, built once and kept with the masks its chunks
-    derive from it (``Group.memo``): building them took about a tenth of a call at N = 1024
-    (docs/performance.md). They enter no autograd graph (the engine's Function recomputes from its
-    saved inputs), so those built in inference mode serve calls that record one."""
-    left, right = (w - 1, 0) if is_causal else (w - 1, w - 1)
-    mask = window_mask(w, is_causal, offset)
-    return band_groups(L, offset, left, right, block, mask, device, kept=True, transposed=transposed)
+    return window_attention(
+        q, k, v, key_padding_mask, is_causal, scale, config.window, config.sinks, config.kernel, enable_gqa
+    )
 
 
 class WindowCache(Decoder):
@@ -184,6 +130,7 @@ class WindowCache(Decoder):
 
 MECHANISM = Mechanism(
     name="local",
+    sinks="sinks",
     fn=local_attention,
     config=LocalConfig,
     summary="sliding-window softmax attention over keys with |p − j| < w, block-sparse; window cache",

@@ -230,6 +230,7 @@ def _exactly_full(config: PatternConfig, shape: AttentionShape, is_causal: bool,
 
 MECHANISM = Mechanism(
     name="pattern",
+    sinks="global_tokens",
     fn=pattern_attention,
     config=PatternConfig,
     summary="any mask_mod (named, or passed as mask_mod=), block-sparse with autograd",

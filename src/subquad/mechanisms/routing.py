@@ -346,6 +346,7 @@ class RoutingCache(Decoder):
 
 MECHANISM = Mechanism(
     name="routing",
+    calibratable=True,
     fn=routing_attention,
     config=RoutingConfig,
     summary="content-based sparse attention: online spherical k-means; balanced clusters, causal cluster tiles",

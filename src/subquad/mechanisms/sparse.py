@@ -400,6 +400,7 @@ def _exactly_full(config: SparseConfig, shape: AttentionShape, is_causal: bool, 
 
 MECHANISM = Mechanism(
     name="sparse",
+    sinks="sinks",
     fn=sparse_attention,
     config=SparseConfig,
     summary="Sparse Transformer strided (local/column/merged) and fixed patterns, block-sparse",

@@ -125,9 +125,9 @@ class MultiheadAttention(HeadGroups, nn.MultiheadAttention):
         B, L, S = query.shape[0], query.shape[1], key.shape[1]
         real = _real("key_padding_mask", key_padding_mask, batched)
         real_queries = _real("query_padding_mask", query_padding_mask, batched)
-        causal = self._causal(attn_mask, is_causal, L, S)
+        causal = _causal(self._groups_repr(), attn_mask, is_causal, L, S)
         q, k, v = (
-            x.view(B, -1, self.num_heads, self.head_dim).transpose(1, 2) for x in self._project(query, key, value)
+            x.view(B, -1, self.num_heads, self.head_dim).transpose(1, 2) for x in _project(self, query, key, value)
         )
         out = self._attend(q, k, v, query, key, real, real_queries, causal,
                            dropout_p=self.dropout if self.training else 0.0)  # fmt: skip
@@ -146,49 +146,51 @@ class MultiheadAttention(HeadGroups, nn.MultiheadAttention):
             return x.unsqueeze(0)
         return x if self.batch_first else x.transpose(0, 1)
 
-    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """torch's input projections, from its own parameters."""
-        E = self.embed_dim
-        if self._qkv_same_embed_dim:
-            weights = self.in_proj_weight.split(E)
-        else:
-            weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
-        biases = self.in_proj_bias.split(E) if self.in_proj_bias is not None else (None, None, None)
-        for name, x, w in zip(("query", "key", "value"), (query, key, value), weights):
-            if x.shape[-1] != w.shape[1]:
-                raise ValueError(f"{name} has {x.shape[-1]} features, but this layer takes {w.shape[1]}")
-        if query.shape[0] != key.shape[0] or key.shape[:2] != value.shape[:2]:
-            raise ValueError(
-                f"query, key and value disagree on batch or length: {tuple(query.shape)}, {tuple(key.shape)}, "
-                f"{tuple(value.shape)} (batch first)"
-            )
-        return tuple(F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))  # type: ignore[return-value]
-
-    def _causal(self, attn_mask: Tensor | None, is_causal: bool, L: int, S: int) -> Any:
-        """False, True (top-left) or a lower-right ``CausalBias``, from torch's ``attn_mask``
-        (True / -inf = not allowed), which governs when given, as in torch."""
-        if attn_mask is None:
-            return bool(is_causal)
-        if not isinstance(attn_mask, Tensor) or attn_mask.shape != (L, S):
-            got = tuple(attn_mask.shape) if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
-            raise ValueError(f"{self._groups_repr()} takes an attn_mask of shape (L, S) = ({L}, {S}) only, got {got}")
-        allowed = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
-        if attn_mask.dtype != torch.bool and not bool((allowed | (attn_mask == float("-inf"))).all()):
-            raise ValueError("a float attn_mask here may hold only 0 (allowed) and -inf (not allowed)")
-        ones = torch.ones(L, S, dtype=torch.bool, device=attn_mask.device)
-        if bool(allowed.all()):
-            return False
-        if torch.equal(allowed, ones.tril()):
-            return True
-        if torch.equal(allowed, ones.tril(S - L)):
-            return causal_lower_right(L, S)
-        raise ValueError(
-            f"{self._groups_repr()} takes no attn_mask but a causal one (top-left, as is_causal=True, or lower-right); "
-            "use mechanism='full' (any mask) or 'pattern' (a mask_mod)"
-        )
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}heads=[{self._groups_repr()}]"
+
+
+def _project(layer: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """torch's input projections, from ``layer``'s own parameters."""
+    E = layer.embed_dim
+    if layer._qkv_same_embed_dim:
+        weights = layer.in_proj_weight.split(E)
+    else:
+        weights = (layer.q_proj_weight, layer.k_proj_weight, layer.v_proj_weight)
+    biases = layer.in_proj_bias.split(E) if layer.in_proj_bias is not None else (None, None, None)
+    for name, x, w in zip(("query", "key", "value"), (query, key, value), weights):
+        if x.shape[-1] != w.shape[1]:
+            raise ValueError(f"{name} has {x.shape[-1]} features, but this layer takes {w.shape[1]}")
+    if query.shape[0] != key.shape[0] or key.shape[:2] != value.shape[:2]:
+        raise ValueError(
+            f"query, key and value disagree on batch or length: {tuple(query.shape)}, {tuple(key.shape)}, "
+            f"{tuple(value.shape)} (batch first)"
+        )
+    return tuple(F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))  # type: ignore[return-value]
+
+
+def _causal(who: str, attn_mask: Tensor | None, is_causal: bool, L: int, S: int) -> Any:
+    """False, True (top-left) or a lower-right ``CausalBias``, from torch's ``attn_mask``
+    (True / -inf = not allowed), which governs when given, as in torch."""
+    if attn_mask is None:
+        return bool(is_causal)
+    if not isinstance(attn_mask, Tensor) or attn_mask.shape != (L, S):
+        got = tuple(attn_mask.shape) if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
+        raise ValueError(f"{who} takes an attn_mask of shape (L, S) = ({L}, {S}) only, got {got}")
+    allowed = ~attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+    if attn_mask.dtype != torch.bool and not bool((allowed | (attn_mask == float("-inf"))).all()):
+        raise ValueError("a float attn_mask here may hold only 0 (allowed) and -inf (not allowed)")
+    ones = torch.ones(L, S, dtype=torch.bool, device=attn_mask.device)
+    if bool(allowed.all()):
+        return False
+    if torch.equal(allowed, ones.tril()):
+        return True
+    if torch.equal(allowed, ones.tril(S - L)):
+        return causal_lower_right(L, S)
+    raise ValueError(
+        f"{who} takes no attn_mask but a causal one (top-left, as is_causal=True, or lower-right); "
+        "use mechanism='full' (any mask) or 'pattern' (a mask_mod)"
+    )
 
 
 def _real(name: str, mask: Tensor | None, batched: bool) -> Tensor | None:

@@ -34,6 +34,7 @@ __all__ = [
     "seed_centroids",
     "seed_draws",
     "sign_codes",
+    "spherical_kmeans",
 ]
 
 SEED_ROUNDS = 4  # rounds of D² sampling that choose the initial centroids
@@ -380,3 +381,20 @@ def commitment_loss(x: Tensor, cluster: Tensor, centroids: Tensor, real: Tensor 
         return err.mean()
     weight = real[:, None].to(err.dtype).expand_as(err)
     return (err * weight).sum() / weight.sum().clamp(min=1)
+
+
+def spherical_kmeans(points: Tensor, clusters: int, iterations: int, seed: int) -> Tensor:
+    """Unit centroids ``(H, C, D)`` of unit ``points`` ``(H, n, D)``, by Lloyd's iterations with the
+    dot product from C distinct seeded points: routing's own assignment (``nearest_direction``) and
+    update (``ema_centroids`` with no memory of the old centroid); a cluster left empty keeps its
+    centroid."""
+    H, n, D = points.shape
+    if n < clusters:
+        raise ValueError(f"calibration saw {n} tokens per head, fewer than clusters={clusters}; pass more batches")
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.stack([torch.randperm(n, generator=generator)[:clusters] for _ in range(H)]).to(points.device)
+    centroids = torch.gather(points, 1, start[..., None].expand(-1, -1, D))
+    x = points.unsqueeze(0)  # (1, H, n, D)
+    for _ in range(iterations):
+        centroids = ema_centroids(centroids, [(x, nearest_direction(x, centroids), None)], decay=0.0)
+    return centroids

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from subquad import __version__
 from subquad.files import FileError, check_fields, json_checksum, load_safetensors, read_json, sha256, write_atomic
+from subquad.version import __version__
 
 __all__ = [
     "fitting", "latest", "load", "load_weights", "require", "rng_state", "save", "set_rng_state", "upgrade", "verify",

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from subquad import __version__, hooks
+from subquad import hooks
 from subquad.bench.runner import setting
 from subquad.files import FileError, check_fields, read_json, read_jsonl, read_toml, write_atomic
 from subquad.nn import HeadGroup
@@ -36,6 +36,7 @@ from subquad.nn.attention import resolve_head_groups, spec_head_groups
 from subquad.registry import parse_value
 from subquad.train import checkpoint
 from subquad.train.tasks import make_task
+from subquad.version import __version__
 
 __all__ = [
     "TrainConfig", "check_trained_with", "load_config_file", "plot_curve", "read_metrics", "resolve_device", "train",
@@ -364,7 +365,7 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     sign = 1 if task.lower_is_better else -1
     before = [r[task.metric] * sign for r in (log.kept if log else []) if task.metric in r]
     best, started = min(before, default=math.inf) * sign, time.perf_counter()
-    with _Progress(config, step, progress and rank == 0) as bar:
+    with Progress(config, step, progress and rank == 0) as bar:
         while step < config.steps:
             loss, seconds = _step(runner, optimizer, scheduler, task, config, step, rank, world)
             step += 1
@@ -476,7 +477,7 @@ class _Losses:
             return self.parallel(batch)
 
 
-class _Progress:
+class Progress:
     """Progress on stderr: a rich bar (loss, best evaluation, tokens/s, ETA) on a terminal, else
     about a hundred plain lines per run, which logs keep readably."""
 
@@ -510,7 +511,7 @@ class _Progress:
             eta = (c.steps - step) / rate if rate else 0.0
             print(f"step {step}/{c.steps}  {text}  ETA {eta:,.0f} s", file=sys.stderr, flush=True)
 
-    def __enter__(self) -> _Progress:
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:

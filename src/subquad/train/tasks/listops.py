@@ -13,7 +13,7 @@ Generated from its specification, as LRA did:
 The closing brackets are kept: a known bug of one public LRA pipeline dropped them, which makes
 some expressions ambiguous. Tokens: 0 is padding, then the ten digits, the four operators (an
 opening bracket with its operator, as in LRA's ``[MAX``) and ``]``. A split is generated once per
-(seed, sizes, lengths), saved to the cache (``subquad.tasks.text.cache_dir()``) with an atomic
+(seed, sizes, lengths), saved to the cache (``subquad.train.tasks.text.cache_dir()``) with an atomic
 rename, as safetensors, and loaded from there afterwards (a damaged cache file is generated again).
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from subquad.tasks.text import cache_dir
+from subquad.train.tasks.text import cache_dir
 
 __all__ = ["OPERATORS", "PRESETS", "VOCAB", "evaluate", "generate", "load_splits", "pad_batch", "tokens"]
 

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from subquad.approx import load_model, parse_spec, read_passages, token_windows
+from subquad.hf.approx import parse_spec
+from subquad.hf.data import load_model, read_passages, token_windows
 
 __all__ = ["AttentionTransfer", "DistillConfig", "distill"]
 
@@ -108,6 +109,7 @@ class AttentionTransfer:
 
     def __init__(self, model: nn.Module) -> None:
         from subquad import hf
+        from subquad.hf.interface import _clear
 
         self.modules = [m for m in hf.attention_modules(model) if getattr(m, "subquad_attention", None) is not None]
         if not self.modules:
@@ -116,7 +118,7 @@ class AttentionTransfer:
         self.teachers: dict[nn.Module, nn.Module] = {}
         for module in self.modules:
             teacher = copy.deepcopy(module)
-            hf._clear(teacher, "subquad_state", "subquad_inputs")
+            _clear(teacher, "subquad_state", "subquad_inputs")
             teacher.subquad_attention = full
             self.teachers[module] = teacher.requires_grad_(False)
         self.losses: list[Tensor] = []
@@ -201,7 +203,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     the summary (also in ``OUT/distill.json``). See the module docstring."""
     from subquad import hf
     from subquad.train import checkpoint
-    from subquad.train.loop import _Progress, trimmed_log
+    from subquad.train.loop import Progress, trimmed_log
 
     checkpoint.require()  # before any work: a run that cannot save must not start
 
@@ -284,7 +286,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
         checkpoint.save(folder, step, container, extra_state, config.keep)
 
     counts = SimpleNamespace(steps=config.total, batch=config.batch, seq_len=config.tokens)
-    with _Progress(counts, step, progress) as bar:
+    with Progress(counts, step, progress) as bar:
         while step < config.total:
             if stage == 0 and step >= config.steps:  # the whole attention block joins
                 stage = 1

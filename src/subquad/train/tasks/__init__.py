@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from subquad.nn import CausalLM, Encoder
-from subquad.tasks import listops, pixels
-from subquad.tasks.text import ByteCorpus, bits_per_byte
+from subquad.train.tasks import listops, pixels
+from subquad.train.tasks.text import ByteCorpus, bits_per_byte
 
 __all__ = ["TASKS", "make_task"]
 

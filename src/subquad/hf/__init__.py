@@ -1,0 +1,54 @@
+"""subquad inside pretrained Hugging Face models (transformers >= 5): every mechanism as an attention
+implementation, conversion of what a mechanism adds, and the jobs that measure and train it.
+
+- ``interface``: ``register``, ``use``, ``restore``; the attention call transformers makes;
+- ``masks``: transformers' masks read as a key padding mask, or refused;
+- ``conversion``: ``convert``, ``calibrate``, what conversion adds (``ConvertedInputs``);
+- ``io``: ``save``, ``from_pretrained``, ``model_source`` (files from elsewhere are checked, never run);
+- ``data``: passages, token windows, model loading for the jobs;
+- ``approx`` and ``distill``: the ``subquad approx`` and ``subquad distill`` jobs.
+"""
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "conversion": ("ConvertedInputs", "calibratable", "calibrate", "convert", "converted_parameters"),
+    "interface": ("NAME", "LayerAttention", "attention_modules", "layer_spec", "register", "restore", "use"),
+    "io": ("SPEC_FILE", "TENSOR_FILE", "from_pretrained", "loading", "model_source", "save", "saved_layers"),
+}
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+
+__all__ = [
+    "NAME",
+    "SPEC_FILE",
+    "TENSOR_FILE",
+    "ConvertedInputs",
+    "LayerAttention",
+    "attention_modules",
+    "calibratable",
+    "calibrate",
+    "convert",
+    "converted_parameters",
+    "from_pretrained",
+    "layer_spec",
+    "loading",
+    "model_source",
+    "register",
+    "restore",
+    "save",
+    "saved_layers",
+    "use",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported on first use: the jobs' settings (``subquad.hf.distill``) are
+    read by the command line without transformers installed."""
+    if name not in _HOME:
+        raise AttributeError(f"module 'subquad.hf' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f"subquad.hf.{_HOME[name]}")
+    except ImportError as error:
+        raise ImportError("subquad.hf needs transformers >= 5: pip install 'subquad[hf]'") from error
+    return getattr(module, name)

@@ -1,0 +1,157 @@
+"""Conversion: what a mechanism needs and a pretrained model lacks.
+
+``convert(model, "linear", feature_map="hedgehog")`` is ``use`` plus what the
+mechanism needs and the model lacks, initialised, on every chosen attention module, with every
+original weight frozen (``requires_grad=False``):
+
+- agglomerative: the class projections (the mechanism's ``AgglomerativeInputs``) and, per head, an
+  output gain that starts at H: the classes' weights c^q sum to 1 across the heads, so without it
+  each head would start at about 1/H of its scale (the gain is a diagonal factor of the output
+  matrix, which the paper learns);
+- multires: the router (``MultiresInputs``);
+- routing: the centroids, by spherical k-means on ``calibration`` batches (``calibrate``);
+- linear with ``feature_map="hedgehog"``: the learned feature maps (``LinearState``).
+
+The projections read the layer's own projected queries and keys, ``(B, N, H·D)`` (keys repeated
+to H heads under grouped-query attention), where the papers' layers read the hidden states: the
+same linear maps whenever the query and key projections are invertible, and what the attention
+interface is handed, so a generation cache needs nothing more. They are kept on the attention
+module as ``subquad_inputs`` and the state as ``subquad_state``; ``converted_parameters(model)``
+lists what to train (``subquad distill`` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from subquad.hf.interface import LayerAttention, _apply, _new_state, attention_modules, capturing
+from subquad.ops.clustering import spherical_kmeans
+from subquad.registry import get_mechanism
+
+
+def calibratable(spec: LayerAttention | str | None) -> bool:
+    """Whether ``calibrate`` fits this mechanism (its state holds routing centroids)."""
+    if spec is None:
+        return False
+    mech = get_mechanism(spec) if isinstance(spec, str) else spec.mechanism
+    return mech.calibratable
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]], iterations: int = 20, seed: int = 0) -> int:
+    """Fit the centroids of every routing layer by spherical k-means on the directions of the
+    model's own queries and keys over ``batches`` (keyword arguments of the model's forward);
+    returns the number of layers fitted. Routing's centroids start random otherwise, and a
+    pretrained model's queries and keys do not lie where random directions cut them."""
+    routed = [m for m in attention_modules(model) if calibratable(getattr(m, "subquad_attention", None))]
+    if not routed:
+        raise ValueError("no layer of this model has a mechanism with centroids; subquad.hf.use(model, 'routing')")
+    with capturing(routed) as captured:
+        for batch in batches:
+            model(**batch)
+    for module in routed:
+        if not captured[module]:
+            raise ValueError("calibrate saw no batch; pass at least one")
+        centroids = module.subquad_state.centroids
+        points = torch.cat(captured[module], dim=1)
+        centroids.copy_(spherical_kmeans(points, centroids.shape[1], iterations, seed + module.layer_idx))
+    return len(routed)
+
+
+class ConvertedInputs(nn.Module):
+    """The learned extra inputs of one converted attention module: the mechanism's own ``inputs``
+    module (agglomerative's class projections, multires' router), reading the layer's projected
+    queries and keys ``(B, N, H·D)``, and for agglomerative a per-head output ``gain`` (see the
+    module docstring).
+
+    Args:
+        spec: the layer's mechanism and config.
+        heads: H, the query heads; keys with fewer heads (grouped-query) are repeated to H.
+        head_dim: D.
+    """
+
+    def __init__(self, spec: LayerAttention, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.inputs = spec.mechanism.inputs(spec.config, heads * head_dim, heads)
+        self.gain = nn.Parameter(torch.full((heads,), float(heads))) if spec.mechanism.output_gain else None
+
+    def forward(self, query: Tensor, key: Tensor) -> dict[str, Tensor]:
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        weight = next(self.inputs.parameters(), None)
+        dtype = query.dtype if weight is None else weight.dtype
+        flat = lambda x: x.transpose(1, 2).flatten(2).to(dtype)  # noqa: E731 - (B, N, H·D)
+        return {name: x.to(query.dtype) for name, x in self.inputs(flat(query), flat(key)).items()}
+
+
+def _heads(model: nn.Module) -> tuple[int, int]:
+    config = model.config
+    heads = config.num_attention_heads
+    return heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def convert(
+    model: nn.Module,
+    mechanism: str,
+    *,
+    layers: Iterable[int] | None = None,
+    calibration: Iterable[dict[str, Tensor]] | None = None,
+    freeze: bool = True,
+    seed: int = 0,
+    **options: Any,
+) -> nn.Module:
+    """Swap ``mechanism`` into ``layers`` (all by default) as ``use`` does, and add what it needs
+    and the model lacks, initialised (see the module docstring); returns ``model``.
+
+    Args:
+        model: a transformers model whose attention runs through the attention interface.
+        mechanism, options: the mechanism and its options (``linear`` with
+            ``feature_map="hedgehog"`` for learned feature maps).
+        layers: the attention modules' ``layer_idx`` to convert.
+        calibration: batches (keyword arguments of ``model``'s forward) whose queries and keys fit
+            routing's centroids; required for routing.
+        freeze: set ``requires_grad=False`` on every weight the model had; only what conversion
+            adds is trained (``converted_parameters``).
+        seed: seeds the new projections' initial weights (layer i from ``seed`` and i, without
+            touching the global random state) and routing's k-means.
+    """
+    spec = LayerAttention.build(mechanism, converted=True, **options)
+    if calibratable(spec) and calibration is None:
+        raise ValueError(
+            f"{spec.mechanism.name}'s centroids are fitted by k-means on the model's own queries and keys: pass "
+            "calibration=[{'input_ids': ...}, ...] (a few batches of real text)"
+        )
+    if freeze:
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+    _add(model, spec, layers, seed)
+    if calibration is not None and calibratable(spec):
+        calibrate(model, calibration, seed=seed)
+    return model
+
+
+def _add(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None, seed: int = 0) -> list[nn.Module]:
+    modules = _apply(model, spec, layers)
+    heads, head_dim = _heads(model)
+    reference = next(model.parameters())
+    for module in modules:
+        if spec.mechanism.state is not None:
+            _new_state(module, spec, heads, head_dim, reference.device, reference.dtype)
+        if spec.mechanism.inputs is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed * 1_000_003 + int(module.layer_idx))
+                inputs = ConvertedInputs(spec, heads, head_dim)
+            module.subquad_inputs = inputs.to(reference.device, reference.dtype)
+    return modules
+
+
+def _converted(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, getattr(module, n)) for n in ("subquad_state", "subquad_inputs") if hasattr(module, n)]
+
+
+def converted_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """What ``convert`` added that gradients train: feature maps, class projections, routers, gains."""
+    return [p for m in attention_modules(model) for _, part in _converted(m) for p in part.parameters()]

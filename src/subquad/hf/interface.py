@@ -1,0 +1,299 @@
+"""subquad inside pretrained Hugging Face models (transformers >= 5): every mechanism as an attention
+implementation.
+
+``register()`` adds, to transformers' ``AttentionInterface`` and to its mask interface:
+
+- ``"subquad:<mechanism>"`` for every registered mechanism, at its default options, so that
+  ``AutoModel.from_pretrained(path, attn_implementation="subquad:local")`` and
+  ``model.set_attn_implementation("subquad:local")`` work;
+- ``"subquad"``, which runs in each attention module what ``use`` set there (layers it did not
+  set run exact attention), so layers may differ.
+
+``use(model, "improved-clustered", clusters=25, layers=range(3))`` registers, sets the mechanism
+and options of the chosen layers (all by default; ``layers`` are the modules' ``layer_idx``) and
+switches the model to ``"subquad"``. ``restore(model)`` undoes it.
+
+What the model hands over is translated exactly or refused:
+
+- **Masks.** The registered mask function reduces transformers' mask to a key padding mask,
+  ``(B, 1, 1, S)`` bool (True = real), or None; causality comes from the module (``is_causal``).
+  Without a registered mask function transformers would pass no mask at all and padding would be
+  silently ignored. A mask that is not causal-or-bidirectional plus padding (a sliding window,
+  packed sequences, image overlays, any other 4-D mask) raises, naming what was found.
+- **Generation caches.** New queries are aligned to the last keys (the core's causal contract),
+  so a token decoded with transformers' cache meets the cached keys as in the parallel pass. That
+  cache holds every key and value, so each new token runs the mechanism over the whole prefix:
+  exact, but O(prefix) per token; the mechanisms' recurrent decoders are not used here.
+- **Grouped-query models** (Llama, SmolLM2, Qwen) pass K/V with fewer heads; they go to the core
+  with ``enable_gqa`` (read in place where the mechanism can, repeated otherwise).
+- **Scale and dropout.** The model's ``scaling`` is the softmax scale; mechanisms without a softmax
+  (linear, agglomerative, kernel multires) accept only the default 1/√D, which they drop. Attention
+  dropout in training goes to mechanisms that have it; for the others it raises (``model.eval()``,
+  or set the model's attention dropout to 0).
+- **State.** Mechanisms with persistent state (routing's centroids) get one per layer, seeded by
+  the layer index, kept on the attention module as ``subquad_state`` (it follows ``.to()`` and is
+  saved with the model).
+- Mechanisms whose inputs come from learned projections the model lacks (agglomerative's class
+  logits, multires' router) are refused by ``use`` with that reason; ``convert`` adds them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from subquad.call import attention, causal_lower_right
+from subquad.config import parse_spec
+from subquad.hf.masks import _key_padding, _mask
+from subquad.registry import Config, Mechanism, get_mechanism, make_config, mechanism_names
+
+NAME = "subquad"
+
+
+@dataclass
+class LayerAttention:
+    """What one attention module of a Hugging Face model computes: a mechanism and its config."""
+
+    mechanism: Mechanism
+    config: Config
+
+    @classmethod
+    def build(cls, mechanism: str, *, converted: bool = False, **options: Any) -> LayerAttention:
+        mech = get_mechanism(mechanism)
+        if mech.inputs is not None and not converted:
+            raise ValueError(
+                f"{mech.name} needs inputs from learned projections a pretrained model does not have "
+                f"({', '.join(a for a in mech.tensor_args if a != 'query_padding_mask')}); it cannot be swapped in "
+                "without converting and training them: subquad.hf.convert, then subquad distill"
+            )
+        return cls(mech, make_config(mech, **options))
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The config's options that differ from the mechanism's defaults."""
+        default = self.mechanism.config()
+        return {
+            f.name: getattr(self.config, f.name)
+            for f in dataclasses.fields(self.config)
+            if getattr(self.config, f.name) != getattr(default, f.name)
+        }
+
+
+_FULL = None  # LayerAttention of exact attention, built on first use
+
+
+_CAPTURE: dict[nn.Module, list[Tensor]] | None = None  # capturing(): each layer's query and key directions
+_UNUSED = None  # calibrate(): each routing layer's query and key directions
+
+
+def register() -> None:
+    """Add ``"subquad"`` and ``"subquad:<mechanism>"`` for every registered mechanism to
+    transformers' attention and mask interfaces (again after new mechanisms are registered)."""
+    AttentionInterface.register(NAME, _forward)
+    AttentionMaskInterface.register(NAME, _mask)
+    for name in mechanism_names():
+        AttentionInterface.register(f"{NAME}:{name}", _named_forward(name))
+        AttentionMaskInterface.register(f"{NAME}:{name}", _mask)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that call transformers' attention interface (those with a
+    ``layer_idx`` and an ``is_causal``), in order."""
+    found = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules that transformers' attention interface drives "
+            "(modules with layer_idx and is_causal); subquad.hf supports models with _supports_attention_backend"
+        )
+    return found
+
+
+def layer_spec(spec: str, **options: Any) -> tuple[str, dict[str, Any]]:
+    """A spec string (``subquad.config.parse_spec``) as the one mechanism and options a pretrained
+    model's layer runs; ``options`` join the spec's own."""
+    groups = parse_spec(spec)
+    if len(groups) > 1 or groups[0].heads is not None:
+        raise ValueError(
+            f"{spec!r} is a head mix; inside a pretrained model each layer runs one mechanism on all its heads "
+            "for now: give one (e.g. local:window=128), and choose it per layer with layers="
+        )
+    both = sorted(set(dict(groups[0].options)) & set(options))
+    if both:
+        raise ValueError(f"option(s) {both} given both in the spec {spec!r} and as arguments; pass each once")
+    return groups[0].name, {**dict(groups[0].options), **options}
+
+
+def use(model: nn.Module, mechanism: str, *, layers: Iterable[int] | None = None, **options: Any) -> nn.Module:
+    """Compute the attention of ``layers`` (their ``layer_idx``; all by default) with ``mechanism``
+    (a name or a spec such as ``"local:window=128"``) and ``options``, and switch ``model`` to
+    ``"subquad"``; returns ``model``. Calls for different layers combine; layers never set run
+    exact attention."""
+    name, options = layer_spec(mechanism, **options)
+    _apply(model, LayerAttention.build(name, **options), layers)
+    return model
+
+
+def _apply(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None) -> list[nn.Module]:
+    """``use``'s work: set ``spec`` on the chosen layers; returns their attention modules."""
+    register()
+    modules = attention_modules(model)
+    indices = sorted({m.layer_idx for m in modules})
+    chosen = set(indices) if layers is None else set(layers)
+    unknown = sorted(chosen - set(indices))
+    if unknown:
+        raise ValueError(f"{type(model).__name__} has no layer {unknown}; its layers are {indices[0]}..{indices[-1]}")
+    for module in modules:
+        if module.layer_idx in chosen:
+            module.subquad_attention = spec
+            _clear(module, "subquad_state", "subquad_inputs")  # a new mechanism starts from a new state
+    if not hasattr(model, "subquad_previous"):
+        model.subquad_previous = model.config._attn_implementation
+    model.set_attn_implementation(NAME)
+    return [m for m in modules if m.layer_idx in chosen]
+
+
+def _clear(module: nn.Module, *names: str) -> None:
+    for name in names:
+        if hasattr(module, name):
+            delattr(module, name)
+
+
+def restore(model: nn.Module, implementation: str | None = None) -> nn.Module:
+    """Remove what ``use`` set and switch ``model`` back to ``implementation`` (by default the one
+    it had before the first ``use``)."""
+    for module in attention_modules(model):
+        _clear(module, "subquad_attention", "subquad_state", "subquad_inputs")
+    previous = model.__dict__.pop("subquad_previous", None) or "sdpa"
+    model.set_attn_implementation(implementation or previous)
+    return model
+
+
+def _named_forward(name: str):
+    def forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, **kwargs: Any):
+        spec = getattr(module, "subquad_attention", None)
+        if spec is None or spec.mechanism.name != name:
+            module.subquad_attention = LayerAttention.build(name)
+            _clear(module, "subquad_state", "subquad_inputs")
+        return _forward(module, query, key, value, attention_mask, **kwargs)
+
+    forward.__name__ = f"subquad_{name.replace('-', '_')}_forward"
+    return forward
+
+
+def _scale(spec: LayerAttention, scaling: float | None, head_dim: int) -> float | None:
+    if spec.mechanism.takes_scale(spec.config):
+        return scaling
+    if scaling is not None and abs(scaling - head_dim**-0.5) > 1e-6 * head_dim**-0.5:
+        raise ValueError(
+            f"{spec.mechanism.name} has no softmax to scale, but this model scales its attention by {scaling:g} "
+            f"(not 1/sqrt({head_dim})); its attention cannot be swapped for {spec.mechanism.name} as it is"
+        )
+    return None
+
+
+def _state(module: nn.Module, spec: LayerAttention, query: Tensor) -> nn.Module | None:
+    """The mechanism's state of this layer, made on first use, seeded by the layer index."""
+    if spec.mechanism.state is None:
+        return None
+    if getattr(module, "subquad_state", None) is None:
+        _new_state(module, spec, query.shape[1], query.shape[-1], query.device, query.dtype)
+    return module.subquad_state
+
+
+def _new_state(module: nn.Module, spec: LayerAttention, heads: int, head_dim: int, device, dtype) -> None:
+    seed = int(getattr(module, "layer_idx", 0) or 0)
+    state = spec.mechanism.state(spec.config, heads, head_dim, seed).to(device)
+    if any(p.is_floating_point() for p in state.parameters()):  # learned maps follow the model's dtype
+        state = state.to(dtype)
+    module.subquad_state = state.train(module.training)  # EMA updates only in training
+
+
+def _forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention call: ``(B, H, L, D)`` in, ``(B, L, H, D)`` and no weights out."""
+    global _FULL
+    for name in ("position_bias", "softcap", "sliding_window", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"subquad.hf cannot take this model's {name}={kwargs[name]!r}")
+    spec = getattr(module, "subquad_attention", None)
+    if spec is None:
+        spec = _FULL = _FULL or LayerAttention.build("full")
+    if dropout and not spec.mechanism.dropout:
+        raise ValueError(
+            f"{spec.mechanism.name} has no attention dropout, but this model applies {dropout} in training: call "
+            "model.eval(), or set the model's attention dropout to 0 (e.g. attention_probs_dropout_prob, "
+            "attention_dropout or attn_pdrop in its config) before training"
+        )
+    causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
+    queries, keys = query.shape[2], key.shape[2]
+    key_padding_mask = _key_padding(attention_mask, queries, keys, causal)
+    sinks = getattr(spec.config, spec.mechanism.sinks) if spec.mechanism.sinks else 0
+    if sinks and key_padding_mask is not None and not bool(key_padding_mask[:, : min(sinks, keys)].all()):
+        raise ValueError(
+            f"{spec.mechanism.name}'s sinks are the first {sinks} positions, but padding falls there (left "
+            "padding?): pad on the right (tokenizer.padding_side = 'right'), or run such sequences one by one"
+        )
+    tensors = {}
+    if "query_padding_mask" in spec.mechanism.tensor_args and key_padding_mask is not None:
+        # self-attention (with or without a cache): the queries are the last keys
+        real = key_padding_mask[:, -queries:] if queries <= keys else None
+        tensors["query_padding_mask"] = real if real is not None else torch.ones_like(query[:, 0, :, 0], dtype=bool)
+    if spec.mechanism.inputs is not None:
+        inputs = getattr(module, "subquad_inputs", None)
+        if inputs is None:
+            raise ValueError(
+                f"{spec.mechanism.name} needs the learned projections subquad.hf.convert adds; this layer has none"
+            )
+        tensors.update(inputs(query, key))
+    if _CAPTURE is not None and module in _CAPTURE:
+        _capture(module, query, key, key_padding_mask)
+    # transformers' queries continue the keys (a cache's prefix first): the end-aligned causal form
+    aligned = causal_lower_right(queries, keys) if causal and queries != keys else None
+    out = attention(
+        query, key, value, aligned, dropout, causal and aligned is None, _scale(spec, scaling, query.shape[-1]),
+        enable_gqa=key.shape[1] != query.shape[1], mechanism=spec.mechanism.name, key_padding_mask=key_padding_mask,
+        config=spec.config, state=_state(module, spec, query), **tensors,
+    )  # fmt: skip
+    gain = getattr(getattr(module, "subquad_inputs", None), "gain", None)
+    if gain is not None:
+        out = out * gain.to(out.dtype)[:, None, None]
+    return out.transpose(1, 2), None
+
+
+@contextlib.contextmanager
+def capturing(modules: Iterable[nn.Module]) -> Iterator[dict[nn.Module, list[Tensor]]]:
+    """While open, each forward of ``modules`` keeps the directions ``(H, n, D)`` of its real
+    queries and keys, in the dict it yields (``calibrate`` fits centroids to them)."""
+    global _CAPTURE
+    _CAPTURE = {m: [] for m in modules}
+    try:
+        yield _CAPTURE
+    finally:
+        _CAPTURE = None
+
+
+def _capture(module: nn.Module, query: Tensor, key: Tensor, key_padding_mask: Tensor | None) -> None:
+    """Keep the directions ``(H, n, D)`` of one call's real queries and keys for ``calibrate``."""
+    key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    for x in (query, key):
+        x = nn.functional.normalize(x.detach().float(), dim=-1).transpose(0, 1)  # (H, B, N, D)
+        if key_padding_mask is not None:
+            x = x[:, key_padding_mask[:, -x.shape[2] :]]  # (H, n, D): the real tokens
+        _CAPTURE[module].append(x.reshape(x.shape[0], -1, x.shape[-1]))

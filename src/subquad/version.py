@@ -1,0 +1,3 @@
+"""The version of subquad (also ``subquad.__version__``)."""
+
+__version__ = "0.1.0"
