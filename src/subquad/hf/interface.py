@@ -1,5 +1,4 @@
-"""subquad inside pretrained Hugging Face models (transformers >= 5): every mechanism as an attention
-implementation.
+"""The attention interface: every mechanism as an attention implementation of transformers >= 5.
 
 ``register()`` adds, to transformers' ``AttentionInterface`` and to its mask interface:
 
