@@ -196,3 +196,21 @@ def test_bench_mechanisms_take_the_one_spec_grammar_beside_the_sweep_flags():
         _bench_settings(_bench_args(["--mechanisms", "local*2+full"]))
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\] for local"):
         _bench_settings(_bench_args(["--mechanisms", "local:windw=3"]))
+
+
+def test_boolean_flags_are_x_and_no_x_and_the_old_yes_no_warns_for_one_release(monkeypatch):
+    from subquad.cli import _build_parser, _old_switches
+
+    parser = _build_parser()
+    parse = lambda *argv: parser.parse_args(_old_switches(parser, list(argv)))
+    assert parse("train", "--bf16").bf16 is True and parse("train", "--no-bf16").bf16 is False
+    assert parse("train").grad_checkpoint is False and parse("train", "--grad-checkpoint").grad_checkpoint is True
+    assert parse("bench").plots is True and parse("bench", "--no-plots").plots is False
+    assert parse("bench", "--adaptive-threads").adaptive_threads is True
+    assert parse("approx", "m", "--data", "d", "--out", "o", "--no-speed").speed is False
+    with pytest.warns(DeprecationWarning, match=r"--bf16 yes is deprecated \(until the next release\): write --bf16"):
+        assert parse("train", "--bf16", "yes").bf16 is True
+    with pytest.warns(DeprecationWarning, match=r"write --no-adaptive-threads"):
+        assert parse("bench", "--adaptive-threads", "no").adaptive_threads is False
+    with pytest.raises(SystemExit):
+        parse("train", "--no-bf16", "maybe")

@@ -56,6 +56,12 @@ def _check_tensor(name: str, x: object) -> Tensor:
     return x
 
 
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and softmax statistics are kept in: fp32 for half inputs (fp16 and bf16 drift
+    in long sums and normalisers), else the input's own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def check_dtype(dtype: torch.dtype, supported: tuple[torch.dtype, ...] = SUPPORTED_DTYPES) -> None:
     """Raise unless ``dtype`` is one of ``supported``."""
     if dtype not in supported:

@@ -15,6 +15,7 @@ import sys
 import time
 import types
 import typing
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
@@ -34,7 +35,7 @@ _DEVICE_HELP = "auto, cpu, cuda or cuda:N; auto: cuda where this torch sees one 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_old_switches(parser, sys.argv[1:] if argv is None else list(argv)))
     if args.command is None:
         parser.print_help()
         return 0
@@ -145,7 +146,8 @@ def _build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--batch", type=int, default=8, help="windows per forward (default: %(default)s)")
     approx.add_argument("--context", type=int, default=None,
                         help="length of the speed measurement (default: the model's longest context)")  # fmt: skip
-    approx.add_argument("--no-speed", dest="speed", action="store_false", help="skip the speed measurement")
+    approx.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the attention's and the model's speed (default: on)")  # fmt: skip
     approx.add_argument("--seed", type=int, default=0, help="window order and probe split (default: %(default)s)")
     approx.set_defaults(run=_run_approx)
 
@@ -182,7 +184,8 @@ def _build_parser() -> argparse.ArgumentParser:
             distill.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
                                  help=f"{distill_help[field.name]} (default: %(default)s)")  # fmt: skip
     distill.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    distill.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    distill.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                         help="a progress bar (default: on)")  # fmt: skip
     distill.set_defaults(run=_run_distill)
     return parser
 
@@ -226,7 +229,7 @@ def _run_compare(args: argparse.Namespace) -> int:
             "pass --out before --; each variant gets its own folder in it, and reruns resume by themselves"
         )
     _add_train_arguments(probe := argparse.ArgumentParser(prog="subquad compare (train flags)"))
-    probe.parse_args(flags)  # bad training flags fail before any variant runs
+    probe.parse_args(_old_switches(probe, flags))  # bad training flags fail before any variant runs
     rows = compare(args.variants, flags, args.out, args.minutes)
     print(format_table(rows))
     print(f"wrote {args.out}/compare.json, compare.csv and compare.png")
@@ -396,7 +399,8 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=Path("subquad-bench"),
         help="folder for results.csv, results.json and the plots (default: %(default)s)",
     )
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")  # fmt: skip
+    parser.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True,
+                        help="write the PNG plots (default: on)")  # fmt: skip
     for name in names:
         mech = get_mechanism(name)
         group = parser.add_argument_group(f"{name} options (several values sweep)")
@@ -412,6 +416,31 @@ def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
             )  # fmt: skip
 
 
+def _old_switches(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with the old ``--x yes|no`` of a boolean setting written ``--x`` / ``--no-x``, as
+    flags are now; it still works until the next release, with a warning."""
+    parsers = [parser, *(parser._subparsers._group_actions[0].choices.values() if parser._subparsers else ())]
+    switches = {
+        name
+        for sub in parsers
+        for action in sub._actions
+        if isinstance(action, argparse.BooleanOptionalAction)
+        for name in action.option_strings
+        if not name.startswith("--no-")
+    }
+    out: list[str] = []
+    for word in argv:
+        if out and out[-1] in switches and word in ("yes", "no"):
+            flag = out.pop()
+            plain = flag if word == "yes" else f"--no-{flag[2:]}"
+            warnings.warn(f"{flag} {word} is deprecated (until the next release): write {plain}", DeprecationWarning,
+                          stacklevel=3)  # fmt: skip
+            out.append(plain)
+        else:
+            out.append(word)
+    return out
+
+
 def _shown(value: Any) -> str:
     return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
@@ -421,6 +450,12 @@ def _setting_flag(f: Field, tp: Any) -> dict[str, Any]:
     meta, default = f.metadata, f.default
     shown = meta["shown_default"] or "%(default)s"
     kwargs = {"metavar": meta["metavar"], "help": f"{meta['help']} (default: {shown})".lstrip()}
+    if isinstance(meta["choices"], Mapping) and set(meta["choices"]) == {"yes", "no"}:  # a boolean: --x / --no-x
+        return {
+            "action": argparse.BooleanOptionalAction,
+            "default": default,
+            "help": f"{meta['help']} (default: {'on' if default else 'off'})",
+        }
     if meta["choices"] is not None:  # a mapping's choices stand for its values
         choices = meta["choices"]
         if isinstance(choices, Mapping):
@@ -452,7 +487,7 @@ def _setting_value(f: Field, tp: Any, args: argparse.Namespace) -> Any:
     if value is None and f.name in GRIDS[args.grid]:
         return GRIDS[args.grid][f.name]
     if isinstance(choices, Mapping):
-        return choices[value]
+        return value if isinstance(value, bool) else choices[value]
     return tuple(value) if typing.get_origin(tp) in (Sequence, tuple) else value
 
 
@@ -566,7 +601,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         print("\n" + report.format_crossovers(rows))
         print("crossover N = the smallest N from which the mechanism beats full at every longer N measured.")
     written = [args.out / "results.csv", args.out / "results.json"]
-    if not args.no_plots:
+    if args.plots:
         try:
             written += report.plot_results(rows, args.out, title)
         except ImportError:

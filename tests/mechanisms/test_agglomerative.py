@@ -146,9 +146,7 @@ def test_layer_builds_class_projections_and_no_query_key_projections():
     assert shared.inputs["0"].query_classes is shared.inputs["0"].key_classes
     x = randn(2, 10, 32).float()
     assert layer(x, is_causal=True).shape == (2, 10, 32)
-    mixed = subquad.nn.Attention(
-        32, 4, (subquad.nn.HeadGroup("agglomerative", 2), subquad.nn.HeadGroup("full", 2))
-    )
+    mixed = subquad.nn.Attention(32, 4, (subquad.nn.HeadGroup("agglomerative", 2), subquad.nn.HeadGroup("full", 2)))
     assert mixed.q_proj is not None and mixed(x).shape == (2, 10, 32)
 
 

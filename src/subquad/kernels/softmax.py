@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from subquad._validate import work_dtype
+
 __all__ = [
     "additive_mask",
     "eager_backward",
@@ -35,11 +37,6 @@ __all__ = [
     "merge_into",
     "work_dtype",
 ]
-
-
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of scores and softmax statistics: fp32 for half inputs, else the input's."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def fused_available(device: torch.device, head_dim: int | None = None, value_dim: int | None = None) -> bool:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from subquad._validate import AttentionShape, check_attention_inputs, check_logits
+from subquad._validate import AttentionShape, check_attention_inputs, check_logits, work_dtype
 from subquad.decoding import Decoder
 from subquad.kernels.memory import Scratch, new_output
 from subquad.kernels.threads import adapted_backward
@@ -78,7 +78,7 @@ def _weights(
     B, H, L, S = shape.batch, shape.heads, shape.queries, shape.keys
     query_logits = _check_logits("query_logits", query_logits, (B, H, L), v.device)
     key_logits = _check_logits("key_logits", key_logits, (B, H, S), v.device)
-    work = torch.float32 if v.dtype in (torch.float16, torch.bfloat16) else v.dtype
+    work = work_dtype(v.dtype)
     c_q = softmax(query_logits.to(work), dim=1).unsqueeze(-1)  # across the classes (heads)
     c_r = softmax(key_logits.to(work), dim=1).unsqueeze(-1)
     if key_padding_mask is not None:

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from subquad._validate import check_attention_inputs
+from subquad._validate import check_attention_inputs, work_dtype
 from subquad.decoding import Decoder
 from subquad.kernels.band import window_attention
 from subquad.ops.linear_blocks import Causal, NonCausal, features, normalise
@@ -150,7 +150,7 @@ def _resolve_state(state: nn.Module | None, config: LinearConfig, heads: int, di
 def learned_features(x: Tensor, state: LinearState) -> Tensor:
     """Hedgehog's ``[softmax(xW + b), softmax(−(xW + b))]`` of ``x`` ``(B, H, N, D)``: ``(B, H, N, 2D)``,
     in fp32 for half-precision inputs."""
-    work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    work = work_dtype(x.dtype)
     t = torch.matmul(x.to(work), state.weight.to(work)) + state.bias.to(work)[:, None, :]
     return torch.cat([torch.softmax(t, -1), torch.softmax(-t, -1)], dim=-1)
 
@@ -201,7 +201,7 @@ def linear_attention(
         k, v, mask = k[:, :, offset:], v[:, :, offset:], None if mask is None else mask[:, offset:]
     elif offset < 0:  # the first -offset queries see no key
         q = q[:, :, -offset:]
-    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    work = work_dtype(q.dtype)
     mask = None if mask is None else mask.to(work)
     out = Causal.apply(q, k, v, mask, initial, name, config.eps, config.chunk)
     if offset < 0:
@@ -225,7 +225,7 @@ def windowed(
     every query sees (decoding)."""
     B, H, L, _ = q.shape
     S, Dv, w = k.shape[2], v.shape[-1], config.window
-    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    work = work_dtype(q.dtype)
     s = min(config.sinks, S)
     near = window_attention(q, k, v, key_padding_mask, is_causal, scale, w, s, "fused").to(work)
     # m_i: whether query i's window (key positions p - w < j <= p, or |j - p| < w) or its sinks hold a real key

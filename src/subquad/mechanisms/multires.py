@@ -79,6 +79,7 @@ from subquad._validate import (
     check_logits,
     check_query_padding_mask,
     resolve_scale,
+    work_dtype,
 )
 from subquad.decoding import KVCache
 from subquad.kernels.memory import tracks_grad
@@ -290,7 +291,7 @@ def multires_attention(
     _check_router_logits(router_logits, config, shape, q.device)
     check_query_padding_mask(query_padding_mask, shape, q.device)
     dtype = q.dtype
-    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    work = work_dtype(dtype)
     q, k, v = q.to(work), k.to(work), v.to(work)
     first = shape.keys - shape.queries if is_causal else 0  # the position of query 0 (random routing)
     choice, weight = route(router_logits, config, shape.batch, shape.queries, first, _resolve_seed(state), work)

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask
+from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask, work_dtype
 from subquad.decoding import Decoder
 from subquad.hooks import add_auxiliary_loss, is_recomputing, replayed
 from subquad.kernels.cluster_tiles import balanced_windows, causal_windows
@@ -225,7 +225,7 @@ def routing_attention(
     state = _resolve_state(state, config, shape, q.device)
     B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
     R = B * H
-    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    work = work_dtype(q.dtype)
     centroids = replayed(state.centroids).to(work)  # a checkpoint's recomputation: those of its forward
     C, tile = centroids.shape[1], config.tile
     key_valid = None if key_padding_mask is None else key_padding_mask[:, None].expand(B, H, S).reshape(R, S)
@@ -303,7 +303,7 @@ class RoutingCache(Decoder):
         B, H, T, D = q.shape
         shape = AttentionShape(B, H, T, T, D, v.shape[-1], D**-0.5)
         state = self.state = _resolve_state(self.state, self.config, shape, q.device)
-        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        work = work_dtype(q.dtype)
         centroids = state.centroids.to(work)
         outputs = [
             self._one(q[:, :, t], k[:, :, t], v[:, :, t], self.length + t, centroids, shape.scale, work)

@@ -51,7 +51,7 @@ class NonCausal(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, name: str, eps: float) -> Tensor:  # type: ignore[override]
         B, H, L, D = q.shape
         S, Dv = k.shape[2], v.shape[3]
-        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        work = work_dtype(q.dtype)
         block = max(1, block_elements(TUNING.linear_block, q.device) // (B * H * max(D, Dv)))
         kv = q.new_zeros(B, H, D, Dv, dtype=work)
         z = q.new_zeros(B, H, 1, D, dtype=work)
@@ -204,7 +204,7 @@ class Causal(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, initial, name: str, eps: float, chunk: int) -> Tensor:  # type: ignore[override]
         B, H, N, D = q.shape
         Dv = v.shape[-1]
-        work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        work = work_dtype(q.dtype)
         chunk = max(1, min(chunk, N))
         step = chunk * max(1, block_elements(TUNING.linear_state_block, q.device) // (B * H * D * (Dv + 1)))
         if initial is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask
+from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask, work_dtype
 from subquad.kernels.memory import BlockOutput, tracks_grad
 from subquad.kernels.tuning import TUNING, block_elements
 from subquad.ops.clustering import (
@@ -242,7 +242,7 @@ def clustered_outputs(
     state = _resolve_state(state, config, shape)
     B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
     C = min(config.clusters, L)
-    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    work = work_dtype(q.dtype)
     rows = B * H
     qf, kf, vf = q.reshape(rows, L, D), k.reshape(rows, S, D), v.reshape(rows, S, Dv)
     key_real = None if key_padding_mask is None else key_padding_mask.repeat_interleave(H, dim=0)  # (BH, S)
