@@ -154,3 +154,16 @@ def test_a_config_without_architectures_is_a_decoder_by_its_model_type():
     assert not is_decoder(BertConfig())
     assert not is_decoder(LlamaConfig(architectures=["LlamaModel"]))
     assert is_decoder(BertConfig(architectures=["BertLMHeadModel"])) and is_decoder(BertConfig(is_decoder=True))
+
+
+def test_the_model_runs_in_the_dtype_and_on_the_device_asked_for(data, tmp_path):
+    rows = ap.approx(data / "encoder", data / "passages.jsonl", ["full"], tmp_path / "bf16", tokens=16, samples=12,
+                     batch=4, speed=False, device="cpu", dtype="bfloat16")  # fmt: skip
+    full = next(r for r in rows if r["spec"] == "full")
+    assert 0.99 < full["cosine"] <= 1.0 + 1e-6  # bf16 on both sides, compared in float32
+    saved = json.loads((tmp_path / "bf16" / "approx.json").read_text())
+    assert saved["settings"]["dtype"] == "bfloat16" and saved["settings"]["device"] == "cpu"
+    with pytest.raises(ValueError, match=r"--dtype must be one of float32, bfloat16, float16, got 'int8'"):
+        ap.approx(data / "encoder", data / "passages.jsonl", ["full"], tmp_path / "x", dtype="int8")
+    with pytest.raises(ValueError, match=r"--device must be auto, cpu, cuda or cuda:N, got 'tpu'"):
+        ap.approx(data / "encoder", data / "passages.jsonl", ["full"], tmp_path / "x", device="tpu")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import shutil
 
 import pytest
@@ -353,3 +354,16 @@ def test_a_damaged_checkpoint_is_named_and_a_failed_resume_changes_nothing(data,
         assert {p: p.read_bytes() for p in sorted((tmp_path / "run").rglob("*")) if p.is_file()} == before
         (newest / name).write_bytes(original)
     assert ds.distill(longer, resume=True, progress=False)["history"][-1]["step"] == 6  # whole again: it resumes
+
+
+def test_distillation_runs_in_the_dtype_asked_for_and_resumes_only_in_it(data, tmp_path):
+    config = run(data, tmp_path, "bert", dtype="bfloat16", device="cpu", steps=4, eval_every=2, checkpoint_every=2)
+    summary = ds.distill(config, progress=False)
+    errors = [h["heldout_error"] for h in summary["history"]]
+    assert len(errors) == 3 and all(math.isfinite(e) for e in errors)
+    model = hf.from_pretrained(tmp_path / "run" / "model")
+    assert {p.dtype for p in hf.converted_parameters(model)} == {torch.bfloat16}
+    with pytest.raises(ValueError, match=r"--resume with other settings than the run's \(dtype\)"):
+        ds.distill(run(data, tmp_path, "bert", steps=4, eval_every=2, checkpoint_every=2), resume=True, progress=False)
+    with pytest.raises(ValueError, match=r"--dtype must be one of float32, bfloat16, float16, got 'int8'"):
+        run(data, tmp_path, "bert", dtype="int8")

@@ -149,6 +149,9 @@ def _build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the attention's and the model's speed (default: on)")  # fmt: skip
     approx.add_argument("--seed", type=int, default=0, help="window order and probe split (default: %(default)s)")
+    approx.add_argument("--device", default="auto", help=_DEVICE_HELP)
+    approx.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the model's dtype; quality is compared in float32 (default: %(default)s)")  # fmt: skip
     approx.set_defaults(run=_run_approx)
 
     distill = commands.add_parser(
@@ -176,6 +179,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "eval_every": "steps between held-out errors", "checkpoint_every": "steps between checkpoints",
         "calibration": "windows routing's k-means reads", "keep": "checkpoints kept",
         "seed": "window order and the new weights' initialisation",
+        "device": "auto, cpu, cuda or cuda:N; auto: cuda where this torch sees one",
+        "dtype": "the model's dtype: float32, bfloat16 or float16",
     }  # fmt: skip
     from subquad.hf.distill import DistillConfig
 
@@ -214,7 +219,7 @@ def _run_approx(args: argparse.Namespace) -> int:
         raise ValueError("pass --mechanisms SPEC ..., --converted FOLDER ..., or both")
     rows = approx(args.model, args.data, args.mechanisms, args.out, tokens=args.tokens, samples=args.samples,
                   batch=args.batch, context=args.context, speed=args.speed, seed=args.seed,
-                  converted=args.converted)  # fmt: skip
+                  converted=args.converted, device=args.device, dtype=args.dtype)  # fmt: skip
     print(format_table(rows))
     print(f"wrote {args.out}/approx.json and approx.png")
     return 0

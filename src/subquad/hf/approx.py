@@ -66,7 +66,15 @@ def _outputs(model: nn.Module, windows: Windows, batch: int, decoder: bool) -> d
         else:
             hidden = model(input_ids=ids).last_hidden_state.float().mean(1)
             parts.setdefault("embedding", []).append(nn.functional.normalize(hidden, dim=-1))
-    return {k: torch.cat(v) for k, v in parts.items()}
+    return {k: torch.cat(v).cpu() for k, v in parts.items()}
+
+
+def _dtype(name: str) -> torch.dtype:
+    """``--dtype``'s name as a torch dtype; a ValueError names the choices."""
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in choices:
+        raise ValueError(f"--dtype must be one of {', '.join(choices)}, got {name!r}")
+    return choices[name]
 
 
 def _ranks(x: Tensor) -> Tensor:
@@ -121,7 +129,9 @@ def _quality(original: dict[str, Tensor], swapped: dict[str, Tensor], labels: li
     return row
 
 
-def _speed(model: nn.Module, specs: list[str], context: int, causal: bool) -> dict[str, dict[str, Any]]:
+def _speed(
+    model: nn.Module, specs: list[str], context: int, causal: bool, device: torch.device, dtype: str
+) -> dict[str, dict[str, Any]]:
     """Time and peak memory of each mechanism's attention at ``context``, with the model's heads."""
     from subquad.bench.runner import BenchSettings, Variant, run_bench
 
@@ -130,7 +140,8 @@ def _speed(model: nn.Module, specs: list[str], context: int, causal: bool) -> di
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     variants = [Variant(name, tuple(sorted(options.items()))) for name, options in map(parse_spec, specs)]
     settings = BenchSettings(variants=variants, lengths=(context,), heads=heads, head_dim=head_dim, causal=(causal,),
-                             backward=(False,), repeats=5, warmup_seconds=1.0, max_seconds=3.0)  # fmt: skip
+                             backward=(False,), repeats=5, warmup_seconds=1.0, max_seconds=3.0, device=device.type,
+                             dtype=dtype)  # fmt: skip
     rows = {r["mechanism"]: r for r in run_bench(settings)}
     labels = {"original": "full", **{spec: variant.label for spec, variant in zip(specs, variants)}}
     out = {}
@@ -153,7 +164,8 @@ def _model_speed(
     head, whose logits do not change with the attention."""
     from subquad import hf
 
-    ids = token_windows(tokenizer, texts, None, context, 1, seed).ids
+    reference = next(model.parameters())
+    ids = token_windows(tokenizer, texts, None, context, 1, seed).ids.to(reference.device)
 
     def timed(model: nn.Module) -> float:
         body = getattr(model, "base_model", model)
@@ -167,7 +179,7 @@ def _model_speed(
 
     seconds = {"original": timed(model)}
     for label, folder in (converted or {}).items():
-        seconds[label] = timed(hf.from_pretrained(folder))
+        seconds[label] = timed(hf.from_pretrained(folder).to(reference.device, reference.dtype))
     for spec in specs:
         name, options = parse_spec(spec)
         hf.use(model, name, **options)
@@ -180,10 +192,15 @@ def _model_speed(
 
 def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str | Path, *, tokens: int = 256,
            samples: int = 300, batch: int = 8, context: int | None = None, calibration: int = 16,
-           speed: bool = True, seed: int = 0, converted: list[str | Path] = ()) -> list[dict[str, Any]]:  # fmt: skip
+           speed: bool = True, seed: int = 0, converted: list[str | Path] = (), device: str = "auto",
+           dtype: str = "float32") -> list[dict[str, Any]]:  # fmt: skip
     """Measure each mechanism spec, and each converted model folder, against the original model;
-    returns (and writes) the rows."""
+    returns (and writes) the rows. ``device``: auto, cpu, cuda or cuda:N; ``dtype``: the model's
+    (float32, bfloat16, float16); quality is compared in float32 either way."""
     from subquad import hf
+    from subquad.train.loop import resolve_device
+
+    where, kind = resolve_device(device), _dtype(dtype)
 
     for spec in specs:
         name, options = parse_spec(spec)
@@ -194,14 +211,15 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
         raise ValueError(f"--out {out} is a file; pass a folder (it is created if missing)")
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer, decoder = load_model(model_path)
+    model = model.to(where, kind)
     texts, labels = read_passages(data)
     windows = token_windows(tokenizer, texts, labels, tokens, samples + calibration, seed)
-    calib = Windows(windows.ids[samples:], None)
-    windows = Windows(windows.ids[:samples], windows.labels[:samples] if windows.labels else None)
+    calib = Windows(windows.ids[samples:].to(where), None)
+    windows = Windows(windows.ids[:samples].to(where), windows.labels[:samples] if windows.labels else None)
     if len(windows.ids) < 2:
         raise ValueError(f"the text gives {len(windows.ids)} window(s) of {tokens} tokens; pass more text")
     settings = {"model": str(model_path), "data": str(data), "tokens": tokens, "samples": len(windows.ids),
-                "decoder": decoder, "seed": seed}  # fmt: skip
+                "decoder": decoder, "seed": seed, "device": where.type, "dtype": dtype}  # fmt: skip
     saved = out / "approx.json"
     previous = read_json(saved, "approx results", _RESULTS_FIX) if saved.exists() else {}
     kept = previous.get("rows", []) if previous.get("settings") == settings else []
@@ -226,13 +244,13 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
         if label in done:
             rows.append(done[label])
             continue
-        swapped = _outputs(hf.from_pretrained(label.partition(":")[2]), windows, batch, decoder)
+        swapped = _outputs(hf.from_pretrained(label.partition(":")[2]).to(where, kind), windows, batch, decoder)
         rows.append({"spec": label, **_quality(original, swapped, windows.labels)})
         _write(saved, settings, rows)
         print(format_table(rows[-1:], header=False), flush=True)
     if speed and not all("time_ms" in r and "model_ms" in r for r in rows):
         longest = context or int(getattr(model.config, "max_position_embeddings", tokens))
-        timing = _speed(model, list(dict.fromkeys([*specs, *folders.values()])), longest, decoder)
+        timing = _speed(model, list(dict.fromkeys([*specs, *folders.values()])), longest, decoder, where, dtype)
         timing.update({label: timing[spec] for label, spec in folders.items()})
         converted_folders = {label: label.partition(":")[2] for label in folders}
         whole = _model_speed(model, tokenizer, texts, specs, longest, calib, batch, seed, converted=converted_folders)

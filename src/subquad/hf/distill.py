@@ -69,6 +69,8 @@ class DistillConfig:
     calibration: int = 16
     seed: int = 0
     keep: int = 2
+    device: str = "auto"
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for name in ("tokens", "batch", "heldout", "eval_every", "checkpoint_every", "keep"):
@@ -77,6 +79,8 @@ class DistillConfig:
         for name in ("steps", "finetune_steps", "warmup", "calibration"):
             if getattr(self, name) < 0:
                 raise ValueError(f"distill {name} must be >= 0, got {getattr(self, name)}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.steps + self.finetune_steps < 1:
             raise ValueError("distill needs steps or finetune_steps > 0")
         for name in ("lr", "finetune_lr"):
@@ -91,7 +95,8 @@ class DistillConfig:
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")  # across transformers' models
 
 # Fields a resumed run may change: where its folder is, how long it goes on, how often it reports and saves.
-_RESUMABLE = {"out", "finetune_steps", "eval_every", "checkpoint_every", "keep"}
+_RESUMABLE = {"out", "finetune_steps", "eval_every", "checkpoint_every", "keep", "device"}  # may change on resume
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class AttentionTransfer:
@@ -203,7 +208,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     the summary (also in ``OUT/distill.json``). See the module docstring."""
     from subquad import hf
     from subquad.train import checkpoint
-    from subquad.train.loop import Progress, trimmed_log
+    from subquad.train.loop import Progress, resolve_device, trimmed_log
 
     checkpoint.require()  # before any work: a run that cannot save must not start
 
@@ -220,9 +225,11 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
         checkpoint.verify(found)  # a damaged checkpoint is refused before the model loads
     out.mkdir(parents=True, exist_ok=True)
 
+    where = resolve_device(config.device)
     model, tokenizer, decoder = load_model(config.model)
+    model = model.to(where, _DTYPES[config.dtype])
     texts, _ = read_passages(config.data)
-    windows = token_windows(tokenizer, texts, None, config.tokens, 10**9, config.seed).ids
+    windows = token_windows(tokenizer, texts, None, config.tokens, 10**9, config.seed).ids.to(where)
     train_count = len(windows) - config.heldout
     if train_count < config.batch:
         raise ValueError(
@@ -259,7 +266,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     if found is not None:
         with checkpoint.fitting(found):
             state = checkpoint.load(found, container)
-            saved = {k: v for k, v in state["settings"].items() if k not in _RESUMABLE}
+            saved = {"dtype": "float32", **{k: v for k, v in state["settings"].items() if k not in _RESUMABLE}}
         if saved != settings:
             changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
             raise ValueError(f"--resume with other settings than the run's ({', '.join(changed)}); use the same ones")
