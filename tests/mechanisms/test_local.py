@@ -136,9 +136,7 @@ def test_a_second_call_of_a_shape_builds_no_mask_and_padding_uses_none_kept(coun
 
 
 def test_masks_over_the_kept_size_are_built_every_call(counted_masks, monkeypatch):
-    from subquad.kernels import blocksparse
-
-    monkeypatch.setattr(blocksparse, "_KEPT_ELEMENTS", 0)
+    monkeypatch.setattr(TUNING, "blocksparse_kept_mask", 0)
     q, k, v = qkv(1, 2, 300, 300, 8, seed=1)
     first = local_attention(q, k, v, config=LocalConfig(window=40))
     built = len(counted_masks)

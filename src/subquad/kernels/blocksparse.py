@@ -121,9 +121,6 @@ def block_sparse_attention(
     return _BlockSparse.apply(q, k, v, key_padding_mask, tuple(parts), scale, forward, fused, backward)
 
 
-_KEPT_ELEMENTS = 1 << 20  # the largest mask a kept group keeps (Group.memo), 4 MB as an additive mask
-
-
 class _Chunk:
     """One chunk of a group: the gathered indices and the element mask, shared by both passes."""
 
@@ -162,17 +159,17 @@ class _Chunk:
         self.allowed = allowed
 
     def kept(self, key: tuple, build: Callable[[], Tensor]) -> Tensor:
-        """``build()``, from the group's memo where it has one. Masks of more than ``_KEPT_ELEMENTS``
+        """``build()``, from the group's memo where it has one; masks over ``TUNING.blocksparse_kept_mask``
         elements are built each time (a long sequence's layout would hold them all), and a memo of
-        many chunkings (many batch sizes) starts again once it holds 256."""
+        many chunkings starts again at ``TUNING.blocksparse_kept_masks``."""
         if self.memo is None:
             return build()
         key = (self.start, self.stop, *key)
         value = self.memo.get(key)
         if value is None:
             value = build()
-            if value.numel() <= _KEPT_ELEMENTS:
-                if len(self.memo) >= 256:
+            if value.numel() <= TUNING.blocksparse_kept_mask:
+                if len(self.memo) >= TUNING.blocksparse_kept_masks:
                     self.memo.clear()
                 self.memo[key] = value
         return value

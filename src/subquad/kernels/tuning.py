@@ -64,6 +64,10 @@ class Tuning:
     blocksparse_view_tile: int = _knob(
         1 << 28, "view groups with one block's mask hold only their output: one call per group where possible"
     )
+    blocksparse_kept_mask: int = _knob(
+        1 << 20, "the largest element mask a kept layout group keeps between calls (Group.memo): 4 MB additive"
+    )
+    blocksparse_kept_masks: int = _knob(256, "masks a kept layout group holds before it starts again (Group.memo)")
     native_queries: int = _knob(128, "the native kernel's gain is on short blocks; longer ones go to torch's kernel")
     native_keys: int = _knob(1024, "as native_queries, for the keys a block sees")
     local_block: int = _knob(
@@ -104,6 +108,13 @@ class Tuning:
     )
     clustered_chunk: int = _knob(
         1 << 20, "improved-clustered without autograd: tile elements gathered and multiplied at once, about 4 MB"
+    )
+    topk_chunk: int = _knob(4, "improved-clustered's two-stage top-k on CPU: chunks of this many keys (top_keys)")
+    topk_two_stage_from: int = _knob(
+        32, "two stages where S >= this many times k: below, torch's CPU top-k over whole rows is as fast"
+    )
+    topk_two_stage_below: int = _knob(
+        64, "two stages where S < this many times k: from there torch's CPU top-k runs a partial sort, as fast"
     )
     # kernel attention and its causal scan (linear, multires, agglomerative)
     linear_state_block: int = _knob(1 << 18, "causal scan: chunk states (rows × chunks × D × Dc) held at once")

@@ -46,16 +46,18 @@ def top_keys(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The k largest of each row of ``probs`` ``(G, C, S)`` and their indices, in no particular order:
     ``probs.topk(k, sorted=False)`` (tied values may pick other indices).
 
-    On CPU, where ``32·k <= S < 64·k``, in two stages: the k chunks of 4 with the largest maxima,
-    then the k largest of their 4·k entries. Exact: a chunk left out has its maximum at most the
-    k-th largest maximum, and the chunks kept hold k entries at least that large. torch's CPU top-k
-    runs a selection on the whole row when S < 64·k, at about 4.5 µs a row of 1024: 3.6 ms → 2.4 ms
-    for the 800 rows of N = 1024, C = 100 (docs/performance.md); from 64·k on its partial sort is as fast.
+    On CPU, where ``a·k <= S < b·k`` (``TUNING.topk_two_stage_from``, ``topk_two_stage_below``), in
+    two stages: the k chunks of w keys (``TUNING.topk_chunk``) with the largest maxima, then the k
+    largest of their w·k entries. Exact: a chunk left out has its maximum at most the k-th largest
+    maximum, and the chunks kept hold k entries at least that large. Why: torch's CPU top-k runs a
+    selection over the whole row in that range, which the two stages beat; from b·k on its partial
+    sort is as fast (docs/performance.md has the figures).
     """
     G, C, S = probs.shape
-    if probs.device.type != "cpu" or not 32 * k <= S < 64 * k:
+    low, high = TUNING.topk_two_stage_from, TUNING.topk_two_stage_below
+    if probs.device.type != "cpu" or not low * k <= S < high * k:
         return probs.topk(k, dim=-1, sorted=False)
-    width = 4
+    width = TUNING.topk_chunk
     n = -(-S // width)
     padded = probs if n * width == S else F.pad(probs, (0, n * width - S), value=float("-inf"))
     maxima = F.max_pool1d(padded.view(G * C, 1, n * width), width).view(G, C, n)  # 3× faster than amax over 4
