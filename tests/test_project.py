@@ -91,3 +91,11 @@ def test_readme_conversion_example_runs(tmp_path, monkeypatch):
     assert loaded is not model and (tmp_path / "converted" / "subquad.json").is_file()
     ids = batches[0]["input_ids"]
     torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+
+
+def test_importing_subquad_leaves_torchs_compiler_stack_unloaded():
+    """``torch.nn.attention.bias`` imports torch's compiler stack (about 2 s a process, which every
+    ``subquad`` command paid): subquad reads a causal bias only once the caller has imported it."""
+    code = "import sys, subquad, subquad.nn, subquad.cli; print('torch.nn.attention.bias' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr

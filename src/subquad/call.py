@@ -23,6 +23,7 @@ One call runs, in order:
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from typing import Any
 
@@ -38,25 +39,33 @@ from subquad.registry import Mechanism, default_config, get_mechanism, make_conf
 
 __all__ = ["attention", "call", "causal_lower_right"]
 
-try:  # torch >= 2.2
-    from torch.nn.attention.bias import CausalBias, CausalVariant
-except ImportError:  # pragma: no cover - older torch: no causal bias objects to accept
-    CausalBias = CausalVariant = None  # type: ignore[assignment,misc]
+def _bias_module() -> Any:
+    """torch's ``torch.nn.attention.bias`` where it is imported, else None: it imports torch's
+    compiler stack (about 2 s), so it is not imported for calls that pass no causal bias, and an
+    object of its ``CausalBias`` can exist only once it is imported."""
+    return sys.modules.get("torch.nn.attention.bias")
 
 
 def causal_lower_right(num_queries: int, num_keys: int) -> Any:
     """torch's ``causal_lower_right(L, S)`` bias: the end-aligned causal form (query ``i`` at key
     position ``i + S - L``). Built without torch's warning for L > S, which concerns SDPA's NaN
     rows: here a query that sees no key returns zeros."""
-    if CausalBias is None:
-        raise RuntimeError("causal_lower_right needs torch >= 2.2 (torch.nn.attention.bias)")
+    try:
+        from torch.nn.attention.bias import CausalBias, CausalVariant
+    except ImportError as error:  # pragma: no cover - torch < 2.2
+        raise RuntimeError("causal_lower_right needs torch >= 2.2 (torch.nn.attention.bias)") from error
     return CausalBias(CausalVariant.LOWER_RIGHT, num_queries, num_keys)
+
+
+def _is_causal_bias(x: Any) -> bool:
+    bias = _bias_module()
+    return bias is not None and isinstance(x, bias.CausalBias)
 
 
 def _causal_form(is_causal: Any, attn_mask: Any, q: Tensor, k: Tensor) -> tuple[bool, bool, Any]:
     """``(causal, end_aligned, attn_mask)`` from SDPA's arguments: a ``CausalBias`` mask becomes
     the causal form it names (and is taken out of ``attn_mask``)."""
-    if CausalBias is None or not isinstance(attn_mask, CausalBias):
+    if not _is_causal_bias(attn_mask):
         return is_causal, False, attn_mask
     if is_causal is True:
         raise ValueError("pass either is_causal=True or a causal attn_mask (CausalBias), not both, as for SDPA")
@@ -66,7 +75,7 @@ def _causal_form(is_causal: Any, attn_mask: Any, q: Tensor, k: Tensor) -> tuple[
             f"attn_mask is a causal bias for L={attn_mask.seq_len_q}, S={attn_mask.seq_len_kv}, but q and k have "
             f"L={L}, S={S}; build it as causal_lower_right({L}, {S})"
         )
-    return True, attn_mask.variant == CausalVariant.LOWER_RIGHT, None
+    return True, attn_mask.variant == _bias_module().CausalVariant.LOWER_RIGHT, None
 
 
 def call(
@@ -257,7 +266,7 @@ def _tensor_arguments(mech: Mechanism, attn_mask: Any, options: dict[str, Any]) 
     """The call's extra tensor arguments, taken out of ``options``; a dense ``attn_mask`` is
     checked to be taken by the mechanism (else a ValueError naming what it takes)."""
     tensors = {name: options.pop(name) for name in mech.tensor_args if name in options}
-    if attn_mask is not None and (CausalBias is None or not isinstance(attn_mask, CausalBias)):
+    if attn_mask is not None and not _is_causal_bias(attn_mask):
         if "attn_mask" not in mech.tensor_args:
             raise ValueError(
                 f"{mech.name} takes no dense attn_mask; pass key_padding_mask, bool (B, S) with True = real "
