@@ -39,6 +39,7 @@ from subquad.registry import Mechanism, default_config, get_mechanism, make_conf
 
 __all__ = ["attention", "call", "causal_lower_right"]
 
+
 def _bias_module() -> Any:
     """torch's ``torch.nn.attention.bias`` where it is imported, else None: it imports torch's
     compiler stack (about 2 s), so it is not imported for calls that pass no causal bias, and an
