@@ -5,10 +5,11 @@ The arguments are broadcastable integer tensors, so one definition yields dense 
 (``dense_mask``) and, in block-sparse mechanisms, block layouts for compute. Masks compose with
 ``and_masks`` / ``or_masks``.
 
-Causal alignment: when L != S, query ``i`` sits at position ``i + S - L`` (bottom-right aligned),
-so a block of new queries appended to a key prefix (decoding with a cache, chunked prefill) sees
-exactly the keys at or before its own position. ``torch.nn.functional.scaled_dot_product_attention``
-aligns ``is_causal`` top-left instead; the two agree when L == S.
+Causal alignment in these masks and in every mechanism's ``fn``: when L != S, query ``i`` sits at
+position ``i + S - L`` (bottom-right aligned), so a block of new queries appended to a key prefix
+(decoding with a cache, chunked prefill) sees exactly the keys at or before its own position. The
+public call follows SDPA instead: ``subquad.attention(is_causal=True)`` is top-left, and the
+bottom-right form is asked for with ``attn_mask=causal_lower_right(L, S)`` (``subquad.call``).
 """
 
 from __future__ import annotations

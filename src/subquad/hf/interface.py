@@ -19,7 +19,7 @@ What the model hands over is translated exactly or refused:
   Without a registered mask function transformers would pass no mask at all and padding would be
   silently ignored. A mask that is not causal-or-bidirectional plus padding (a sliding window,
   packed sequences, image overlays, any other 4-D mask) raises, naming what was found.
-- **Generation caches.** New queries are aligned to the last keys (the core's causal contract),
+- **Generation caches.** New queries are aligned to the last keys (``causal_lower_right``),
   so a token decoded with transformers' cache meets the cached keys as in the parallel pass. That
   cache holds every key and value, so each new token runs the mechanism over the whole prefix:
   exact, but O(prefix) per token; the mechanisms' recurrent decoders are not used here.

@@ -112,8 +112,8 @@ def _hidden_slots(shown: Tensor) -> Tensor | None:
 
 def _zero_rows(x: Tensor, shown: Tensor, hidden: Tensor | None) -> Tensor:
     """``x`` ``(n, Tk, F)`` with the rows of the unshown slots zeroed in place. On the CPU the
-    hidden rows are filled by index: a bool mask broadcast over F (``masked_fill_``) costs about
-    20× more there (0.43 ms against 0.01–0.07 ms on (512, 16, 64), docs/performance.md)."""
+    hidden rows are filled by index: a bool mask broadcast over F (``masked_fill_``) defeats torch's
+    vectorised fill there (the figures are in docs/performance.md)."""
     if hidden is None:
         return x.masked_fill_(~shown[..., None], 0)
     if hidden.numel():

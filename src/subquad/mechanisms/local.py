@@ -2,9 +2,9 @@
 
 Query i attends to the keys less than ``window`` positions from it, ``|i - j| < window``:
 causal, the previous ``window - 1`` keys and its own (``i - window < j <= i``); non-causal,
-``window - 1`` on each side as well. (``window`` means the same in ``pattern``; before 0.2 the
-non-causal form took ``|i - j| <= window``, one key more on each side.) With L ≠ S the queries are
-the last L positions of the keys (bottom-right alignment, as in causal attention). Softmax is
+``window - 1`` on each side as well (``window`` means the same in ``pattern``). With L ≠ S the
+function's queries are the last L positions of the keys (bottom-right alignment, as in every
+mechanism's ``fn``; ``subquad.attention`` aligns ``is_causal`` top-left, as SDPA does). Softmax is
 exact over the window.
 
 **Computation.** Queries go in blocks of ``block`` consecutive positions; a block's keys are the

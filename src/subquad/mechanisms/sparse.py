@@ -3,7 +3,7 @@
 **Patterns** are ``mask_mod(b, h, q_idx, kv_idx) -> bool`` functions (``subquad.masks``), defined
 once here; ``dense_mask`` turns them into the dense masks tests compare with, and the block layouts
 below evaluate them for the exact element mask inside every computed block. Query ``i`` sits at
-position ``p = i + S − L`` (the queries are the last L positions, as everywhere in subquad). With
+position ``p = i + S − L`` (the queries are the last L positions, as in every mechanism's ``fn``). With
 stride (block length) ``l``, as in the authors' released code (§4.2, Fig. 3):
 
 - strided, local step: ``0 ≤ p − j < l``; column step: ``j ≤ p`` and ``(p − j) mod l = 0``;
