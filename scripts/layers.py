@@ -17,7 +17,7 @@ from pathlib import Path
 
 # Lowest first. A name is a top-level module or package of subquad.
 LAYERS = (
-    ("config", "version"),
+    ("config", "version", "flags"),
     ("_validate", "masks", "files"),
     ("registry",),
     ("_contain", "hooks"),
@@ -27,7 +27,7 @@ LAYERS = (
     ("mechanisms",),
     ("call",),
     ("nn",),
-    ("hf", "bench", "train"),  # the jobs: distill (in hf/) keeps train's checkpoints
+    ("hf", "bench", "train", "listing"),  # the jobs: distill (in hf/) keeps train's checkpoints
     ("cli", "__main__", "__init__"),
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

@@ -8,8 +8,11 @@ import pytest
 
 import subquad
 from subquad import registry
+from subquad.bench.command import arguments as bench_arguments
+from subquad.bench.command import settings_from as _bench_settings
 from subquad.bench.runner import BenchSettings
-from subquad.cli import _add_bench_arguments, _bench_settings, _option_parser, main
+from subquad.cli import build_parser, main
+from subquad.flags import old_switches, option_parser
 
 from .test_registry import TOY
 
@@ -91,11 +94,11 @@ def test_bench_rejects_bad_option_values(capsys):
 
 
 def test_option_parsers_follow_the_field_types():
-    parse, metavar = _option_parser(tuple[float, ...])
+    parse, metavar = option_parser(tuple[float, ...])
     assert parse("0.5,0.25") == (0.5, 0.25) and metavar == "FLOAT,..."
-    parse, metavar = _option_parser(int | None)
+    parse, metavar = option_parser(int | None)
     assert parse("none") is None and parse("3") == 3 and metavar == "INT|none"
-    parse, _ = _option_parser(bool)
+    parse, _ = option_parser(bool)
     assert parse("yes") is True and parse("False") is False
     with pytest.raises(argparse.ArgumentTypeError, match="expected true or false, got 'maybe'"):
         parse("maybe")
@@ -111,7 +114,7 @@ def test_options_for_an_unselected_mechanism_raise(monkeypatch, capsys):
 
 def _bench_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    _add_bench_arguments(parser)
+    bench_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -147,9 +150,8 @@ def test_python_m_subquad_runs_the_command():
 
 def test_the_grid_gives_lengths_and_warm_ups_that_are_not_set():
     from subquad.bench.runner import GRIDS
-    from subquad.cli import _build_parser
 
-    parse = lambda *argv: _bench_settings(_build_parser().parse_args(["bench", *argv]))
+    parse = lambda *argv: _bench_settings(build_parser().parse_args(["bench", *argv]))
     default, full = parse(), parse("--grid", "full")
     assert tuple(default.lengths) == GRIDS["default"]["lengths"] and default.warmup_seconds == 0.5
     assert tuple(full.lengths) == GRIDS["full"]["lengths"] and full.warmup_seconds == 2.0 and full.repeats == 20
@@ -199,10 +201,8 @@ def test_bench_mechanisms_take_the_one_spec_grammar_beside_the_sweep_flags():
 
 
 def test_boolean_flags_are_x_and_no_x_and_the_old_yes_no_warns_for_one_release(monkeypatch):
-    from subquad.cli import _build_parser, _old_switches
-
-    parser = _build_parser()
-    parse = lambda *argv: parser.parse_args(_old_switches(parser, list(argv)))
+    parser = build_parser()
+    parse = lambda *argv: parser.parse_args(old_switches(parser, list(argv)))
     assert parse("train", "--bf16").bf16 is True and parse("train", "--no-bf16").bf16 is False
     assert parse("train").grad_checkpoint is False and parse("train", "--grad-checkpoint").grad_checkpoint is True
     assert parse("bench").plots is True and parse("bench", "--no-plots").plots is False
@@ -214,3 +214,92 @@ def test_boolean_flags_are_x_and_no_x_and_the_old_yes_no_warns_for_one_release(m
         assert parse("bench", "--adaptive-threads", "no").adaptive_threads is False
     with pytest.raises(SystemExit):
         parse("train", "--no-bf16", "maybe")
+
+
+def test_renamed_flags_say_what_they_count_and_the_old_names_warn_for_one_release():
+    parser = build_parser()
+    parse = lambda *argv: parser.parse_args(list(argv))
+    model = ("m", "--data", "d", "--out", "o")
+    renamed = [
+        (("train", "--examples-per-step", "8"), ("train", "--batch", "8"), "batch", 8),
+        (("approx", *model, "--window-tokens", "64"), ("approx", *model, "--tokens", "64"), "tokens", 64),
+        (("approx", *model, "--windows", "9"), ("approx", *model, "--samples", "9"), "samples", 9),
+        (("approx", *model, "--windows-per-forward", "2"), ("approx", *model, "--batch", "2"), "batch", 2),
+        (("distill", *model, "--mechanism", "linear", "--window-tokens", "64"),
+         ("distill", *model, "--mechanism", "linear", "--tokens", "64"), "tokens", 64),
+        (("distill", *model, "--mechanism", "linear", "--windows-per-step", "3"),
+         ("distill", *model, "--mechanism", "linear", "--batch", "3"), "batch", 3),
+        (("evaluate", "run", "--batches", "2"), ("evaluate", "run", "--windows", "2"), "batches", 2),
+        (("generate", "run", "--prompt", "a", "--new-bytes", "5"),
+         ("generate", "run", "--prompt", "a", "--tokens", "5"), "new_bytes", 5),
+    ]  # fmt: skip
+    for new, old, dest, value in renamed:
+        assert getattr(parse(*new), dest) == value
+        with pytest.warns(DeprecationWarning, match=rf"{old[-2]} is deprecated \(until the next release\): write "
+                          rf"{new[-2]}"):  # fmt: skip
+            assert getattr(parse(*old), dest) == value
+    assert "--tokens" not in _help(parser, "approx") and "--window-tokens" in _help(parser, "approx")
+
+
+def _help(parser: argparse.ArgumentParser, command: str) -> str:
+    return parser._subparsers._group_actions[0].choices[command].format_help()
+
+
+def test_every_command_that_computes_takes_device_and_the_model_commands_take_dtype():
+    parser = build_parser()
+    for command in ("bench", "train", "evaluate", "generate", "approx", "distill"):
+        assert "--device" in _help(parser, command), command
+    for command in ("bench", "approx", "distill"):
+        assert "--dtype" in _help(parser, command), command
+    args = parser.parse_args(["approx", "m", "--data", "d", "--out", "o", "--device", "cpu", "--dtype", "bfloat16"])
+    assert (args.device, args.dtype) == ("cpu", "bfloat16")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["distill", "m", "--data", "d", "--out", "o", "--mechanism", "x", "--dtype", "int8"])
+
+
+def test_the_model_commands_flags_are_their_configs_fields_with_the_same_defaults():
+    from subquad.flags import flag_values
+    from subquad.hf.approx import ApproxConfig
+    from subquad.hf.distill import DistillConfig
+
+    parser = build_parser()
+    approx = flag_values(parser.parse_args(["approx", "m", "--data", "d", "--out", "o"]), ApproxConfig)
+    assert ApproxConfig(**approx) == ApproxConfig("m", "d", "o")
+    distill = parser.parse_args(["distill", "m", "--data", "d", "--out", "o", "--mechanism", "linear"])
+    assert DistillConfig(**flag_values(distill, DistillConfig)) == DistillConfig("m", "d", "linear", "o")
+    layers = parser.parse_args(["distill", "m", "--data", "d", "--out", "o", "--mechanism", "x", "--layers", "1", "3"])
+    assert flag_values(layers, DistillConfig)["layers"] == (1, 3)
+
+
+def test_approx_settings_name_the_flag_of_a_bad_value():
+    from subquad.hf.approx import ApproxConfig
+
+    for field, flag in (("tokens", "--window-tokens"), ("samples", "--windows"), ("batch", "--windows-per-forward")):
+        with pytest.raises(ValueError, match=rf"{flag} must be >= 1, got 0"):
+            ApproxConfig("m", "d", "o", **{field: 0})
+    with pytest.raises(ValueError, match="--calibration must be >= 0, got -1"):
+        ApproxConfig("m", "d", "o", calibration=-1)
+    with pytest.raises(ValueError, match="--context must be >= 1, got 0"):
+        ApproxConfig("m", "d", "o", context=0)
+
+
+def test_cli_only_wires_the_commands_each_job_declares():
+    from subquad.cli import COMMANDS
+
+    names = [c.name for c in COMMANDS]
+    assert names == ["list", "bench", "train", "evaluate", "generate", "upgrade-run", "compare", "approx", "distill"]
+    modules = {c.name: c.run.__module__ for c in COMMANDS}
+    assert modules["bench"] == "subquad.bench.command" and modules["distill"] == "subquad.hf.command"
+    assert all(not m.startswith("subquad.cli") for m in modules.values())
+
+
+def test_a_config_file_value_outside_a_settings_choices_is_refused_by_name():
+    from subquad.hf.approx import ApproxConfig
+    from subquad.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="task must be one of text, listops, pixels, got 'uext'"):
+        TrainConfig(task="uext")
+    with pytest.raises(ValueError, match="position must be one of auto, learned, conv, both, got 'x'"):
+        TrainConfig(task="listops", position="x")
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16, got 'int8'"):
+        ApproxConfig("m", "d", "o", dtype="int8")

@@ -328,8 +328,8 @@ def test_bad_specs_and_inputs_raise(data, tmp_path):
 
 def test_the_command_line(data, tmp_path, capsys):
     code = main(["distill", str(data / "bert"), "--data", str(data / "passages.jsonl"), "--mechanism",
-                 "agglomerative", "--out", str(tmp_path / "cli"), "--tokens", "24", "--steps", "4", "--heldout", "4",
-                 "--eval-every", "2", "--layers", "1", "--no-progress"])  # fmt: skip
+                 "agglomerative", "--out", str(tmp_path / "cli"), "--window-tokens", "24", "--steps", "4",
+                 "--heldout", "4", "--eval-every", "2", "--layers", "1", "--no-progress"])  # fmt: skip
     assert code == 0 and "held-out relative error" in capsys.readouterr().out
     saved = json.loads((tmp_path / "cli" / "model" / hf.SPEC_FILE).read_text())
     assert list(saved["layers"]) == ["1"]

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 from subquad.cli import main
 from subquad.files import FileError
-from subquad.train.loop import TrainConfig, train
+from subquad.train.config import TrainConfig
+from subquad.train.loop import train
 
 pytest.importorskip("transformers", minversion="5")
 
@@ -204,7 +205,7 @@ def test_evaluate_names_a_damaged_run_file(pristine, capsys, name):
     @given(damage(original, "json" if name.endswith(".json") else "bytes"))
     def check(data):
         with Copy(pristine / "run", name, data) as run:
-            code, err = command(["evaluate", str(run), "--split", "val", "--windows", "1", "--device", "cpu"], capsys)
+            code, err = command(["evaluate", str(run), "--split", "val", "--batches", "1", "--device", "cpu"], capsys)
         if code:
             assert code == 2 and Path(name).name in err and "error: " in err, err
         else:  # only a file of the same meaning evaluates
@@ -216,7 +217,7 @@ def test_evaluate_names_a_damaged_run_file(pristine, capsys, name):
 def _same_config(data: bytes, original: bytes) -> bool:
     """Whether a damaged run config (which evaluated) still describes the run: defaults filled in,
     only what evaluate lets differ (the steps, the folder, the device, the data file's path) differs."""
-    from subquad.train.loop import _jsonable
+    from subquad.train.config import jsonable as _jsonable
 
     free = {"steps", "out", "device", "data"}
     now, before = (_jsonable(TrainConfig(**{k: v for k, v in json.loads(d).items() if k != "subquad"}))
@@ -251,7 +252,7 @@ def test_resume_names_a_damaged_run_file_and_changes_nothing(pristine, capsys, n
 
 
 def test_a_damaged_toml_config_is_named(pristine, tmp_path):
-    from subquad.train.loop import load_config_file, train_config
+    from subquad.train.config import load_config_file, train_config
 
     original = (pristine / "config.toml").read_bytes()
 
@@ -378,7 +379,7 @@ def test_a_file_that_is_not_gguf_is_named(tmp_path, capsys):
 
 def test_files_of_another_version_say_so(pristine, tmp_path):
     from subquad import hf
-    from subquad.train.loop import load_config_file
+    from subquad.train.config import load_config_file
 
     run = tmp_path / "run"
     shutil.copytree(pristine / "run", run)

@@ -13,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from subquad.train.loop import TrainConfig, resolve_device, train
+from subquad.train.config import TrainConfig
+from subquad.train.loop import resolve_device, train
 from subquad.train.tasks import make_task
 
 ROOT = Path(__file__).parent.parent
-SMALL = ["--seq-len", "32", "--dim", "32", "--depth", "2", "--heads", "2", "--batch", "4", "--warmup", "5",
+SMALL = ["--seq-len", "32", "--dim", "32", "--depth", "2", "--heads", "2", "--examples-per-step", "4", "--warmup", "5",
          "--eval-every", "50", "--eval-windows", "4", "--checkpoint-every", "5", "--dropout", "0.1"]  # fmt: skip
 
 
@@ -128,8 +129,8 @@ def test_the_input_position_is_the_convolution_where_a_layer_is_agglomerative(co
     assert TrainConfig(data=str(corpus), layers=mix).input_position() == "conv"
     config = TrainConfig(data=str(corpus), attention="agglomerative", position="both", seq_len=16, dim=16, heads=1)
     assert make_task(config).model().backbone.embed.position == "both"
-    with pytest.raises(ValueError, match="position must be one of learned, conv, both, got 'rope'"):
-        make_task(TrainConfig(data=str(corpus), position="rope", seq_len=16, dim=16, heads=1)).model()
+    with pytest.raises(ValueError, match="position must be one of auto, learned, conv, both, got 'rope'"):
+        TrainConfig(data=str(corpus), position="rope", seq_len=16, dim=16, heads=1)  # refused before any model
 
 
 @pytest.mark.parametrize(
@@ -200,7 +201,7 @@ def test_bad_runs_are_refused(corpus, tmp_path):
 
 def test_two_processes_follow_the_loss_curve_of_one(corpus, tmp_path):
     """torchrun with 2 CPU processes (gloo), each computing half of every global batch under DDP."""
-    args = ["--steps", "20", "--batch", "8", "--lr", "3e-3", "--dropout", "0.0", "--checkpoint-every", "10"]
+    args = ["--steps", "20", "--examples-per-step", "8", "--lr", "3e-3", "--dropout", "0.0", "--checkpoint-every", "10"]
     args += ["--device", "cpu"]  # CPU processes on any machine: auto would give each a GPU of its own
     one = subprocess.run(_command(corpus, tmp_path / "one", 20, *args), env=_env(), capture_output=True, timeout=300)
     assert one.returncode == 0, one.stderr.decode()[-2000:]
@@ -305,7 +306,7 @@ def test_bad_head_splits_are_refused(corpus, layers, match):
 
 
 def test_bad_config_files_are_named(tmp_path):
-    from subquad.train.loop import load_config_file
+    from subquad.train.config import load_config_file
 
     (tmp_path / "bad.toml").write_text("depht = 3\n")
     with pytest.raises(ValueError, match=r"bad.toml: has unknown setting\(s\) \['depht'\]; known: .*depth"):
@@ -328,13 +329,13 @@ def test_evaluate_and_generate_load_a_run(corpus, tmp_path):
     assert evaluate_run(tmp_path / "r", "val", windows=4, step=40)["val_bpb"] != val["val_bpb"]
     text = generate_text(tmp_path / "r", "line 1", 12)
     assert text.startswith("line 1") and len(text.encode()) >= 12
-    cli = [sys.executable, "-m", "subquad", "generate", str(tmp_path / "r"), "--prompt", "line 1", "--tokens", "12"]
+    cli = [sys.executable, "-m", "subquad", "generate", str(tmp_path / "r"), "--prompt", "line 1", "--new-bytes", "12"]
     assert subprocess.run(cli, env=_env(), capture_output=True, text=True, timeout=120).stdout.strip() == text.strip()
     with pytest.raises(FileNotFoundError, match="has no checkpoint 7; it has: .*step-000000080"):
         evaluate_run(tmp_path / "r", step=7)
     with pytest.raises(FileNotFoundError, match="holds no run"):
         evaluate_run(tmp_path)
-    with pytest.raises(ValueError, match="must be non-empty and, with --tokens, fit seq_len=32"):
+    with pytest.raises(ValueError, match="must be non-empty and, with --new-bytes, fit seq_len=32"):
         generate_text(tmp_path / "r", "x" * 30, 10)
     on_cpu = evaluate_run(tmp_path / "r", "val", windows=4, device="cpu")["val_bpb"]
     # the run's own value where it trained on the CPU; within fp32 rounding where it trained on a GPU
@@ -352,7 +353,7 @@ def test_evaluate_and_generate_load_a_run(corpus, tmp_path):
 
 def test_compare_trains_each_variant_once_and_tabulates_them(corpus, tmp_path):
     flags = ["--data", str(corpus), "--seq-len", "32", "--dim", "32", "--depth", "1", "--heads", "2", "--steps", "20",
-             "--batch", "8", "--eval-every", "10", "--checkpoint-every", "10", "--warmup", "5"]  # fmt: skip
+             "--examples-per-step", "8", "--eval-every", "10", "--checkpoint-every", "10", "--warmup", "5"]  # fmt: skip
     command = [sys.executable, "-m", "subquad", "compare", "--out", str(tmp_path / "cmp"), "--variants", "full",
                "local:window=8", "--", *flags]  # fmt: skip
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
@@ -377,8 +378,8 @@ def test_compare_trains_each_variant_once_and_tabulates_them(corpus, tmp_path):
 
 
 def test_compare_at_equal_wall_clock_sets_each_variant_s_steps_from_its_probe(corpus, tmp_path):
-    flags = ["--data", str(corpus), "--seq-len", "32", "--dim", "32", "--depth", "1", "--heads", "2", "--batch", "8",
-             "--eval-every", "10", "--checkpoint-every", "10", "--warmup", "5"]  # fmt: skip
+    flags = ["--data", str(corpus), "--seq-len", "32", "--dim", "32", "--depth", "1", "--heads", "2",
+             "--examples-per-step", "8", "--eval-every", "10", "--checkpoint-every", "10", "--warmup", "5"]  # fmt: skip
     out = tmp_path / "cmp"
     command = [sys.executable, "-m", "subquad", "compare", "--out", str(out), "--minutes", "0.01", "--variants", "full",
                "linear", "--", *flags]  # fmt: skip

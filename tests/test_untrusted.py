@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from subquad.cli import main
-from subquad.train.loop import TrainConfig, train
+from subquad.train.config import TrainConfig
+from subquad.train.loop import train
 from subquad.train.tasks import make_task
 
 
@@ -64,9 +65,9 @@ def test_evaluating_generating_and_resuming_a_run_never_unpickles_its_files(corp
     train(config, progress=False)
     _legacy(tmp_path / "run", marker)
     # evaluate and generate need the weights and the config only, and still work
-    assert main(["evaluate", str(tmp_path / "run"), "--split", "val", "--windows", "1", "--device", "cpu"]) == 0
+    assert main(["evaluate", str(tmp_path / "run"), "--split", "val", "--batches", "1", "--device", "cpu"]) == 0
     assert '"val_bpb"' in capsys.readouterr().out
-    assert main(["generate", str(tmp_path / "run"), "--prompt", "line", "--tokens", "3", "--device", "cpu"]) == 0
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "line", "--new-bytes", "3", "--device", "cpu"]) == 0
     assert not marker.exists(), "evaluate or generate ran code from the run folder"
     # a resume refuses the pickle state, says how to convert it, and changes nothing
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}

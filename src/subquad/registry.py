@@ -19,7 +19,7 @@ import types
 import typing
 import warnings
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import KW_ONLY, MISSING, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -63,90 +63,100 @@ _BUILTIN_MODULES = (
 
 @dataclass(frozen=True)
 class Mechanism:
-    """One attention mechanism and what it supports.
+    """One attention mechanism and what it supports. After ``name``, ``fn``, ``config`` and ``summary``,
+    every field is given by keyword; they come in four groups.
 
-    Attributes:
+    What it is:
         name: the registry name, e.g. ``"full"``.
         fn: ``fn(q, k, v, *, key_padding_mask, is_causal, scale, config, state, **tensors)``.
         config: its frozen ``Config`` dataclass.
         summary: one line for ``subquad list``.
         paper: the paper and section it implements.
+
+    Capabilities (what a call may ask of it):
         causal, cross: whether ``is_causal=True`` and L != S are supported.
         longer_queries: with ``cross``, whether L > S is supported too (else only L < S).
         dtypes: the floating dtypes it computes in.
-        tensor_args: extra keyword arguments ``fn`` takes, tensors (e.g. class logits) or a
-            ``mask_mod`` callable, all optional for ``fn`` unless ``inputs`` produces them in layers.
-            ``query_padding_mask`` among them: it takes a bool ``(B, L)`` mask of real queries.
-        groups_queries: its outputs depend on which queries share a group (clusters, balanced
-            tiles), so it needs a ``query_padding_mask`` whenever a ``key_padding_mask`` is given.
-        positions: for each extra tensor whose last dimension runs over positions, ``QUERY`` or
-            ``KEY``; padded and non-finite entries there are contained like those of q, k and v.
-        state: an ``nn.Module`` class built as ``state(config, num_heads, head_dim, seed)`` holding
-            what persists across calls (centroids, hash planes); passed to ``fn`` as ``state``.
-        inputs: an ``nn.Module`` class built as ``inputs(config, embed_dim, num_heads)`` that a layer
-            calls as ``inputs(query_x, key_x) -> dict`` to produce ``tensor_args`` from ``(B, N, E)``.
-        example_tensors: ``example_tensors(q, k, v, config, generator) -> dict`` makes the extra
-            tensor arguments for benchmarks from seeded random draws; needed when ``tensor_args``
-            are required.
-        decoder: the decoding cache layers use for generation: a subclass of
-            ``subquad.decoding.Decoder``, built as ``decoder(mechanism, config, state)``, whose
-            ``step(q, k, v, **tensors) -> out`` checks each step and keeps the length, and whose
-            ``_step`` holds the mechanism's maths; class attributes ``recurrent`` (O(1) state per
-            head) and ``description``. E.g. ``subquad.decoding.KVCache``. ``None``: no cached decoding.
-        uses_qk: False for a mechanism that reads only the shapes of ``q`` and ``k`` (agglomerative);
-            layers then build no query/key projections for it.
-        examples: small option sets (dicts for ``make_config``) that reach the mechanism's code
-            paths at short lengths; the contract suite runs every property on each.
         gqa: ``fn`` takes grouped-query inputs itself (k and v with H / G heads, and
             ``enable_gqa=True``) without copying them; otherwise the call repeats them.
         dropout: ``fn`` takes ``dropout_p`` (attention dropout on its weights).
         scaled: whether ``scale`` means something (a softmax temperature): a bool, or a function of
             the config where it depends on it. False: ``fn`` takes only ``scale=None``.
+        exact_full: ``exact_full(config, shape, is_causal, state, tensors) -> bool``: whether the
+            call is exactly full attention (a window covering every key, clusters >= L, top-k >= S);
+            such a call runs full attention's kernel, the same maths without blocks or clustering.
+            It raises where the mechanism itself would. ``None``: never.
         plain_backward: its backward is torch's own operations, run by autograd (no autograd
             Function of its own): the call runs through ``kernels.threads.backward_adapted``, so
             that backward too runs on the cores other processes leave free.
+
+    Inputs (what it reads besides q, k and v):
+        tensor_args: extra keyword arguments ``fn`` takes, tensors (e.g. class logits) or a
+            ``mask_mod`` callable, all optional for ``fn`` unless ``inputs`` produces them in layers.
+            ``query_padding_mask`` among them: it takes a bool ``(B, L)`` mask of real queries.
+        positions: for each extra tensor whose last dimension runs over positions, ``QUERY`` or
+            ``KEY``; padded and non-finite entries there are contained like those of q, k and v.
+        groups_queries: its outputs depend on which queries share a group (clusters, balanced
+            tiles), so it needs a ``query_padding_mask`` whenever a ``key_padding_mask`` is given.
+        uses_qk: False for a mechanism that reads only the shapes of ``q`` and ``k`` (agglomerative);
+            layers then build no query/key projections for it.
         conv_input: its paper's model reads a convolution of the token embeddings rather than
             learned positions (agglomerative); models trained by ``subquad train`` follow it.
         sinks: the config option counting its positional sinks (the first keys every query sees),
             e.g. ``"sinks"``; inside a pretrained model padding may not fall on them.
+
+    Modules (what layers and models build around it):
+        state: an ``nn.Module`` class built as ``state(config, num_heads, head_dim, seed)`` holding
+            what persists across calls (centroids, hash planes); passed to ``fn`` as ``state``.
+        inputs: an ``nn.Module`` class built as ``inputs(config, embed_dim, num_heads)`` that a layer
+            calls as ``inputs(query_x, key_x) -> dict`` to produce ``tensor_args`` from ``(B, N, E)``.
+        decoder: the decoding cache of layers' generation, a ``subquad.decoding.Decoder`` subclass
+            built as ``decoder(mechanism, config, state)`` (e.g. ``KVCache``); ``None``: none.
         calibratable: its state's ``centroids`` ``(H, C, D)`` may be fit by spherical k-means to a
             pretrained model's own queries and keys (``subquad.hf.calibrate``).
         output_gain: swapped into a pretrained model, its output is scaled per head by a learned
             gain (its weights sum to 1 across heads, so each head starts at 1/H of its scale).
-        exact_full: ``exact_full(config, shape, is_causal, state, tensors) -> bool``: whether the
-            call (its ``AttentionShape``) is exactly full attention (a window that covers every key,
-            clusters >= L, top-k >= S). Such a call runs full attention's kernel instead: the same
-            maths, without the fixed costs of blocks, layouts or clustering. It raises where the
-            mechanism itself would (a state of the wrong kind). ``None``: never.
+
+    Examples (what tests and benchmarks run it on):
+        examples: small option sets (dicts for ``make_config``) that reach the mechanism's code
+            paths at short lengths; the contract suite runs every property on each.
+        example_tensors: ``example_tensors(q, k, v, config, generator) -> dict`` makes the extra
+            tensor arguments for benchmarks from seeded random draws; needed when ``tensor_args``
+            are required.
     """
 
     name: str
     fn: Callable[..., Tensor]
     config: type[Config]
     summary: str
+    _: KW_ONLY
     paper: str = ""
+    # capabilities
     causal: bool = True
     cross: bool = True
     longer_queries: bool = True
-    groups_queries: bool = False
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
-    tensor_args: tuple[str, ...] = ()
-    state: type[torch.nn.Module] | None = None
-    inputs: type[torch.nn.Module] | None = None
-    example_tensors: Callable[..., dict[str, Tensor]] | None = None
-    decoder: type | None = None
-    uses_qk: bool = True
     gqa: bool = False
     dropout: bool = False
     scaled: bool | Callable[[Config], bool] = True
     exact_full: Callable[[Config, AttentionShape, bool, Any, typing.Mapping[str, Any]], bool] | None = None
     plain_backward: bool = False
+    # inputs
+    tensor_args: tuple[str, ...] = ()
+    positions: typing.Mapping[str, str] = field(default_factory=dict, hash=False)
+    groups_queries: bool = False
+    uses_qk: bool = True
     conv_input: bool = False
     sinks: str = ""
+    # modules
+    state: type[torch.nn.Module] | None = None
+    inputs: type[torch.nn.Module] | None = None
+    decoder: type | None = None
     calibratable: bool = False
     output_gain: bool = False
-    positions: typing.Mapping[str, str] = field(default_factory=dict, hash=False)
+    # examples
     examples: tuple[typing.Mapping[str, Any], ...] = field(default=({},), hash=False)
+    example_tensors: Callable[..., dict[str, Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.groups_queries and "query_padding_mask" not in self.tensor_args:

@@ -20,11 +20,12 @@ import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from subquad._validate import DTYPE_NAMES
+from subquad.flags import setting
 from subquad.registry import get_mechanism, make_config
 
 __all__ = ["BASELINE", "GRIDS", "BenchSettings", "Variant", "run_bench"]
@@ -55,21 +56,6 @@ def _show(value: Any) -> str:
 
 
 BASELINE = Variant("full")
-
-
-def setting(
-    default: Any,
-    help: str,
-    *,
-    metavar: str | None = None,
-    choices: Sequence[str] | Mapping[str, Any] | None = None,
-    shown_default: str | None = None,
-) -> Any:
-    """Declare a `BenchSettings` field with its command-line flag: a help line (followed by the default,
-    or by ``shown_default`` in its place), a metavar, and choices; a mapping of choices gives the value
-    each one stands for."""
-    metadata = {"help": help, "metavar": metavar, "choices": choices, "shown_default": shown_default}
-    return field(default=default, metadata=metadata)
 
 
 _BOTH = {"both": (False, True), "yes": (True,), "no": (False,)}
@@ -116,9 +102,9 @@ class BenchSettings:
     )
     busy: int = setting(0, "competing processes that each keep one core busy during the run (behaviour under load)")
     adaptive_threads: bool = setting(
-        False, "calls on fewer threads while other processes keep cores busy (opt-in: kernels.threads)",
-        choices={"yes": True, "no": False},
-    )  # fmt: skip
+        False,
+        "calls on fewer threads while other processes keep cores busy (opt-in: kernels.threads)",
+    )
     timeout: float = setting(1800.0, "seconds per cell")
     seed: int = setting(0, "input and state seed")
 
@@ -263,25 +249,7 @@ def _run_in_workers(settings: BenchSettings, cells: list[Cell]) -> Iterator[dict
     }  # fmt: skip
     unpaired: set[tuple[int, bool, bool]] = set()  # where the baseline cell failed: full attention cannot run
     while cells:
-        payload = [
-            {"mechanism": v.mechanism, "options": dict(v.options), "length": n, "causal": c, "backward": b,
-             "paired": v != BASELINE and n <= (settings.baseline_max_length or n) and (n, c, b) not in unpaired,
-             **common}
-            for v, n, c, b in cells
-        ]  # fmt: skip
-        worker = subprocess.Popen(
-            _WORKER,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        lines: queue.Queue[str | None] = queue.Queue()
-        errors: list[str] = []
-        _drain(worker.stdout, lines, results=True)
-        stderr = _drain(worker.stderr, errors)
-        try:
-            worker.stdin.write(json.dumps(payload))
-            worker.stdin.close()
-        except BrokenPipeError:
-            pass  # the worker died at once: its exit code tells why, below
+        worker, lines, errors, stderr = _start_worker(settings, cells, common, unpaired)
         done = 0
         try:
             for variant, n, c, b in cells:
@@ -314,6 +282,33 @@ def _run_in_workers(settings: BenchSettings, cells: list[Cell]) -> Iterator[dict
                 worker.kill()
                 worker.wait()
         cells = cells[done:]
+
+
+def _start_worker(
+    settings: BenchSettings, cells: list[Cell], common: dict[str, Any], unpaired: set[tuple[int, bool, bool]]
+) -> tuple[subprocess.Popen, queue.Queue, list[str], threading.Thread]:
+    """A worker process given ``cells``: the process, the queue of its result lines, its stderr lines
+    and the thread reading them."""
+    payload = [
+        {"mechanism": v.mechanism, "options": dict(v.options), "length": n, "causal": c, "backward": b,
+         "paired": v != BASELINE and n <= (settings.baseline_max_length or n) and (n, c, b) not in unpaired,
+         **common}
+        for v, n, c, b in cells
+    ]  # fmt: skip
+    worker = subprocess.Popen(
+        _WORKER,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str | None] = queue.Queue()
+    errors: list[str] = []
+    _drain(worker.stdout, lines, results=True)
+    stderr = _drain(worker.stderr, errors)
+    try:
+        worker.stdin.write(json.dumps(payload))
+        worker.stdin.close()
+    except BrokenPipeError:
+        pass  # the worker died at once: its exit code tells why, in the caller
+    return worker, lines, errors, stderr
 
 
 def _drain(stream: Any, sink: queue.Queue | list, results: bool = False) -> threading.Thread:

@@ -32,6 +32,7 @@ import math
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,10 @@ import torch
 from torch import Tensor, nn
 
 from subquad.files import FileError, read_json
+from subquad.flags import DTYPES, check_choices, setting
 from subquad.hf.data import Windows, load_model, read_passages, token_windows
 
-__all__ = ["approx", "format_table", "parse_spec"]
+__all__ = ["ApproxConfig", "approx", "format_table", "parse_spec", "run_approx"]
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -190,75 +192,147 @@ def _model_speed(
     return {spec: {"model_ms": t * 1e3, "model_ratio": t / seconds["original"]} for spec, t in seconds.items()}
 
 
+@dataclass(frozen=True)
+class ApproxConfig:
+    """One ``subquad approx`` run; the command's flags come from here (``subquad approx --help``)."""
+
+    model: str = setting(help="a local Hugging Face model folder or .gguf file")
+    data: str = setting(help="a .jsonl file (text, label), a text file or a folder of .txt")
+    out: str = setting(help="folder for approx.json and approx.png")
+    mechanisms: tuple[str, ...] = setting((), "NAME or NAME:option=value,... (tuple values as a|b)", metavar="SPEC")
+    converted: tuple[str, ...] = setting(
+        (), "model folders subquad distill wrote (OUT/model) from the same model", metavar="FOLDER"
+    )
+    tokens: int = setting(256, "tokens per window", flag="--window-tokens", old="--tokens")
+    samples: int = setting(300, "windows measured", flag="--windows", old="--samples")
+    batch: int = setting(8, "windows per forward", flag="--windows-per-forward", old="--batch")
+    context: int | None = setting(None, "length of the speed measurement", shown_default="the model's longest context")
+    calibration: int = setting(16, "windows routing's k-means reads (after the measured ones)")
+    speed: bool = setting(True, "measure the attention's and the model's speed")
+    seed: int = setting(0, "window order and probe split")
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N; auto: cuda where this torch sees one")
+    dtype: str = setting("float32", "the model's dtype; quality is compared in float32", choices=DTYPES)
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        flags = {"tokens": "--window-tokens", "samples": "--windows", "batch": "--windows-per-forward"}
+        for name, flag in flags.items():
+            if getattr(self, name) < 1:
+                raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
+        if self.calibration < 0:
+            raise ValueError(f"--calibration must be >= 0, got {self.calibration}")
+        if self.context is not None and self.context < 1:
+            raise ValueError(f"--context must be >= 1, got {self.context}")
+
+
 def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str | Path, *, tokens: int = 256,
            samples: int = 300, batch: int = 8, context: int | None = None, calibration: int = 16,
            speed: bool = True, seed: int = 0, converted: list[str | Path] = (), device: str = "auto",
            dtype: str = "float32") -> list[dict[str, Any]]:  # fmt: skip
     """Measure each mechanism spec, and each converted model folder, against the original model;
     returns (and writes) the rows. ``device``: auto, cpu, cuda or cuda:N; ``dtype``: the model's
-    (float32, bfloat16, float16); quality is compared in float32 either way."""
+    (float32, bfloat16, float16); quality is compared in float32 either way. The settings are
+    `ApproxConfig`'s."""
+    config = ApproxConfig(str(model_path), str(data), str(out), tuple(specs), tuple(map(str, converted)), tokens,
+                          samples, batch, context, calibration, speed, seed, device, dtype)  # fmt: skip
+    return run_approx(config)
+
+
+def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
+    """`approx` of one `ApproxConfig`."""
     from subquad import hf
-    from subquad.train.loop import resolve_device
 
-    where, kind = resolve_device(device), _dtype(dtype)
-
-    for spec in specs:
+    for spec in config.mechanisms:
         name, options = parse_spec(spec)
         hf.LayerAttention.build(name, **options)  # a bad spec fails before the model loads
-    folders = {f"converted:{folder}": converted_spec(folder) for folder in converted}
-    out = Path(out)
+    folders = {f"converted:{folder}": converted_spec(folder) for folder in config.converted}
+    out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder (it is created if missing)")
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer, decoder = load_model(model_path)
-    model = model.to(where, kind)
-    texts, labels = read_passages(data)
-    windows = token_windows(tokenizer, texts, labels, tokens, samples + calibration, seed)
-    calib = Windows(windows.ids[samples:].to(where), None)
-    windows = Windows(windows.ids[:samples].to(where), windows.labels[:samples] if windows.labels else None)
-    if len(windows.ids) < 2:
-        raise ValueError(f"the text gives {len(windows.ids)} window(s) of {tokens} tokens; pass more text")
-    settings = {"model": str(model_path), "data": str(data), "tokens": tokens, "samples": len(windows.ids),
-                "decoder": decoder, "seed": seed, "device": where.type, "dtype": dtype}  # fmt: skip
+    run = _Run.load(config)
     saved = out / "approx.json"
     previous = read_json(saved, "approx results", _RESULTS_FIX) if saved.exists() else {}
-    kept = previous.get("rows", []) if previous.get("settings") == settings else []
+    kept = previous.get("rows", []) if previous.get("settings") == run.settings else []
     if not isinstance(kept, list) or not all(isinstance(r, dict) and isinstance(r.get("spec"), str) for r in kept):
         raise FileError(saved, "holds rows that are not approx's own", _RESULTS_FIX)
-    done = {r["spec"]: r for r in kept}
-    original = _outputs(model, windows, batch, decoder)
-    rows = [done.get("original") or {"spec": "original", **_quality(original, original, windows.labels)}]
-    for spec in specs:
-        if spec in done:
-            rows.append(done[spec])
-            continue
-        name, options = parse_spec(spec)
-        hf.use(model, name, **options)
-        if hf.calibratable(name):
-            hf.calibrate(model, [{"input_ids": calib.ids[i : i + batch]} for i in range(0, len(calib.ids), batch)])
-        rows.append({"spec": spec, **_quality(original, _outputs(model, windows, batch, decoder), windows.labels)})
-        hf.restore(model)
-        _write(saved, settings, rows)
-        print(format_table(rows[-1:], header=False), flush=True)
-    for label in folders:
-        if label in done:
-            rows.append(done[label])
-            continue
-        swapped = _outputs(hf.from_pretrained(label.partition(":")[2]).to(where, kind), windows, batch, decoder)
-        rows.append({"spec": label, **_quality(original, swapped, windows.labels)})
-        _write(saved, settings, rows)
-        print(format_table(rows[-1:], header=False), flush=True)
-    if speed and not all("time_ms" in r and "model_ms" in r for r in rows):
-        longest = context or int(getattr(model.config, "max_position_embeddings", tokens))
-        timing = _speed(model, list(dict.fromkeys([*specs, *folders.values()])), longest, decoder, where, dtype)
+    rows = run.quality({r["spec"]: r for r in kept}, folders, saved)
+    if config.speed and not all("time_ms" in r and "model_ms" in r for r in rows):
+        run.add_speed(rows, folders)
+    _write(saved, run.settings, rows)
+    _plot(rows, out / "approx.png", run.decoder)
+    return rows
+
+
+class _Run:
+    """The loaded model and windows of one approx run, and its measurements."""
+
+    @classmethod
+    def load(cls, config: ApproxConfig) -> _Run:
+        from subquad.train.loop import resolve_device
+
+        run = cls()
+        run.config, run.where, run.kind = config, resolve_device(config.device), _dtype(config.dtype)
+        model, run.tokenizer, run.decoder = load_model(config.model)
+        run.model = model.to(run.where, run.kind)
+        run.texts, labels = read_passages(config.data)
+        n = config.samples
+        windows = token_windows(run.tokenizer, run.texts, labels, config.tokens, n + config.calibration, config.seed)
+        run.calib = Windows(windows.ids[n:].to(run.where), None)
+        run.windows = Windows(windows.ids[:n].to(run.where), windows.labels[:n] if windows.labels else None)
+        if len(run.windows.ids) < 2:
+            raise ValueError(
+                f"the text gives {len(run.windows.ids)} window(s) of {config.tokens} tokens; pass more text"
+            )
+        run.settings = {"model": config.model, "data": config.data, "tokens": config.tokens,
+                        "samples": len(run.windows.ids), "decoder": run.decoder, "seed": config.seed,
+                        "device": run.where.type, "dtype": config.dtype}  # fmt: skip
+        return run
+
+    def calibrate(self, name: str) -> None:
+        """Calibrate the swapped-in mechanism ``name`` on the calibration windows, where it has state."""
+        from subquad import hf
+
+        if hf.calibratable(name):  # routing's centroids, from the model's own queries and keys
+            ids, batch = self.calib.ids, self.config.batch
+            hf.calibrate(self.model, [{"input_ids": ids[i : i + batch]} for i in range(0, len(ids), batch)])
+
+    def quality(self, done: dict[str, dict], folders: dict[str, str], saved: Path) -> list[dict[str, Any]]:
+        """The original's row, then each spec's and each converted folder's: done ones as they were,
+        the others measured, the file rewritten after each."""
+        from subquad import hf
+
+        outputs = lambda model: _outputs(model, self.windows, self.config.batch, self.decoder)  # noqa: E731
+        original = outputs(self.model)
+        rows = [done.get("original") or {"spec": "original", **_quality(original, original, self.windows.labels)}]
+        for label in [*self.config.mechanisms, *folders]:
+            if label in done:
+                rows.append(done[label])
+                continue
+            if label in folders:
+                swapped = hf.from_pretrained(label.partition(":")[2]).to(self.where, self.kind)
+            else:
+                swapped = hf.use(self.model, label)
+                self.calibrate(parse_spec(label)[0])
+            rows.append({"spec": label, **_quality(original, outputs(swapped), self.windows.labels)})
+            if label not in folders:
+                hf.restore(self.model)
+            _write(saved, self.settings, rows)
+            print(format_table(rows[-1:], header=False), flush=True)
+        return rows
+
+    def add_speed(self, rows: list[dict[str, Any]], folders: dict[str, str]) -> None:
+        """Each row's attention time and memory, and the whole model's forward time, at the longest context."""
+        config, specs = self.config, list(self.config.mechanisms)
+        longest = config.context or int(getattr(self.model.config, "max_position_embeddings", config.tokens))
+        timing = _speed(self.model, list(dict.fromkeys([*specs, *folders.values()])), longest, self.decoder,
+                        self.where, config.dtype)  # fmt: skip
         timing.update({label: timing[spec] for label, spec in folders.items()})
-        converted_folders = {label: label.partition(":")[2] for label in folders}
-        whole = _model_speed(model, tokenizer, texts, specs, longest, calib, batch, seed, converted=converted_folders)
+        converted = {label: label.partition(":")[2] for label in folders}
+        whole = _model_speed(self.model, self.tokenizer, self.texts, specs, longest, self.calib, config.batch,
+                             config.seed, converted=converted)  # fmt: skip
         for r in rows:
             r.update(timing.get(r["spec"], {}), **whole.get(r["spec"], {}), context=longest)
-    _write(saved, settings, rows)
-    _plot(rows, out / "approx.png", decoder)
-    return rows
 
 
 _RESULTS_FIX = "remove it (or pass another --out) to measure every mechanism again"

@@ -82,7 +82,7 @@ def token_windows(tokenizer: Any, texts: list[str], labels: list[str] | None, to
             windows.append((prefix + run[:room] + suffix, label))
             del run[:room]
     if not windows:
-        raise ValueError(f"the text holds no window of {tokens} tokens; pass more text or fewer --tokens")
+        raise ValueError(f"the text holds no window of {tokens} tokens; pass more text or fewer --window-tokens")
     random.Random(seed).shuffle(windows)
     windows = windows[:limit]
     ids = torch.tensor([w for w, _ in windows])

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from subquad.flags import DTYPES, setting
 from subquad.hf.approx import parse_spec
 from subquad.hf.data import load_model, read_passages, token_windows
 
@@ -49,28 +50,28 @@ __all__ = ["AttentionTransfer", "DistillConfig", "distill"]
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """One distillation run (``subquad distill --help`` gives each field)."""
+    """One distillation run; ``subquad distill``'s flags come from here (``subquad distill --help``)."""
 
-    model: str
-    data: str
-    mechanism: str
-    out: str
-    layers: tuple[int, ...] | None = None
-    tokens: int = 512
-    batch: int = 4
-    steps: int = 200
-    finetune_steps: int = 0
-    lr: float = 1e-2
-    finetune_lr: float = 1e-4
-    warmup: int = 10
-    heldout: int = 16
-    eval_every: int = 50
-    checkpoint_every: int = 50
-    calibration: int = 16
-    seed: int = 0
-    keep: int = 2
-    device: str = "auto"
-    dtype: str = "float32"
+    model: str = setting(help="a local Hugging Face model folder or .gguf file")
+    data: str = setting(help="a .jsonl file (text), a text file or a folder of .txt")
+    mechanism: str = setting(help="NAME or NAME:option=value,... (tuple values as a|b)", metavar="SPEC")
+    out: str = setting(help="folder for the run")
+    layers: tuple[int, ...] | None = setting(None, "layers to convert", shown_default="all")
+    tokens: int = setting(512, "tokens per window", flag="--window-tokens", old="--tokens")
+    batch: int = setting(4, "windows per step", flag="--windows-per-step", old="--batch")
+    steps: int = setting(200, "steps training only what conversion added")
+    finetune_steps: int = setting(0, "then steps training the whole attention blocks too")
+    lr: float = setting(1e-2, "peak learning rate of the first stage")
+    finetune_lr: float = setting(1e-4, "peak learning rate of the second stage")
+    warmup: int = setting(10, "warm-up steps of each stage")
+    heldout: int = setting(16, "windows kept out of training, for the held-out error")
+    eval_every: int = setting(50, "steps between held-out errors")
+    checkpoint_every: int = setting(50, "steps between checkpoints")
+    calibration: int = setting(16, "windows routing's k-means reads")
+    seed: int = setting(0, "window order and the new weights' initialisation")
+    keep: int = setting(2, "checkpoints kept")
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N; auto: cuda where this torch sees one")
+    dtype: str = setting("float32", "the model's dtype", choices=DTYPES)
 
     def __post_init__(self) -> None:
         for name in ("tokens", "batch", "heldout", "eval_every", "checkpoint_every", "keep"):
@@ -208,128 +209,163 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     the summary (also in ``OUT/distill.json``). See the module docstring."""
     from subquad import hf
     from subquad.train import checkpoint
-    from subquad.train.loop import Progress, resolve_device, trimmed_log
 
     checkpoint.require()  # before any work: a run that cannot save must not start
-
     name, options = parse_spec(config.mechanism)
     hf.LayerAttention.build(name, converted=True, **options)  # a bad spec fails before the model loads
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder (it is created if missing)")
-    folder = out / "checkpoints"
-    found = checkpoint.latest(folder) if folder.is_dir() else None
+    found = checkpoint.latest(out / "checkpoints") if (out / "checkpoints").is_dir() else None
     if found is not None and not resume:
         raise ValueError(f"{out} already holds a distillation run; pass --resume to continue it, or another --out")
     if found is not None:
         checkpoint.verify(found)  # a damaged checkpoint is refused before the model loads
     out.mkdir(parents=True, exist_ok=True)
-
-    where = resolve_device(config.device)
-    model, tokenizer, decoder = load_model(config.model)
-    model = model.to(where, _DTYPES[config.dtype])
-    texts, _ = read_passages(config.data)
-    windows = token_windows(tokenizer, texts, None, config.tokens, 10**9, config.seed).ids.to(where)
-    train_count = len(windows) - config.heldout
-    if train_count < config.batch:
-        raise ValueError(
-            f"{config.data} gives {len(windows)} windows of {config.tokens} tokens: fewer than heldout "
-            f"({config.heldout}) + batch ({config.batch}); pass more text, fewer --tokens or a smaller --heldout"
-        )
-    train, heldout = windows[:train_count], windows[train_count:]
-    batches = lambda ids: [ids[i : i + config.batch] for i in range(0, len(ids), config.batch)]  # noqa: E731
-    calibration = [{"input_ids": b} for b in batches(train[: max(config.calibration, 1)])]
-    hf.convert(model, name, layers=config.layers, calibration=calibration if hf.calibratable(name) else None,
-               seed=config.seed, **options)  # fmt: skip
-    modules = [m for m in hf.attention_modules(model) if getattr(m, "subquad_attention", None) is not None]
-    if config.steps and not hf.converted_parameters(model):
-        raise ValueError(
-            f"{name} adds no parameters that gradients train (routing's centroids are fitted by k-means); "
-            "pass --steps 0 and --finetune-steps N to train the attention blocks themselves"
-        )
-    transfer = AttentionTransfer(model)  # the teachers copy the original attention weights
-    body = getattr(model, "base_model", model)  # no language-model head: its logits play no part
-    extra = {"use_cache": False} if decoder else {}
-    container = nn.ModuleDict({str(m.layer_idx): m for m in modules})
-
-    def forward(ids: Tensor) -> Tensor:
-        body(input_ids=ids, **extra)
-        return transfer.loss()
-
-    @torch.no_grad()
-    def evaluate() -> float:
-        return float(torch.stack([forward(b) for b in batches(heldout)]).mean())
-
-    settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RESUMABLE}
-    step, seconds, history = 0, 0.0, []
-    state: dict[str, Any] = {}
-    if found is not None:
-        with checkpoint.fitting(found):
-            state = checkpoint.load(found, container)
-            saved = {"dtype": "float32", **{k: v for k, v in state["settings"].items() if k not in _RESUMABLE}}
-        if saved != settings:
-            changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
-            raise ValueError(f"--resume with other settings than the run's ({', '.join(changed)}); use the same ones")
-        with checkpoint.fitting(found):
-            checkpoint.set_rng_state(state["rng"])
-            step, seconds, history = state["step"], float(state["seconds"]), list(state["history"])
-    stage = int(config.finetune_steps > 0 and step >= config.steps)  # a finished first-stage-only run stays there
-    optimizer = torch.optim.AdamW(_trainable(model, modules, stage), lr=_rate(config, step), weight_decay=0.0)
-    if state.get("stage") == stage and "optimizer" in state:
-        with checkpoint.fitting(found):
-            optimizer.load_state_dict(state["optimizer"])
-    metrics = out / "metrics.jsonl"
-    if step:  # drop what a killed run logged after its last checkpoint
-        trimmed_log(metrics, step)
-    if step == 0:
-        metrics.write_text("")
-        history = [{"step": 0, "heldout_error": evaluate()}]
-        _log(metrics, history[-1])
-    model.eval()  # no dropout: the student matches the teacher's deterministic outputs
-
-    def save_checkpoint() -> None:
-        extra_state = {"settings": settings, "rng": checkpoint.rng_state(), "seconds": seconds, "history": history,
-                       "stage": stage, "optimizer": optimizer.state_dict()}  # fmt: skip
-        checkpoint.save(folder, step, container, extra_state, config.keep)
-
-    counts = SimpleNamespace(steps=config.total, batch=config.batch, seq_len=config.tokens)
-    with Progress(counts, step, progress) as bar:
-        while step < config.total:
-            if stage == 0 and step >= config.steps:  # the whole attention block joins
-                stage = 1
-                optimizer = torch.optim.AdamW(_trainable(model, modules, 1), lr=_rate(config, step), weight_decay=0.0)
-            started = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = _rate(config, step)
-            loss = forward(train[_batch_indices(step, config.batch, train_count, config.seed)])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
-            optimizer.step()
-            seconds += time.perf_counter() - started
-            step += 1
-            record: dict[str, Any] = {"step": step, "loss": float(loss.detach()), "lr": _rate(config, step - 1)}
-            if step % config.eval_every == 0 or step == config.total:
-                record["heldout_error"] = evaluate()
-                history.append({"step": step, "heldout_error": record["heldout_error"]})
-            _log(metrics, record)
-            bar.update(step, record, min(h["heldout_error"] for h in history))
-            if step % config.checkpoint_every == 0 or step == config.total:
-                save_checkpoint()
-    transfer.close()
-    hf.save(model, out / "model", tokenizer)
+    job = _Job(config, name, options)
+    run = _resume(job, found)
+    _train(job, run, progress)
+    job.transfer.close()
+    hf.save(job.model, out / "model", job.tokenizer)
     summary = {
         "settings": dataclasses.asdict(config),
-        "layers": [int(m.layer_idx) for m in modules],
-        "trained_parameters": sum(p.numel() for g in optimizer.param_groups for p in g["params"]),
-        "heldout_error_before": history[0]["heldout_error"],
-        "heldout_error_after": history[-1]["heldout_error"],
-        "history": history,
-        "seconds": seconds,
+        "layers": [int(m.layer_idx) for m in job.modules],
+        "trained_parameters": sum(p.numel() for g in run.optimizer.param_groups for p in g["params"]),
+        "heldout_error_before": run.history[0]["heldout_error"],
+        "heldout_error_after": run.history[-1]["heldout_error"],
+        "history": run.history,
+        "seconds": run.seconds,
         "threads": torch.get_num_threads(),
     }
     (out / "distill.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+class _Job:
+    """The converted model of a distillation with its teachers, and its training and held-out windows."""
+
+    def __init__(self, config: DistillConfig, name: str, options: dict[str, Any]) -> None:
+        from subquad import hf
+        from subquad.train.loop import resolve_device
+
+        self.config, where = config, resolve_device(config.device)
+        model, self.tokenizer, decoder = load_model(config.model)
+        self.model = model.to(where, _DTYPES[config.dtype])
+        texts, _ = read_passages(config.data)
+        windows = token_windows(self.tokenizer, texts, None, config.tokens, 10**9, config.seed).ids.to(where)
+        self.train_count = len(windows) - config.heldout
+        if self.train_count < config.batch:
+            raise ValueError(
+                f"{config.data} gives {len(windows)} windows of {config.tokens} tokens: fewer than heldout "
+                f"({config.heldout}) + batch ({config.batch}); pass more text, fewer --window-tokens or a smaller "
+                "--heldout"
+            )
+        self.train, self.heldout = windows[: self.train_count], windows[self.train_count :]
+        calibration = [{"input_ids": b} for b in self.batches(self.train[: max(config.calibration, 1)])]
+        hf.convert(self.model, name, layers=config.layers, seed=config.seed, **options,
+                   calibration=calibration if hf.calibratable(name) else None)  # fmt: skip
+        self.modules = [m for m in hf.attention_modules(model) if getattr(m, "subquad_attention", None) is not None]
+        if config.steps and not hf.converted_parameters(model):
+            raise ValueError(
+                f"{name} adds no parameters that gradients train (routing's centroids are fitted by k-means); "
+                "pass --steps 0 and --finetune-steps N to train the attention blocks themselves"
+            )
+        self.transfer = AttentionTransfer(model)  # the teachers copy the original attention weights
+        self.body = getattr(model, "base_model", model)  # no language-model head: its logits play no part
+        self.extra = {"use_cache": False} if decoder else {}
+        self.container = nn.ModuleDict({str(m.layer_idx): m for m in self.modules})
+
+    def batches(self, ids: Tensor) -> list[Tensor]:
+        return [ids[i : i + self.config.batch] for i in range(0, len(ids), self.config.batch)]
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """The layers' mean attention-transfer loss on the windows ``ids``."""
+        self.body(input_ids=ids, **self.extra)
+        return self.transfer.loss()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean loss of the held-out windows."""
+        return float(torch.stack([self.forward(b) for b in self.batches(self.heldout)]).mean())
+
+
+def _resume(job: _Job, found: Path | None) -> SimpleNamespace:
+    """The run's step, seconds, held-out history, stage and optimizer: from the checkpoint ``found``
+    (refused when its settings differ), else new, with the held-out error before training."""
+    from subquad.train import checkpoint
+    from subquad.train.loop import trimmed_log
+
+    config = job.config
+    run = SimpleNamespace(step=0, seconds=0.0, history=[], metrics=Path(config.out) / "metrics.jsonl")
+    run.settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RESUMABLE}
+    state: dict[str, Any] = {}
+    if found is not None:
+        with checkpoint.fitting(found):
+            state = checkpoint.load(found, job.container)
+            saved = {"dtype": "float32", **{k: v for k, v in state["settings"].items() if k not in _RESUMABLE}}
+        if saved != run.settings:
+            changed = sorted(k for k in saved.keys() | run.settings.keys() if saved.get(k) != run.settings.get(k))
+            raise ValueError(f"--resume with other settings than the run's ({', '.join(changed)}); use the same ones")
+        with checkpoint.fitting(found):
+            checkpoint.set_rng_state(state["rng"])
+            run.step, run.seconds, run.history = state["step"], float(state["seconds"]), list(state["history"])
+    run.stage = int(config.finetune_steps > 0 and run.step >= config.steps)  # a finished first stage stays there
+    run.optimizer = _optimizer(job, run.stage, run.step)
+    if state.get("stage") == run.stage and "optimizer" in state:
+        with checkpoint.fitting(found):
+            run.optimizer.load_state_dict(state["optimizer"])
+    if run.step:  # drop what a killed run logged after its last checkpoint
+        trimmed_log(run.metrics, run.step)
+    else:
+        run.metrics.write_text("")
+        run.history = [{"step": 0, "heldout_error": job.evaluate()}]
+        _log(run.metrics, run.history[-1])
+    return run
+
+
+def _optimizer(job: _Job, stage: int, step: int) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(_trainable(job.model, job.modules, stage), lr=_rate(job.config, step), weight_decay=0.0)
+
+
+def _train(job: _Job, run: SimpleNamespace, progress: bool) -> None:
+    """Train from ``run.step`` to the end, logging every step and checkpointing as configured."""
+    from subquad.train.loop import Progress
+
+    config = job.config
+    job.model.eval()  # no dropout: the student matches the teacher's deterministic outputs
+    counts = SimpleNamespace(steps=config.total, batch=config.batch, seq_len=config.tokens)
+    with Progress(counts, run.step, progress) as bar:
+        while run.step < config.total:
+            if run.stage == 0 and run.step >= config.steps:  # the whole attention block joins
+                run.stage, run.optimizer = 1, _optimizer(job, 1, run.step)
+            started = time.perf_counter()
+            for group in run.optimizer.param_groups:
+                group["lr"] = _rate(config, run.step)
+            loss = job.forward(job.train[_batch_indices(run.step, config.batch, job.train_count, config.seed)])
+            run.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_([p for g in run.optimizer.param_groups for p in g["params"]], 1.0)
+            run.optimizer.step()
+            run.seconds += time.perf_counter() - started
+            run.step += 1
+            record: dict[str, Any] = {"step": run.step, "loss": float(loss.detach()), "lr": _rate(config, run.step - 1)}
+            if run.step % config.eval_every == 0 or run.step == config.total:
+                record["heldout_error"] = job.evaluate()
+                run.history.append({"step": run.step, "heldout_error": record["heldout_error"]})
+            _log(run.metrics, record)
+            bar.update(run.step, record, min(h["heldout_error"] for h in run.history))
+            if run.step % config.checkpoint_every == 0 or run.step == config.total:
+                _save(job, run)
+
+
+def _save(job: _Job, run: SimpleNamespace) -> None:
+    """A checkpoint of the converted modules, the optimizer, every RNG and the run's progress."""
+    from subquad.train import checkpoint
+
+    extra = {"settings": run.settings, "rng": checkpoint.rng_state(), "seconds": run.seconds, "history": run.history,
+             "stage": run.stage, "optimizer": run.optimizer.state_dict()}  # fmt: skip
+    config = job.config
+    checkpoint.save(Path(config.out) / "checkpoints", run.step, job.container, extra, config.keep)
 
 
 def _log(path: Path, record: dict[str, Any]) -> None:

@@ -30,7 +30,8 @@ from typing import Any
 
 from subquad.config import parse_spec
 from subquad.files import FileError, read_json
-from subquad.train.loop import load_config_file, read_metrics
+from subquad.train.config import load_config_file
+from subquad.train.loop import read_metrics
 
 __all__ = ["compare", "format_table", "variant_arguments"]
 

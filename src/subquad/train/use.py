@@ -18,7 +18,8 @@ from torch import nn
 
 from subquad.files import FileError
 from subquad.train import checkpoint
-from subquad.train.loop import TrainConfig, check_trained_with, load_config_file, resolve_device, train_config
+from subquad.train.config import TrainConfig, check_trained_with, load_config_file, train_config
+from subquad.train.loop import resolve_device
 from subquad.train.tasks import TextTask, make_task
 
 __all__ = ["evaluate_run", "generate_text", "load_run"]
@@ -80,7 +81,7 @@ def generate_text(
     data = prompt.encode()
     if not data or len(data) + tokens > config.seq_len:
         raise ValueError(
-            f"the prompt ({len(data)} bytes) must be non-empty and, with --tokens, fit seq_len={config.seq_len}"
+            f"the prompt ({len(data)} bytes) must be non-empty and, with --new-bytes, fit seq_len={config.seq_len}"
         )
     use_cache = all(g.mechanism.decoder is not None for block in model.backbone.blocks for g in block.attn.groups)
     out = model.generate(
