@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import subquad
-import subquad.kernels.blocksparse as blocksparse
+import subquad.kernels.blocksparse_backward as blocksparse_backward
 from subquad.call import call
 from subquad.kernels import threads
 from subquad.kernels.threads import PERIOD, Sample, adapted, free_cores, threads_for
@@ -164,13 +164,13 @@ def test_a_call_and_its_backward_run_on_the_free_cores(machine, monkeypatch, two
     threads._LOAD.free_now()
     machine.run(STEP, others=1.0)
     seen = []
-    scatter = blocksparse._add_rows
+    scatter = blocksparse_backward._add_rows
 
     def spy(*args):
         seen.append(torch.get_num_threads())
         return scatter(*args)
 
-    monkeypatch.setattr(blocksparse, "_add_rows", spy)
+    monkeypatch.setattr(blocksparse_backward, "_add_rows", spy)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def spy_sdpa(*args, **kwargs):

@@ -43,7 +43,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -83,6 +83,53 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"]))  # start thread pools
     probe_before = short_op_speedup() if device.type == "cpu" else None
     q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"])
+    out, result, timing = _timed_calls(call, baseline, q, k, v, device, cell)
+    result.update(time_s=statistics.median(timing.times), times_s=timing.times, threads=torch.get_num_threads())
+    if probe_before is not None:
+        result["short_op_speedup"] = [probe_before, short_op_speedup()]
+    if timing.paired:
+        result["calls_per_round"] = timing.calls
+    if mech.name == "full" and config == make_config("full"):  # the baseline cell: what pairing would cost
+        _BASELINE_SECONDS[shape] = result["time_s"]
+    if timing.paired:
+        result.update(
+            baseline_time_s=statistics.median(timing.base_times),
+            baseline_times_s=timing.base_times,
+            paired_ratio=statistics.median(t / b for t, b in zip(timing.times, timing.base_times)),
+        )
+    if not cell["backward"]:
+        result["nonfinite"] = not bool(torch.isfinite(out).all())  # NaN or inf anywhere in the output
+        result["zero_rows"] = float((out.detach().abs().amax(dim=-1) == 0).float().mean())
+        result["error_iid"] = _relative_error(out, q, k, v, cell)
+        del out, q, k, v
+        structure = {"centres": cell.get("centres", 16), "spread": cell.get("spread", 0.5)}
+        q, k, v = make_qkv("clustered", (B, H, N, D), dtype, device, cell["seed"] + 1, **structure)
+        result["error_clustered"] = _relative_error(call(q, k, v), q, k, v, cell)
+    return result
+
+
+class _Timing(NamedTuple):
+    """The timed rounds of a cell (``_timed_calls``)."""
+
+    times: list[float]  # the mechanism's time in each round: the median of its calls there
+    base_times: list[float]  # full attention's time in each round of a paired cell; else empty
+    calls: int  # the mechanism's calls in each round
+    paired: bool  # full attention was timed alongside (it ran)
+
+
+def _timed_calls(
+    call: Callable[[Tensor, Tensor, Tensor], Tensor],
+    baseline: Callable[[Tensor, Tensor, Tensor], Tensor] | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    device: torch.device,
+    cell: dict[str, Any],
+) -> tuple[Tensor, dict[str, Any], _Timing]:
+    """The cell's calls on its inputs: the first full-size one, whose peak above the memory in use
+    before it is the cell's memory, the warm-up, and the timed rounds, with ``baseline`` (full
+    attention) one call after each round's calls where the cell is paired. The last call's output,
+    the result so far (memory, and why a paired cell could not be paired), and the rounds' times."""
     _release_freed_memory(device)
     peak_memory = _memory_probe(device)
     warmup_start = time.perf_counter()
@@ -115,28 +162,7 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
         if baseline is not None:
             base_times.append(_timed(baseline, q, k, v, device)[1])
             spent += base_times[-1]
-    result.update(time_s=statistics.median(times), times_s=times, threads=torch.get_num_threads())
-    if probe_before is not None:
-        result["short_op_speedup"] = [probe_before, short_op_speedup()]
-    if baseline is not None:
-        result["calls_per_round"] = calls
-    if mech.name == "full" and config == make_config("full"):  # the baseline cell: what pairing would cost
-        _BASELINE_SECONDS[shape] = result["time_s"]
-    if baseline is not None:
-        result.update(
-            baseline_time_s=statistics.median(base_times),
-            baseline_times_s=base_times,
-            paired_ratio=statistics.median(t / b for t, b in zip(times, base_times)),
-        )
-    if not cell["backward"]:
-        result["nonfinite"] = not bool(torch.isfinite(out).all())  # NaN or inf anywhere in the output
-        result["zero_rows"] = float((out.detach().abs().amax(dim=-1) == 0).float().mean())
-        result["error_iid"] = _relative_error(out, q, k, v, cell)
-        del out, q, k, v
-        structure = {"centres": cell.get("centres", 16), "spread": cell.get("spread", 0.5)}
-        q, k, v = make_qkv("clustered", (B, H, N, D), dtype, device, cell["seed"] + 1, **structure)
-        result["error_clustered"] = _relative_error(call(q, k, v), q, k, v, cell)
-    return result
+    return out, result, _Timing(times, base_times, calls, baseline is not None)
 
 
 _PAIRED_ROUNDS = 2  # the fewest timed rounds of a paired cell, whatever max_seconds says

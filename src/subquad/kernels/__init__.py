@@ -3,9 +3,12 @@
 - ``softmax``: softmax attention of a batch of blocks (eager, torch's fused CPU kernel) forward and
   backward, and the log-sum-exp merge that joins blocks over disjoint keys.
 - ``layouts``: which blocks a pattern computes (``Group``: band, segments, gathered), each checked.
-- ``blocksparse``: the block-sparse engine of sparse, pattern and local, one autograd Function.
+- ``blocksparse``: the block-sparse engine of sparse, pattern and local, one autograd Function; its
+  chunks (``blocksparse_chunks``), forward (``blocksparse_forward``) and backward
+  (``blocksparse_backward``) in modules of their own.
 - ``tiles``: exact attention of query blocks to windows of a key table (routing), one Function.
-- ``linear``: kernel (linear) attention run block by block, non-causal and causal.
+- ``band``: the sliding window (and sinks) on the block-sparse engine.
+- ``cluster_tiles``: routing's layouts, balanced tiles and causal cluster tiles.
 - ``native``: the opt-in C kernel for short blocks (compiled on first use).
 - ``memory``: output assembly and buffers that cost no page faults.
 - ``threads``: calls on the free cores while other processes keep cores busy.

@@ -166,7 +166,7 @@ def band_groups(
         flipped = lambda b, h, key, query: mask_mod(b, h, query, key)  # noqa: E731
         groups = band_groups(L + offset, -offset, right, left, block, flipped, device, kept)
         return [dataclasses.replace(group, transposed=True) for group in groups]
-    n, W, S = -(-L // block), block + left + right, L + offset
+    n, W = -(-L // block), block + left + right
     queries = torch.arange(n * block, device=device).view(n, block)
     keys = (queries[:, :1] + offset - left) + torch.arange(W, device=device)  # (n, W)
     queries = queries.masked_fill(queries >= L, L)
@@ -177,34 +177,45 @@ def band_groups(
     for where, lo, hi in (("start", 0, inner_lo), ("inner", inner_lo, inner_hi), ("end", max(inner_lo, inner_hi), n)):
         if lo >= hi:
             continue
-        inner = where == "inner"
-        rows, cols = queries[lo:hi], keys[lo:hi]
-
-        def query_view(q: Tensor, start: int, stop: int, lo=lo) -> Tensor:
-            return q.narrow(2, (lo + start) * block, (stop - start) * block).unflatten(2, (stop - start, block))
-
-        def key_view(x: Tensor, pad: int, start: int, stop: int, lo=lo) -> Tensor:
-            return _windows(x, offset - left + pad + (lo + start) * block, stop - start, block, W)
-
-        if inner:  # views, and one element mask for all (the pattern depends on p − j only)
-            views = Views(key_view, query_view, writes=True)
-            facts = MaskFacts(in_range=True, uniform=True)
-        elif W <= S and right > 0:  # the first (last) W keys hold every key these blocks' windows reach
-            first = 0 if where == "start" else S - W
-            cols = (first + torch.arange(W, device=device)).expand(rows.shape[0], W)
-            whole = (lo + rows.shape[0]) * block <= L  # no empty query slot: written through the query view
-            views = Views(_repeated_view(first, W), query_view if whole else None, writes=whole)
-            facts = MaskFacts(in_range=True)
-        else:  # windows over a copy of the few keys the end blocks read, zero-padded past the ends
-            begin, blocks = offset - left + lo * block, rows.shape[0]  # hi may pass n when w > L
-            views = Views(_edge_view(block, W), key_source=_edge_source(begin, (blocks - 1) * block + W, S))
-            facts = MaskFacts()
+        rows = queries[lo:hi]
+        cols, views, facts = _band_reads(where, lo, rows, keys[lo:hi], L, offset, left, right, block, device)
 
         def allowed(start: int, stop: int, rows=rows, cols=cols) -> Tensor:
             return mask_mod(zero, zero, rows[start:stop, :, None], cols[start:stop, None, :])  # (n, bq, W)
 
         groups.append(Group(rows, cols.unsqueeze(0), allowed, facts, views, {} if kept else None))
     return groups
+
+
+def _band_reads(
+    where: str, lo: int, rows: Tensor, cols: Tensor, L: int, offset: int, left: int, right: int, block: int, device,
+) -> tuple[Tensor, Views, MaskFacts]:  # fmt: skip
+    """How ``band_groups`` reads its blocks ``lo, lo + 1, …`` of the region ``where`` (``start``,
+    ``inner`` or ``end``), queries ``rows`` against the keys ``cols`` of their windows: the keys they
+    list (their windows, or the sequence's first or last W keys), the views that read them, and what
+    is known of their element mask."""
+    W, S = block + left + right, L + offset
+
+    def query_view(q: Tensor, start: int, stop: int) -> Tensor:
+        return q.narrow(2, (lo + start) * block, (stop - start) * block).unflatten(2, (stop - start, block))
+
+    def key_view(x: Tensor, pad: int, start: int, stop: int) -> Tensor:
+        return _windows(x, offset - left + pad + (lo + start) * block, stop - start, block, W)
+
+    if where == "inner":  # views, and one element mask for all (the pattern depends on p − j only)
+        views = Views(key_view, query_view, writes=True)
+        facts = MaskFacts(in_range=True, uniform=True)
+    elif W <= S and right > 0:  # the first (last) W keys hold every key these blocks' windows reach
+        first = 0 if where == "start" else S - W
+        cols = (first + torch.arange(W, device=device)).expand(rows.shape[0], W)
+        whole = (lo + rows.shape[0]) * block <= L  # no empty query slot: written through the query view
+        views = Views(_repeated_view(first, W), query_view if whole else None, writes=whole)
+        facts = MaskFacts(in_range=True)
+    else:  # windows over a copy of the few keys the end blocks read, zero-padded past the ends
+        begin, blocks = offset - left + lo * block, rows.shape[0]  # hi may pass n when w > L
+        views = Views(_edge_view(block, W), key_source=_edge_source(begin, (blocks - 1) * block + W, S))
+        facts = MaskFacts()
+    return cols, views, facts
 
 
 def sink_mask(sinks: int, covered: MaskMod, is_causal: bool, offset: int) -> MaskMod:

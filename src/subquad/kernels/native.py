@@ -203,7 +203,7 @@ def block_attention(
     ``j <= i``. Returns ``out`` ``(n0, n1, Lq, Dv)`` and ``lse`` ``(n0, n1, Lq, 1)``, fp32: new
     tensors, or ``into`` (views of a larger output are written in place). ``merge``: ``into``
     already holds the softmax over other keys (its output and log-sum-exp); the result is the
-    softmax over both, as ``subquad.kernels.blocksparse`` merges its parts.
+    softmax over both, as ``subquad.kernels.blocksparse_forward`` merges its parts.
     """
     function = _function()
     if function is None:

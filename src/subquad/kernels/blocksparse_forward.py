@@ -1,0 +1,136 @@
+"""The forward pass of block-sparse attention (``kernels.blocksparse``): every part's chunks, merged.
+
+**Kernel.** Each chunk's blocks form the batch of one call of torch's CPU flash-attention kernel
+(``fused``), which returns the log-sum-exp beside the output and accumulates in fp32 for half
+inputs; or of the reference matmul-softmax-matmul (``eager``), with the softmax in fp32 or wider;
+or, opted into, of subquad's native kernel (``native``, ``subquad.kernels.native``: C compiled on first use,
+fp32 on AVX2 CPUs), whose cost per short block is lower. Where it cannot run, ``native`` falls back
+to what ``fused`` runs and warns once; groups of long blocks (``native_runs``) keep that too. The
+backward of ``native`` is the ``fused`` one.
+
+**Softmax.** Each part gives, per query, its normalised output ``o_p`` and log-sum-exp ``lse_p``.
+Parts hold disjoint key sets, so the pattern's softmax is their log-sum-exp merge, done chunk by
+chunk in place: ``out = Σ_p exp(lse_p − lse) o_p`` with ``lse = log Σ_p exp(lse_p)``. A query with
+no visible key has ``lse = −inf`` and returns zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from subquad.kernels import native as _native
+from subquad.kernels.blocksparse_chunks import Chunk, Part, as_batch, chunks, from_batch, padded, pads
+from subquad.kernels.memory import new_output
+from subquad.kernels.softmax import eager_forward, fused_forward, work_dtype
+from subquad.kernels.tuning import TUNING, block_elements
+
+__all__ = ["block_sparse_forward", "native_runs"]
+
+
+def native_runs(queries: int, keys: int) -> bool:
+    """Whether ``kernel="native"`` runs blocks of this many queries and keys (else what ``fused``
+    runs: torch's kernel, or eager when Dv ≠ D or off the CPU)."""
+    return queries <= TUNING.native_queries and keys <= TUNING.native_keys
+
+
+def _chunk_forward(q_ext, kf, vf, sources, c: Chunk, scale: float, kernel: str) -> tuple[Tensor, Tensor]:
+    """One chunk's normalised output ``(B, H, n, bq, Dv)`` and log-sum-exp ``(B, H, n, bq)``."""
+    B, H = q_ext.shape[:2]
+    qc, kc, vc = c.take(q_ext), c.gather(kf, sources, "blocksparse.keys"), c.gather(vf, sources, "blocksparse.values")
+    if kernel == "native":  # lse = −inf already for a row with no key
+        o, lse = _native.block_attention(as_batch(qc), as_batch(kc), as_batch(vc), *_native_masks(c, B, H), scale)
+        return from_batch(o, B, H), from_batch(lse.squeeze(-1), B, H)
+    if kernel == "fused":
+        mask = None if c.causal or c.open else c.additive(B, H, qc.dtype)
+        o, lse = fused_forward(as_batch(qc), as_batch(kc), as_batch(vc), mask, c.causal, scale)
+        lse = from_batch(lse, B, H)
+        if mask is not None:  # the kernel reports lse = 0 for a row with no key
+            lse = lse.masked_fill(c.keyless(), float("-inf"))
+        return from_batch(o, B, H), lse
+    return eager_forward(qc, kc, vc, c.allowed, scale)
+
+
+def _native_masks(c: Chunk, B: int, H: int) -> tuple[Tensor | None, bool]:
+    """The native kernel's additive mask and causal flag for a chunk. Its causal flag only skips
+    keys, so it also serves triangular blocks that need their element mask (padding, the keys past
+    the sequence's end): they skip the keys past each query block, as exact causal ones do."""
+    mask = None if c.causal or c.open else c.additive(B, H, torch.float32)
+    return mask, c.causal or c.group.facts.triangular
+
+
+def _batch_view(x: Tensor) -> Tensor | None:
+    """``as_batch`` as a view of ``x``, or None where it would be a copy."""
+    try:
+        return x.permute(2, 0, 1, 3, 4).view(x.shape[2], -1, *x.shape[3:])
+    except RuntimeError:
+        return None
+
+
+def _native_in_place(q_ext, kf, vf, sources, c: Chunk, scale: float, out: Tensor, lse: Tensor, merge: bool) -> bool:
+    """Run a chunk through the native kernel straight into (or merged into) its rows of ``out`` and
+    ``lse``, where the group reads its queries through views that can be written: no block output
+    is allocated and no second pass merges it. False where that cannot be done."""
+    if not c.writes:
+        return False
+    rows, rows_lse = _batch_view(c.take(out)), _batch_view(c.take(lse))
+    if rows is None or rows_lse is None:
+        return False
+    B, H = q_ext.shape[:2]
+    qc, kc, vc = c.take(q_ext), c.gather(kf, sources, "blocksparse.keys"), c.gather(vf, sources, "blocksparse.values")
+    mask, causal = _native_masks(c, B, H)
+    _native.block_attention(as_batch(qc), as_batch(kc), as_batch(vc), mask, causal, scale, (rows, rows_lse), merge)
+    return True
+
+
+def block_sparse_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    parts: Sequence[Part],
+    scale: float,
+    kernel: str,
+    fused: bool,
+) -> tuple[Tensor, Tensor]:
+    """Outputs and log-sum-exps of every part, merged; in the work dtype."""
+    B, H, L, _ = q.shape
+    S, Dv = k.shape[2], v.shape[3]
+    work = work_dtype(q.dtype)
+    query_pad, pad = pads(parts)
+    q_ext = padded(q, 0, query_pad)  # (B, H, L + query_pad, D)
+    kf, vf = padded(k, pad, pad), padded(v, pad, pad)  # (B, H, S + 2 pad, ·)
+    rows = L + max(1, query_pad)  # row L receives the empty slots
+    out = lse = None
+    sources: dict = {}
+    for part in parts:
+        if out is None:  # the first part writes, the others merge into what is there
+            covered = torch.zeros(rows, dtype=torch.bool, device=q.device)
+            for group in part:
+                covered[group.queries.flatten()] = True
+            # Rows the first part leaves out start as "no key seen": zero output, lse = −inf.
+            out = new_output((B, H, rows, Dv), work, q.device)
+            if not bool(covered[:L].all()):
+                out.zero_()
+            lse = q.new_full((B, H, rows, 1), float("-inf"), dtype=work)
+            merge = False
+        for group in part:
+            # the native kernel's gain is on short blocks; torch's tiles are faster on long ones
+            group_kernel = kernel
+            if kernel == "native" and not native_runs(group.queries.shape[1], group.keys.shape[-1]):
+                group_kernel = "fused" if fused else "eager"
+            views = group_kernel != "eager"
+            tile = TUNING.blocksparse_fused_tile if views else block_elements(TUNING.blocksparse_tile, q.device)
+            for c in chunks(group, B, H, L, S, pad, key_padding_mask, tile, views, H // k.shape[1]):
+                if group_kernel == "native" and _native_in_place(q_ext, kf, vf, sources, c, scale, out, lse, merge):
+                    continue
+                o, chunk_lse = _chunk_forward(q_ext, kf, vf, sources, c, scale, group_kernel)
+                if merge:
+                    c.merge(out, lse, o.to(work), chunk_lse.to(work).unsqueeze(-1))
+                else:
+                    c.write(out, o)
+                    c.write(lse, chunk_lse.unsqueeze(-1))
+        merge = True
+    return out[:, :, :L], lse[:, :, :L, 0]
