@@ -52,7 +52,8 @@ log-sum-exp) sets the window's scale, and a learned φ learns the far keys' weig
 Nearby tokens, which a pretrained model's attention leans on most, are exact; the cost stays
 linear, O(N·(w + D)·D). The far sums are causal products (``ops.scan.causal_dot``) of the keys
 shifted by w, and non-causal also of the reversed sequences, so no band is subtracted and no
-weight can come out negative. ``scale`` applies to the window's softmax (default 1/√D).
+weight can come out negative (``ops.windowed_linear``). ``scale`` applies to the window's softmax
+(default 1/√D).
 
 **Sinks.** ``sinks = s`` (with a window) moves the first s keys from the far part into the
 softmax part for every query that sees them: ``local``'s attention sinks (StreamingLLM, Xiao et al.
@@ -71,9 +72,9 @@ from torch import Tensor, nn
 
 from subquad._validate import check_attention_inputs, work_dtype
 from subquad.decoding import Decoder
-from subquad.kernels.band import window_attention
 from subquad.ops.linear_blocks import Causal, NonCausal, features, normalise
-from subquad.ops.scan import causal_dot, causal_dot_forward
+from subquad.ops.scan import causal_dot_forward
+from subquad.ops.windowed_linear import learned_features, windowed
 from subquad.registry import Config, Mechanism, option
 
 __all__ = ["LinearConfig", "LinearDecoder", "LinearState", "learned_features", "linear_attention"]
@@ -147,14 +148,6 @@ def _resolve_state(state: nn.Module | None, config: LinearConfig, heads: int, di
     return state
 
 
-def learned_features(x: Tensor, state: LinearState) -> Tensor:
-    """Hedgehog's ``[softmax(xW + b), softmax(−(xW + b))]`` of ``x`` ``(B, H, N, D)``: ``(B, H, N, 2D)``,
-    in fp32 for half-precision inputs."""
-    work = work_dtype(x.dtype)
-    t = torch.matmul(x.to(work), state.weight.to(work)) + state.bias.to(work)[:, None, :]
-    return torch.cat([torch.softmax(t, -1), torch.softmax(-t, -1)], dim=-1)
-
-
 def linear_attention(
     q: Tensor,
     k: Tensor,
@@ -207,79 +200,6 @@ def linear_attention(
     if offset < 0:
         out = torch.cat([out.new_zeros(B, H, -offset, Dv), out], dim=2)
     return out.to(dtype)
-
-
-def windowed(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    key_padding_mask: Tensor | None,
-    is_causal: bool,
-    scale: float | None,
-    config: LinearConfig,
-    learned: LinearState | None,
-    initial: Tensor | None = None,
-) -> Tensor:
-    """Linear attention with a softmax window (module docstring), ``(B, H, L, Dv)`` in fp32 or fp64.
-    ``initial`` ``(B·H, F, Dv + 1)`` (causal only): the far sums of keys before ``k``'s first, which
-    every query sees (decoding)."""
-    B, H, L, _ = q.shape
-    S, Dv, w = k.shape[2], v.shape[-1], config.window
-    work = work_dtype(q.dtype)
-    s = min(config.sinks, S)
-    near = window_attention(q, k, v, key_padding_mask, is_causal, scale, w, s, "fused").to(work)
-    # m_i: whether query i's window (key positions p - w < j <= p, or |j - p| < w) or its sinks hold a real key
-    real = torch.ones(B, S, device=q.device) if key_padding_mask is None else key_padding_mask.to(torch.float32)
-    counts = torch.nn.functional.pad(real.cumsum(1), (1, 0))  # (B, S + 1): real keys before each position
-    p = torch.arange(L, device=q.device) + (S - L)
-    lo, hi = (p - w + 1).clamp(0, S), (p + (1 if is_causal else w)).clamp(0, S)
-    seen = (counts[:, hi] - counts[:, lo]) > 0
-    if s:
-        seen = seen | (counts[:, (p + 1).clamp(0, s) if is_causal else torch.full_like(p, s)] > 0)
-    mass = seen.to(work)[:, None, :, None]  # (B, 1, L, 1)
-    if learned is not None:
-        fq, fk = learned_features(q, learned), learned_features(k, learned)
-        if key_padding_mask is not None:
-            fk = fk * key_padding_mask[:, None, :, None].to(fk.dtype)
-        v1 = torch.cat([v.to(work), v.new_ones(B, H, S, 1, dtype=work)], dim=-1)
-    else:
-        fq, fk, v1 = features(q, k, v, key_padding_mask, config.feature_map)
-    if s:  # the sinks are in the softmax part for every query that sees them
-        fk = torch.cat([torch.zeros_like(fk[:, :, :s]), fk[:, :, s:]], dim=2)
-    a, b, c = (x.reshape(B * H, x.shape[2], x.shape[3]) for x in (fq, fk, v1))
-    far = _shifted_product(a, b, c, S - L - w, initial, config.chunk)  # keys j <= p - w
-    if not is_causal:  # keys j >= p + w: the same product over the reversed sequences
-        flip = lambda x: x.flip(1)  # noqa: E731
-        far = far + flip(_shifted_product(flip(a), flip(b), flip(c), -w, None, config.chunk))
-    far = far.view(B, H, L, Dv + 1)
-    return (mass * near + far[..., :Dv]) / (mass + far[..., Dv:] + config.eps)
-
-
-def _shifted_product(a: Tensor, b: Tensor, c: Tensor, shift: int, initial: Tensor | None, chunk: int) -> Tensor:
-    """``y_i = Σ_{j ≤ i + shift} (a_i·b_j) c_j + a_iᵀ initial`` for rows ``(R, L, ·)`` against keys
-    ``(R, S, ·)``, differentiable."""
-    R, L, _ = a.shape
-    S = b.shape[1]
-    if shift >= 0:  # keys before `shift` are seen by every query; query i then pairs with key i + shift
-        seen = min(shift, S)
-        start = torch.matmul(b[:, :seen].transpose(1, 2), c[:, :seen])
-        start = start if initial is None else start + initial
-        kb, kc = (_rows(x, shift, L) for x in (b, c))
-        return causal_dot(a, kb, kc, start, chunk)
-    first = min(-shift, L)  # these queries see no key of k (only `initial`)
-    out = [torch.zeros(R, first, c.shape[-1], dtype=c.dtype, device=c.device) if initial is None
-           else torch.matmul(a[:, :first], initial)]  # fmt: skip
-    if L > first:
-        n = L - first
-        kb, kc = (_rows(x, 0, n) for x in (b, c))
-        out.append(causal_dot(a[:, first:], kb, kc, initial, chunk))
-    return torch.cat(out, dim=1)
-
-
-def _rows(x: Tensor, start: int, count: int) -> Tensor:
-    """Rows ``start .. start + count`` of ``x`` ``(R, S, ·)``, zero-filled past its end."""
-    part = x[:, start : start + count]
-    return torch.nn.functional.pad(part, (0, 0, 0, count - part.shape[1]))
 
 
 class LinearDecoder(Decoder):

@@ -59,11 +59,11 @@ state, and causal. The position is the causal one (i + S − L, as in cached dec
 **Cost.** Segment means O(S·D) per head, and kernel attention over m_h landmarks O(m_h·D·Dv) for
 the sums and O(D·Dv) per query. Non-causal, every head computes every query in one product with
 all heads' sums, and the router's choice zeroes the others: the fewest operations, which on a
-busy 2-core CPU is what counts (docs/performance.md). The
-causal form and the softmax ablation gather the queries routed to each head (padded to the most
-any batch row has) and scatter their outputs back: faster there, as their per-query work is
-larger. No (N × N) and no (N × H × D × D) tensor exists in either pass. Half-precision
-inputs are computed in fp32.
+busy 2-core CPU is what counts (docs/performance.md). The causal form and the softmax ablation
+gather the queries routed to each head (padded to the most any batch row has) and scatter their
+outputs back (``ops.resolution_routing``): faster there, as their per-query work is larger. No
+(N × N) and no (N × H × D × D) tensor exists in either pass. Half-precision inputs are computed in
+fp32.
 """
 
 from __future__ import annotations
@@ -73,26 +73,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from subquad._validate import (
-    AttentionShape,
-    check_attention_inputs,
-    check_logits,
-    check_query_padding_mask,
-    resolve_scale,
-    work_dtype,
-)
+from subquad._validate import AttentionShape, check_attention_inputs, check_logits, check_query_padding_mask, work_dtype
 from subquad.decoding import KVCache
 from subquad.kernels.memory import tracks_grad
-from subquad.ops import softmax
-from subquad.ops.hashing import seeded_uniform
-from subquad.ops.landmarks import (
-    causal_landmark_kernel,
-    gather_positions,
-    landmark_kernel,
-    landmark_softmax,
-    scatter_positions,
-)
-from subquad.ops.segments import segment_length
+from subquad.ops.landmarks import landmark_kernel
+from subquad.ops.resolution_routing import per_resolution, route
 from subquad.registry import QUERY, Config, Mechanism, option
 
 __all__ = [
@@ -166,49 +151,6 @@ class MultiresInputs(nn.Module):
         if self.router is None:
             return {}
         return {"router_logits": self.router(query_x).transpose(1, 2)}  # (B, R, L)
-
-
-# ---------------------------------------------------------------------------------------------
-# Routing (eq. 6)
-# ---------------------------------------------------------------------------------------------
-
-
-def route(
-    router_logits: Tensor | None,
-    config: MultiresConfig,
-    batch: int,
-    queries: int,
-    first: int,
-    seed: int,
-    work: torch.dtype,
-) -> tuple[Tensor, Tensor]:
-    """Each query's resolution ``(B, L)`` (long) and the weight of its output ``(B, L)``.
-
-    Learned: the argmax of P = softmax(logits) over the R resolutions, weighted by its probability
-    (eq. 6). Random: a uniform draw from a hash of (seed, query position), weighted 1; query i sits
-    at position ``first + i``.
-    """
-    if config.routing == "learned":
-        probs = softmax(router_logits.to(work), dim=1)  # (B, R, L)
-        choice = probs.argmax(dim=1)  # (B, L)
-        return choice, probs.gather(1, choice.unsqueeze(1)).squeeze(1)
-    positions = torch.arange(first, first + queries)
-    choice = (seeded_uniform(seed, positions) * len(config.rates)).long().clamp(max=len(config.rates) - 1)
-    return choice.expand(batch, queries), torch.ones(batch, queries, dtype=work, device=positions.device)
-
-
-def _routed_queries(routed: Tensor) -> tuple[Tensor, Tensor]:
-    """The queries routed to a head, ``routed`` ``(B, L)``, as indices ``(B, w)`` in increasing order,
-    w the most any batch row has; shorter rows are filled with other queries, ``real`` False."""
-    count = routed.sum(1)  # (B,)
-    width = int(count.max())
-    order = torch.argsort((~routed).to(torch.uint8), dim=1, stable=True)[:, :width]  # routed first, in order
-    return order, torch.arange(width, device=routed.device) < count.unsqueeze(1)
-
-
-# ---------------------------------------------------------------------------------------------
-# The mechanism
-# ---------------------------------------------------------------------------------------------
 
 
 def _subheads(heads: int, rates: tuple[float, ...]) -> int:
@@ -306,7 +248,7 @@ def multires_attention(
         ).to(dtype)
     track = tracks_grad(q, k, v, *(() if router_logits is None else (router_logits,)))
     routed = [(choice == h) & visible for h in range(len(config.rates))]
-    return _per_resolution(q, k, v, key_padding_mask, is_causal, scale, config, routed, weight, track).to(dtype)
+    return per_resolution(q, k, v, key_padding_mask, is_causal, scale, config, routed, weight, track).to(dtype)
 
 
 def _visible(shape: AttentionShape, is_causal: bool, query_padding_mask: Tensor | None, device) -> Tensor:
@@ -316,47 +258,6 @@ def _visible(shape: AttentionShape, is_causal: bool, query_padding_mask: Tensor 
     if is_causal:
         visible = visible & (torch.arange(shape.queries, device=device) >= shape.queries - shape.keys)
     return visible if query_padding_mask is None else visible & query_padding_mask
-
-
-def _per_resolution(
-    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool, scale: float | None,
-    config: MultiresConfig, routed: list[Tensor], weight: Tensor, track: bool,
-) -> Tensor:  # fmt: skip
-    """Each resolution's head group computes the queries routed to it (``routed[h]`` ``(B, L)``),
-    weighted by the router; the causal kernel form and the softmax ablation. Without autograd every
-    group writes into one output; with it, the groups are concatenated."""
-    B, H, L, D = q.shape
-    S, Dv = k.shape[2], v.shape[3]
-    subheads = H // len(config.rates)
-    out = None if track else q.new_zeros(B, H, L, Dv)
-    outputs = []
-    for h, rate in enumerate(config.rates):
-        heads = slice(h * subheads, (h + 1) * subheads)
-        if config.similarity == "softmax":
-            # The ablation runs every query, so a row's matmul shapes, and with them its rounding,
-            # do not depend on how many other queries (later ones, other rows) pick this head.
-            order, real = torch.arange(L, device=q.device).expand(B, L), routed[h].expand(B, L)
-        else:
-            order, real = _routed_queries(routed[h])  # each head computes its own queries only
-        if order.shape[1] == 0:  # no query chose this resolution
-            outputs.append(q.new_zeros(B, subheads, L, Dv))
-            continue
-        qh, kh, vh = gather_positions(q[:, heads], order), k[:, heads], v[:, heads]  # qh: (B, S', w, D)
-        position = order + (S - L if is_causal else 0)  # key positions (causal)
-        length = segment_length(rate, S)
-        if config.similarity == "softmax":
-            scale_h = resolve_scale(scale, D)
-            rows = landmark_softmax(qh, position, real, kh, vh, key_padding_mask, length, is_causal, scale_h)
-        else:
-            rows = causal_landmark_kernel(
-                qh, position, real, kh, vh, key_padding_mask, length, config.feature_map, config.eps
-            )
-        rows = rows * (weight.gather(1, order) * real)[:, None, :, None]  # the router's weight; 0 on fill rows
-        if out is None:
-            outputs.append(scatter_positions(rows, order, L))  # (B, S', L, Dv)
-        else:
-            out[:, heads].scatter_(2, order[:, None, :, None].expand_as(rows), rows)
-    return torch.cat(outputs, dim=1) if out is None else out  # (B, H, L, Dv)
 
 
 def _example_logits(q: Tensor, k: Tensor, v: Tensor, config: Config, generator: torch.Generator) -> dict[str, Tensor]:

@@ -45,20 +45,20 @@ sequence's length: a causal output at position i must not depend on how many tok
 tile size of S/k would move every tile boundary as tokens are appended), and a state's centroids
 keep their shape for the model's life. For long non-causal inputs, set ``clusters`` near √N.
 
-**Centroids** live in ``RoutingState``, owned by the layer: unit vectors drawn from its seed, so a
-fresh model routes and generates before any update. In training mode each call, after attending with the
-current centroids, moves every centroid by an exponential moving average (``decay``) towards the
-mean of the normalised queries and keys routed to it, leaving out padded keys and padded queries
-(``query_padding_mask``; layers pass it in self-attention). The commitment loss
-β·‖x̂ − sg(μ)‖² of that call goes to ``subquad.hooks.add_auxiliary_loss``: the training loop
-collects it with ``subquad.hooks.auxiliary_losses()`` and adds ``sum(losses)`` to its loss; a
-training forward with no collector active warns (``UncollectedLossWarning``) that the loss is
-dropped, and with ``commitment=0`` there is none to collect. Under
-gradient checkpointing (``subquad.hooks.checkpoint_contexts``), the recomputation routes with the
-centroids the forward used and neither moves them nor reports the loss again. With no state the
-function builds the same initial centroids from seed 0, on the inputs' device, and updates
-nothing, so a call whose inputs carry gradients (training) warns that its centroids never move;
-a state on another device than the inputs is refused.
+**Centroids** live in ``RoutingState`` (``ops.routing_clusters``), owned by the layer: unit vectors
+drawn from its seed, so a fresh model routes and generates before any update. In training mode each
+call, after attending with the current centroids, moves every centroid by an exponential moving
+average (``decay``) towards the mean of the normalised queries and keys routed to it, leaving out
+padded keys and padded queries (``query_padding_mask``; layers pass it in self-attention). The
+commitment loss β·‖x̂ − sg(μ)‖² of that call goes to ``subquad.hooks.add_auxiliary_loss``: the
+training loop collects it with ``subquad.hooks.auxiliary_losses()`` and adds ``sum(losses)`` to its
+loss; a training forward with no collector active warns (``UncollectedLossWarning``) that the loss
+is dropped, and with ``commitment=0`` there is none to collect. Under gradient checkpointing
+(``subquad.hooks.checkpoint_contexts``), the recomputation routes with the centroids the forward
+used and neither moves them nor reports the loss again. With no state the function builds the same
+initial centroids from seed 0, on the inputs' device, and updates nothing, so a call whose inputs
+carry gradients (training) warns that its centroids never move; a state on another device than the
+inputs is refused.
 
 **Decoding.** A causal output depends only on its query and on the keys up to it, and a query
 sees at most its cluster's last two tiles. ``RoutingCache`` therefore keeps, per head and
@@ -68,10 +68,9 @@ back), so each token costs O(k·D + w·D) and the cache O(k·w·D) per head, wha
 
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -80,9 +79,8 @@ from torch import Tensor, nn
 from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask, work_dtype
 from subquad.decoding import Decoder
 from subquad.hooks import add_auxiliary_loss, is_recomputing, replayed
-from subquad.kernels.cluster_tiles import balanced_windows, causal_windows
-from subquad.kernels.tiles import window_attention
-from subquad.ops.clustering import commitment_loss, ema_centroids, nearest_direction
+from subquad.ops.clustering import commitment_loss, nearest_direction
+from subquad.ops.routing_clusters import RoutingState, cluster_attention, resolve_state
 from subquad.registry import Config, Mechanism, option
 
 __all__ = [
@@ -107,80 +105,6 @@ class RoutingConfig(Config):
     )
     decay: float = option(0.999, "EMA decay of the centroids (training mode only)", ge=0, le=1)
     commitment: float = option(1e-4, "β of the commitment loss β·‖x̂ − sg(μ)‖²", ge=0)
-
-
-def _initial_centroids(heads: int, clusters: int, dim: int, seed: int) -> Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return F.normalize(torch.randn(heads, clusters, dim, generator=generator), dim=-1)
-
-
-class RoutingState(nn.Module):
-    """One layer's routing centroids ``(H, k, D)`` (unit vectors) and, in ``loss``, the commitment
-    loss of its last training-mode forward (for the deprecated ``routing_loss``; the loss of each
-    forward goes to ``subquad.hooks.auxiliary_losses``).
-
-    Args:
-        config: a ``RoutingConfig``.
-        num_heads: H; every head has its own centroids.
-        head_dim: D.
-        seed: seeds the initial centroids.
-    """
-
-    def __init__(self, config: RoutingConfig, num_heads: int, head_dim: int, seed: int = 0) -> None:
-        super().__init__()
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        self.config, self.num_heads, self.head_dim, self.seed = config, num_heads, head_dim, seed % 2**63
-        self.register_buffer("centroids", _initial_centroids(num_heads, config.clusters, head_dim, self.seed))
-        self.loss: Tensor | None = None
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        saved = state_dict.get(prefix + "centroids")
-        if saved is not None and saved.shape != self.centroids.shape:
-            raise ValueError(
-                f"routing centroids of shape {tuple(saved.shape)} do not fit this layer's "
-                f"(heads, clusters, head_dim) = {tuple(self.centroids.shape)}"
-            )
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    @torch.no_grad()
-    def update(self, points: list[tuple[Tensor, Tensor, Tensor | None]]) -> None:
-        """EMA step towards the mean of the real points routed to each centroid
-        (``ops.clustering.ema_centroids``): ``points`` are ``(x̂, cluster, real)`` triples."""
-        self.centroids.copy_(ema_centroids(self.centroids, points, self.config.decay))
-
-    def extra_repr(self) -> str:
-        heads, clusters, dim = self.centroids.shape
-        return f"heads={heads}, clusters={clusters}, head_dim={dim}, seed={self.seed}"
-
-
-@functools.lru_cache(maxsize=32)
-def _default_state(config: RoutingConfig, heads: int, head_dim: int, device: torch.device) -> RoutingState:
-    """The state of a call without one: seed 0, in eval mode (fixed: nothing updates it), built once
-    per shape and device rather than drawn on every call."""
-    return RoutingState(config, heads, head_dim, 0).to(device).eval()
-
-
-def _resolve_state(
-    state: nn.Module | None, config: RoutingConfig, shape: AttentionShape, device: torch.device
-) -> RoutingState:
-    if state is None:
-        return _default_state(config, shape.heads, shape.head_dim, device)
-    if not isinstance(state, RoutingState):
-        raise ValueError(f"routing needs a RoutingState, got {type(state).__name__}")
-    if state.centroids.device != device:
-        raise ValueError(
-            f"the routing state's centroids are on {state.centroids.device} but the inputs are on {device}; "
-            "move the state (or the layer that owns it) there with .to(device)"
-        )
-    H, C, D = state.centroids.shape
-    if (H, C, D) != (shape.heads, config.clusters, shape.head_dim):
-        want = (shape.heads, config.clusters, shape.head_dim)
-        raise ValueError(
-            f"routing state has centroids of shape (heads, clusters, head_dim) = {(H, C, D)}, "
-            f"but this call needs {want}"
-        )
-    return state
 
 
 def routing_attention(
@@ -222,28 +146,12 @@ def routing_attention(
             UserWarning,
             stacklevel=2,
         )
-    state = _resolve_state(state, config, shape, q.device)
-    B, H, L, S, D, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.head_dim, shape.value_dim
-    R = B * H
+    state = resolve_state(state, config, shape, q.device)
     work = work_dtype(q.dtype)
     centroids = replayed(state.centroids).to(work)  # a checkpoint's recomputation: those of its forward
-    C, tile = centroids.shape[1], config.tile
-    key_valid = None if key_padding_mask is None else key_padding_mask[:, None].expand(B, H, S).reshape(R, S)
-    query_valid = None if query_padding_mask is None else query_padding_mask[:, None].expand(B, H, L).reshape(R, L)
-    with torch.no_grad():
-        q_cluster, k_cluster = nearest_direction(q, centroids), nearest_direction(k, centroids)
-        if is_causal:
-            if query_valid is not None:  # a padded query's blocks may not depend on what it holds
-                q_cluster = q_cluster.masked_fill(~query_valid.view(B, H, L), 0)
-            windows = causal_windows(q_cluster.view(R, L), k_cluster.view(R, S), C, tile, key_valid)
-        else:
-            windows = balanced_windows(q_cluster.view(R, L), k_cluster.view(R, S), C, key_valid, query_valid)
-    out = window_attention(q.reshape(R, L, D), k.reshape(R, S, D), v.reshape(R, S, Dv), windows, shape.scale)
-    out = out.view(B, H, L, Dv)
-    if query_padding_mask is not None and is_causal:  # (non-causal: they join no tile, so they are zero)
-        # Padded queries return zeros, whatever they hold: an output read off their content would
-        # differ wherever that content is replaced (as on CUDA, where padded inputs are zeroed first).
-        out = out.masked_fill(~query_padding_mask[:, None, :, None], 0)
+    out, q_cluster, k_cluster = cluster_attention(
+        q, k, v, centroids, config.tile, is_causal, key_padding_mask, query_padding_mask, shape.scale
+    )
     if state.training:
         # A checkpoint's recomputation computes the loss too (it must save what the forward saved),
         # but only the forward hands it over and moves the centroids (subquad.hooks).
@@ -302,7 +210,7 @@ class RoutingCache(Decoder):
         """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the cache and the new keys."""
         B, H, T, D = q.shape
         shape = AttentionShape(B, H, T, T, D, v.shape[-1], D**-0.5)
-        state = self.state = _resolve_state(self.state, self.config, shape, q.device)
+        state = self.state = resolve_state(self.state, self.config, shape, q.device)
         work = work_dtype(q.dtype)
         centroids = state.centroids.to(work)
         outputs = [

@@ -1,0 +1,105 @@
+"""Linear attention with a softmax window (LoLCATs, Zhang et al. 2025), and Hedgehog's learned
+feature map (Zhang, Bhatia, Kumbong & Ré 2024): the parts of ``linear``'s options beyond the plain
+kernel form.
+
+``windowed``: exact softmax over the keys less than w positions from each query (``local``'s
+window, and its sinks), kernel attention over the rest, under one normaliser; the far sums are
+causal products (``ops.scan.causal_dot``) of the keys shifted by w, and non-causal also of the
+reversed sequences. ``learned_features``: ``[softmax(x W + b), softmax(−(x W + b))]`` per head. The
+maths and the choices are in ``mechanisms.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from subquad._validate import work_dtype
+from subquad.kernels.band import window_attention
+from subquad.ops.linear_blocks import features
+from subquad.ops.scan import causal_dot
+from subquad.registry import Config
+
+__all__ = ["learned_features", "windowed"]
+
+
+def learned_features(x: Tensor, state: nn.Module) -> Tensor:
+    """Hedgehog's ``[softmax(xW + b), softmax(−(xW + b))]`` of ``x`` ``(B, H, N, D)``: ``(B, H, N, 2D)``,
+    in fp32 for half-precision inputs; W and b are ``state``'s (a ``LinearState``)."""
+    work = work_dtype(x.dtype)
+    t = torch.matmul(x.to(work), state.weight.to(work)) + state.bias.to(work)[:, None, :]
+    return torch.cat([torch.softmax(t, -1), torch.softmax(-t, -1)], dim=-1)
+
+
+def windowed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    config: Config,
+    learned: nn.Module | None,
+    initial: Tensor | None = None,
+) -> Tensor:
+    """Linear attention with a softmax window (``mechanisms.linear``), ``(B, H, L, Dv)`` in fp32 or
+    fp64. ``config``: a ``LinearConfig``; ``learned``: its ``LinearState`` under hedgehog, else None.
+    ``initial`` ``(B·H, F, Dv + 1)`` (causal only): the far sums of keys before ``k``'s first, which
+    every query sees (decoding)."""
+    B, H, L, _ = q.shape
+    S, Dv, w = k.shape[2], v.shape[-1], config.window
+    work = work_dtype(q.dtype)
+    s = min(config.sinks, S)
+    near = window_attention(q, k, v, key_padding_mask, is_causal, scale, w, s, "fused").to(work)
+    # m_i: whether query i's window (key positions p - w < j <= p, or |j - p| < w) or its sinks hold a real key
+    real = torch.ones(B, S, device=q.device) if key_padding_mask is None else key_padding_mask.to(torch.float32)
+    counts = torch.nn.functional.pad(real.cumsum(1), (1, 0))  # (B, S + 1): real keys before each position
+    p = torch.arange(L, device=q.device) + (S - L)
+    lo, hi = (p - w + 1).clamp(0, S), (p + (1 if is_causal else w)).clamp(0, S)
+    seen = (counts[:, hi] - counts[:, lo]) > 0
+    if s:
+        seen = seen | (counts[:, (p + 1).clamp(0, s) if is_causal else torch.full_like(p, s)] > 0)
+    mass = seen.to(work)[:, None, :, None]  # (B, 1, L, 1)
+    if learned is not None:
+        fq, fk = learned_features(q, learned), learned_features(k, learned)
+        if key_padding_mask is not None:
+            fk = fk * key_padding_mask[:, None, :, None].to(fk.dtype)
+        v1 = torch.cat([v.to(work), v.new_ones(B, H, S, 1, dtype=work)], dim=-1)
+    else:
+        fq, fk, v1 = features(q, k, v, key_padding_mask, config.feature_map)
+    if s:  # the sinks are in the softmax part for every query that sees them
+        fk = torch.cat([torch.zeros_like(fk[:, :, :s]), fk[:, :, s:]], dim=2)
+    a, b, c = (x.reshape(B * H, x.shape[2], x.shape[3]) for x in (fq, fk, v1))
+    far = _shifted_product(a, b, c, S - L - w, initial, config.chunk)  # keys j <= p - w
+    if not is_causal:  # keys j >= p + w: the same product over the reversed sequences
+        flip = lambda x: x.flip(1)  # noqa: E731
+        far = far + flip(_shifted_product(flip(a), flip(b), flip(c), -w, None, config.chunk))
+    far = far.view(B, H, L, Dv + 1)
+    return (mass * near + far[..., :Dv]) / (mass + far[..., Dv:] + config.eps)
+
+
+def _shifted_product(a: Tensor, b: Tensor, c: Tensor, shift: int, initial: Tensor | None, chunk: int) -> Tensor:
+    """``y_i = Σ_{j ≤ i + shift} (a_i·b_j) c_j + a_iᵀ initial`` for rows ``(R, L, ·)`` against keys
+    ``(R, S, ·)``, differentiable."""
+    R, L, _ = a.shape
+    S = b.shape[1]
+    if shift >= 0:  # keys before `shift` are seen by every query; query i then pairs with key i + shift
+        seen = min(shift, S)
+        start = torch.matmul(b[:, :seen].transpose(1, 2), c[:, :seen])
+        start = start if initial is None else start + initial
+        kb, kc = (_rows(x, shift, L) for x in (b, c))
+        return causal_dot(a, kb, kc, start, chunk)
+    first = min(-shift, L)  # these queries see no key of k (only `initial`)
+    out = [torch.zeros(R, first, c.shape[-1], dtype=c.dtype, device=c.device) if initial is None
+           else torch.matmul(a[:, :first], initial)]  # fmt: skip
+    if L > first:
+        n = L - first
+        kb, kc = (_rows(x, 0, n) for x in (b, c))
+        out.append(causal_dot(a[:, first:], kb, kc, initial, chunk))
+    return torch.cat(out, dim=1)
+
+
+def _rows(x: Tensor, start: int, count: int) -> Tensor:
+    """Rows ``start .. start + count`` of ``x`` ``(R, S, ·)``, zero-filled past its end."""
+    part = x[:, start : start + count]
+    return torch.nn.functional.pad(part, (0, 0, 0, count - part.shape[1]))
