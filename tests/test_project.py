@@ -60,6 +60,21 @@ def test_no_import_goes_up_the_layers():
     assert layers.upward(Path(subquad.__file__).parent) == []
 
 
+def test_no_file_function_or_class_is_over_the_size_limits(tmp_path):
+    """``scripts/sizes.py``: files at most 400 lines (mechanisms 300), functions 60, classes 120."""
+    spec = importlib.util.spec_from_file_location("sizes", Path(__file__).parent.parent / "scripts" / "sizes.py")
+    sizes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sizes)
+    assert sizes.oversize(Path(subquad.__file__).parent) == []
+    # and it sees what is over: a 61-line function in a 301-line mechanism file
+    (tmp := tmp_path / "subquad" / "mechanisms").mkdir(parents=True)
+    (tmp / "big.py").write_text("def f():\n" + "    x = 1\n" * 60 + "\n" * 240)
+    assert sizes.oversize(tmp.parent) == [
+        "subquad/mechanisms/big.py: 301 lines (at most 300)",
+        "subquad/mechanisms/big.py:1: f is 61 lines (at most 60)",
+    ]
+
+
 def test_readme_hugging_face_example_runs(tmp_path):
     """The README's subquad.hf block, with ``path`` a tiny BERT saved from a config."""
     transformers = pytest.importorskip("transformers", minversion="5")
