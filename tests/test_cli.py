@@ -12,7 +12,7 @@ from subquad.bench.command import arguments as bench_arguments
 from subquad.bench.command import settings_from as _bench_settings
 from subquad.bench.runner import BenchSettings
 from subquad.cli import build_parser, main
-from subquad.flags import old_switches, option_parser
+from subquad.flags import old_spellings, option_parser
 
 from .test_registry import TOY
 
@@ -202,7 +202,7 @@ def test_bench_mechanisms_take_the_one_spec_grammar_beside_the_sweep_flags():
 
 def test_boolean_flags_are_x_and_no_x_and_the_old_yes_no_warns_for_one_release(monkeypatch):
     parser = build_parser()
-    parse = lambda *argv: parser.parse_args(old_switches(parser, list(argv)))
+    parse = lambda *argv: parser.parse_args(old_spellings(parser, list(argv)))
     assert parse("train", "--bf16").bf16 is True and parse("train", "--no-bf16").bf16 is False
     assert parse("train").grad_checkpoint is False and parse("train", "--grad-checkpoint").grad_checkpoint is True
     assert parse("bench").plots is True and parse("bench", "--no-plots").plots is False
@@ -303,3 +303,18 @@ def test_a_config_file_value_outside_a_settings_choices_is_refused_by_name():
         TrainConfig(task="listops", position="x")
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16, got 'int8'"):
         ApproxConfig("m", "d", "o", dtype="int8")
+
+
+def test_the_old_spellings_are_rewritten_with_a_warning_a_user_sees():
+    parser = build_parser()
+    with pytest.warns(DeprecationWarning, match=r"--batch is deprecated \(until the next release\): write "
+                      r"--examples-per-step"):  # fmt: skip
+        assert old_spellings(parser, ["train", "--batch=8"]) == ["train", "--examples-per-step=8"]
+    with pytest.warns(DeprecationWarning, match="write --window-tokens"):
+        assert old_spellings(parser, ["approx", "m", "--tokens", "9"]) == ["approx", "m", "--window-tokens", "9"]
+    assert old_spellings(parser, ["bench", "--batch", "2"]) == ["bench", "--batch", "2"]  # bench's own B
+    assert parser.parse_args(["train", "--options"]).options == []  # an empty deprecated list, as before
+    # the warning is the program's, so Python's default filter shows it on the terminal
+    shown = subprocess.run([sys.executable, "-m", "subquad", "evaluate", "no-such-run", "--windows", "3"],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert "DeprecationWarning: --windows is deprecated (until the next release): write --batches" in shown.stderr

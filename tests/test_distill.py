@@ -317,7 +317,7 @@ def test_bad_specs_and_inputs_raise(data, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="is a file; pass a folder"):
         ds.distill(run(data, tmp_path, "bert", out=str(tmp_path / "file")), progress=False)
-    bad = [("batch", 0, "batch must be >= 1, got 0"), ("steps", -1, "steps must be >= 0"),
+    bad = [("batch", 0, r"batch \(--windows-per-step\) must be >= 1, got 0"), ("steps", -1, "steps must be >= 0"),
            ("lr", 0.0, "lr must be > 0"), ("steps", 0, "needs steps or finetune_steps > 0")]  # fmt: skip
     for field, value, message in bad:
         with pytest.raises(ValueError, match=message):

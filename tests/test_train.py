@@ -92,7 +92,7 @@ def test_the_same_config_gives_the_same_numbers_and_learns(corpus, tmp_path):
         ({"attention": "local:window=0"}, "local option window must be >= 1, got 0"),
         ({"attention": "local:window"}, r"an attention spec is NAME.*bad option 'window'"),
         ({"attention": "local*3+full", "heads": 2}, r"head groups claim 3 of 2 heads"),
-        ({"batch": 6, "accumulate": 4}, "batch 6 must split into accumulate=4 equal micro-batches"),
+        ({"batch": 6, "accumulate": 4}, r"batch \(--examples-per-step\) 6 must split into accumulate=4 equal micro"),
         ({"dim": 30, "heads": 4}, "dim 30 must divide between heads=4"),
         ({"data": ""}, "pass --data PATH"),
     ],
@@ -313,6 +313,13 @@ def test_bad_config_files_are_named(tmp_path):
         load_config_file(tmp_path / "bad.toml")
     with pytest.raises(FileNotFoundError, match="no config file at .*none.toml"):
         load_config_file(tmp_path / "none.toml")
+
+
+def test_a_config_file_may_name_a_setting_by_its_flag(tmp_path):
+    from subquad.train.config import load_config_file
+
+    (tmp_path / "flags.toml").write_text("examples-per-step = 8\nseq_len = 64\n")
+    assert load_config_file(tmp_path / "flags.toml") == {"batch": 8, "seq_len": 64}
 
 
 def test_evaluate_and_generate_load_a_run(corpus, tmp_path):

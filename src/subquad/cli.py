@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from subquad.bench.command import BENCH
-from subquad.flags import Command, old_switches
+from subquad.flags import Command, old_spellings
 from subquad.hf.command import COMMANDS as HF_COMMANDS
 from subquad.listing import LIST
 from subquad.train.command import COMMANDS as TRAIN_COMMANDS
@@ -24,7 +24,7 @@ COMMANDS: tuple[Command, ...] = (LIST, BENCH, *TRAIN_COMMANDS, *HF_COMMANDS)
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(old_switches(parser, sys.argv[1:] if argv is None else list(argv)))
+    args = parser.parse_args(old_spellings(parser, sys.argv[1:] if argv is None else list(argv)))
     if args.command is None:
         parser.print_help()
         return 0

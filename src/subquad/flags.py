@@ -25,8 +25,8 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 __all__ = [
-    "DEVICE_HELP", "DTYPES", "Command", "add_flags", "check_choices", "flag_values", "old_switches",
-    "option_parser", "setting",
+    "DEVICE_HELP", "DTYPES", "Command", "add_flags", "check_choices", "flag_name", "flag_values", "named",
+    "old_spellings", "option_parser", "setting",
 ]  # fmt: skip
 
 DEVICE_HELP = "auto, cpu, cuda or cuda:N; auto: cuda where this torch sees one (default: %(default)s)"
@@ -66,6 +66,13 @@ def setting(
 def flag_name(f: Field) -> str:
     """A field's flag: ``--eval-every`` for ``eval_every``, or the name its `setting` gives."""
     return f.metadata.get("flag") or f"--{f.name.replace('_', '-')}"
+
+
+def named(settings: Any, name: str) -> str:
+    """How an error names the field ``name`` of the dataclass ``settings``: by its name, and by its
+    flag too where the flag is named otherwise (``batch (--examples-per-step)``)."""
+    f = next(f for f in fields(settings) if f.name == name)
+    return f"{name} ({f.metadata['flag']})" if f.metadata.get("flag") else name
 
 
 def add_flags(
@@ -141,6 +148,9 @@ def _flag(f: Field, tp: Any) -> dict[str, Any]:
     typed = _typed(tp, meta)
     if "nargs" in typed and default is not None:
         default = list(default)
+        if not default:  # nothing by default: the flag may be given with nothing too
+            typed["nargs"] = "*"
+            kwargs["help"] = f"{meta['help']} (default: {meta.get('shown_default') or 'none'})"
     return {**kwargs, **typed, "default": default}
 
 
@@ -155,45 +165,63 @@ def _typed(tp: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": tp}
 
 
+class _Renamed(argparse.Action):
+    """The action of a flag's old name: parse as the new one (``new``) does, and warn."""
+
+    new = ""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option: str | None = None) -> None:
+        warnings.warn(f"{option} is deprecated (until the next release): write {self.new}", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        setattr(namespace, self.dest, values)
+
+
 def _renamed(new: str, kwargs: Mapping[str, Any]) -> type[argparse.Action]:
-    """The action of a flag's old name: parse as the new one does, and warn."""
+    """A `_Renamed` action class for the flag ``new``, parsing values as its ``kwargs`` do."""
     plain = {k: v for k, v in kwargs.items() if k in ("type", "nargs", "choices")}
 
-    class Renamed(argparse.Action):
+    class Renamed(_Renamed):
         def __init__(self, option_strings: list[str], dest: str, **rest: Any) -> None:
             super().__init__(option_strings, dest, **{**rest, **plain})
-
-        def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option: str | None = None) -> None:
-            warnings.warn(f"{option} is deprecated (until the next release): write {new}", DeprecationWarning,
-                          stacklevel=2)  # fmt: skip
-            setattr(namespace, self.dest, values)
+            self.new = new
 
     return Renamed
 
 
-def old_switches(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """``argv`` with the old ``--x yes|no`` of a switch written ``--x`` / ``--no-x``, as switches are
-    now; it still works until the next release, with a warning."""
-    parsers = [parser, *(parser._subparsers._group_actions[0].choices.values() if parser._subparsers else ())]
+def old_spellings(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with the spellings of the last release written as now, each with a `DeprecationWarning`
+    (shown by default: it is attributed to the caller's caller, the program): a switch's ``--x yes|no``
+    as ``--x`` / ``--no-x``, and a renamed flag's old name (``--old V``, ``--old=V``) as its new one."""
+    subparsers = parser._subparsers._group_actions[0].choices if parser._subparsers else {}
+    command = next((word for word in argv if word in subparsers), None)
+    scope = [parser, subparsers[command]] if command else [parser]
     switches = {
         name
-        for sub in parsers
+        for sub in [parser, *subparsers.values()]
         for action in sub._actions
         if isinstance(action, argparse.BooleanOptionalAction)
         for name in action.option_strings
         if not name.startswith("--no-")
     }
+    renamed = {old: action.new for sub in scope for action in sub._actions if isinstance(action, _Renamed)
+               for old in action.option_strings}  # fmt: skip
     out: list[str] = []
     for word in argv:
+        flag, equals, value = word.partition("=")
         if out and out[-1] in switches and word in ("yes", "no"):
-            flag = out.pop()
-            plain = flag if word == "yes" else f"--no-{flag[2:]}"
-            warnings.warn(f"{flag} {word} is deprecated (until the next release): write {plain}", DeprecationWarning,
-                          stacklevel=3)  # fmt: skip
-            out.append(plain)
-        else:
-            out.append(word)
+            switch = out.pop()
+            now = switch if word == "yes" else f"--no-{switch[2:]}"
+            _deprecated(f"{switch} {word}", now)
+            word = now
+        elif flag in renamed:
+            _deprecated(flag, renamed[flag])
+            word = renamed[flag] + equals + value
+        out.append(word)
     return out
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated (until the next release): write {new}", DeprecationWarning, stacklevel=4)
 
 
 def option_parser(tp: Any) -> tuple[Callable[[str], Any], str]:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from subquad.flags import DTYPES, setting
+from subquad.flags import DTYPES, named, setting
 from subquad.hf.approx import parse_spec
 from subquad.hf.data import load_model, read_passages, token_windows
 
@@ -76,7 +76,7 @@ class DistillConfig:
     def __post_init__(self) -> None:
         for name in ("tokens", "batch", "heldout", "eval_every", "checkpoint_every", "keep"):
             if getattr(self, name) < 1:
-                raise ValueError(f"distill {name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"distill {named(self, name)} must be >= 1, got {getattr(self, name)}")
         for name in ("steps", "finetune_steps", "warmup", "calibration"):
             if getattr(self, name) < 0:
                 raise ValueError(f"distill {name} must be >= 0, got {getattr(self, name)}")
@@ -257,8 +257,8 @@ class _Job:
         if self.train_count < config.batch:
             raise ValueError(
                 f"{config.data} gives {len(windows)} windows of {config.tokens} tokens: fewer than heldout "
-                f"({config.heldout}) + batch ({config.batch}); pass more text, fewer --window-tokens or a smaller "
-                "--heldout"
+                f"({config.heldout}) + windows per step ({config.batch}); pass more text, fewer --window-tokens or a "
+                "smaller --heldout"
             )
         self.train, self.heldout = windows[: self.train_count], windows[self.train_count :]
         calibration = [{"input_ids": b} for b in self.batches(self.train[: max(config.calibration, 1)])]

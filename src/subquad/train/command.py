@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from subquad.files import FileError
-from subquad.flags import DEVICE_HELP, Command, add_flags, flag_values, old_switches, setting
+from subquad.flags import DEVICE_HELP, Command, add_flags, flag_values, old_spellings, setting
 
 __all__ = ["COMMANDS", "train_arguments"]
 
@@ -113,7 +113,7 @@ def _compare(args: argparse.Namespace) -> int:
             "pass --out before --; each variant gets its own folder in it, and reruns resume by themselves"
         )
     train_arguments(probe := argparse.ArgumentParser(prog="subquad compare (train flags)"))
-    probe.parse_args(old_switches(probe, flags))  # bad training flags fail before any variant runs
+    probe.parse_args(old_spellings(probe, flags))  # bad training flags fail before any variant runs
     rows = compare(list(args.variants), flags, args.out, args.minutes)
     print(format_table(rows))
     print(f"wrote {args.out}/compare.json, compare.csv and compare.png")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from subquad.files import FileError, check_fields, read_json, read_toml, write_atomic
-from subquad.flags import check_choices, setting
+from subquad.flags import check_choices, flag_name, named, setting
 from subquad.nn import HeadGroup
 from subquad.nn.attention import resolve_head_groups, spec_head_groups
 from subquad.registry import parse_value
@@ -81,9 +81,11 @@ class TrainConfig:
                     "eval_windows", "checkpoint_every", "keep")  # fmt: skip
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{named(self, name)} must be >= 1, got {getattr(self, name)}")
         if self.batch % self.accumulate:
-            raise ValueError(f"batch {self.batch} must split into accumulate={self.accumulate} equal micro-batches")
+            raise ValueError(
+                f"{named(self, 'batch')} {self.batch} must split into accumulate={self.accumulate} equal micro-batches"
+            )
         if self.dim % self.heads:
             raise ValueError(f"dim {self.dim} must divide between heads={self.heads}")
         if not self.data and self.task != "listops":
@@ -167,6 +169,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     else:
         values, written = read_toml(path, "run config", fix), None
     values = {k.replace("-", "_"): v for k, v in values.items()}
+    flags = {flag_name(f)[2:].replace("-", "_"): f.name for f in fields(TrainConfig) if f.metadata.get("flag")}
+    values = {flags.get(k, k): v for k, v in values.items()}  # a key may be the flag's name: examples_per_step
     if written is not None and written != __version__:
         fix = f"it was written by subquad {written} (this is {__version__}); {fix}"
     hints = typing.get_type_hints(TrainConfig)

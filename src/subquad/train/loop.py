@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from subquad import hooks
 from subquad.files import FileError, read_jsonl, write_atomic
+from subquad.flags import named
 from subquad.train import checkpoint
 from subquad.train.config import (  # noqa: F401 (TrainConfig and its readers, as they were imported from here)
     TrainConfig,
@@ -110,7 +111,8 @@ def train(config: TrainConfig, resume: bool = False, progress: bool = True) -> d
     rank, world = _distributed(device)
     if config.batch % (world * config.accumulate):
         raise ValueError(
-            f"batch {config.batch} must split into {world} processes × accumulate={config.accumulate} equal parts"
+            f"{named(config, 'batch')} {config.batch} must split into {world} processes × accumulate="
+            f"{config.accumulate} equal parts"
         )
     task = make_task(config)  # bad data fails before the run exists
     task.device = device
