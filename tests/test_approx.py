@@ -163,7 +163,7 @@ def test_the_model_runs_in_the_dtype_and_on_the_device_asked_for(data, tmp_path)
     assert 0.99 < full["cosine"] <= 1.0 + 1e-6  # bf16 on both sides, compared in float32
     saved = json.loads((tmp_path / "bf16" / "approx.json").read_text())
     assert saved["settings"]["dtype"] == "bfloat16" and saved["settings"]["device"] == "cpu"
-    with pytest.raises(ValueError, match=r"--dtype must be one of float32, bfloat16, float16, got 'int8'"):
+    with pytest.raises(ValueError, match=r"dtype must be one of float32, bfloat16, float16, got 'int8'"):
         ap.approx(data / "encoder", data / "passages.jsonl", ["full"], tmp_path / "x", dtype="int8")
     with pytest.raises(ValueError, match=r"--device must be auto, cpu, cuda or cuda:N, got 'tpu'"):
         ap.approx(data / "encoder", data / "passages.jsonl", ["full"], tmp_path / "x", device="tpu")
