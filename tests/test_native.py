@@ -1,5 +1,7 @@
 """The optional native kernel (``subquad.kernels.native``) against softmax attention in float64."""
 
+import os
+
 import pytest
 import torch
 
@@ -210,3 +212,45 @@ def test_values_without_features_still_give_the_log_sum_exp():
 def test_inputs_it_does_not_take_are_named():
     q = torch.zeros(1, 1, 2, 8, dtype=torch.float64)
     assert _native.supports(q, q, q) == "it computes in float32, the inputs are torch.float64"
+
+
+def test_only_a_library_this_user_built_is_loaded(tmp_path):
+    """Loading a library runs its code: a cached file someone else could have written is not loaded."""
+    library = tmp_path / "block_attention-0.so"
+    assert not _native._own_file(library)  # missing
+    library.write_bytes(b"\x7fELF")
+    library.chmod(0o700)
+    assert _native._own_file(library)
+    for mode in (0o720, 0o702, 0o777):  # writable by the group or by anyone
+        library.chmod(mode)
+        assert not _native._own_file(library)
+    (tmp_path / "link.so").symlink_to(library)
+    assert not _native._own_file(tmp_path / "link.so")
+
+
+def test_the_cache_folder_is_made_private_or_refused(tmp_path):
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    _native._private_folder(folder)
+    assert folder.stat().st_mode & 0o777 == 0o755
+    if os.getuid() != 0:
+        pytest.skip("giving the folder to another user needs root")
+    os.chown(folder, 12345, -1)
+    with pytest.raises(RuntimeError, match=r"cache folder .*cache belongs to another user \(uid 12345\); a library "
+                       r"loaded from it runs their code: set SUBQUAD_CACHE to a folder of your own"):  # fmt: skip
+        _native._private_folder(folder)
+
+
+@needs_native
+def test_a_planted_library_in_the_cache_is_replaced_by_a_fresh_build(monkeypatch, tmp_path):
+    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path))
+    _native._compile()
+    (built,) = tmp_path.glob("block_attention-*.so")
+    assert built.stat().st_mode & 0o777 == 0o700
+    planted = tmp_path / "planted"
+    planted.write_bytes(b"not a library")  # what another user, or a bad download, could leave there
+    planted.chmod(0o666)
+    os.replace(planted, built)  # a new file (the loaded library keeps its own pages)
+    assert _native._compile().subquad_block_attention is not None  # loaded: rebuilt, not the planted file
+    assert built.read_bytes()[:4] == b"\x7fELF" and built.stat().st_mode & 0o777 == 0o700

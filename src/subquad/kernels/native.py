@@ -4,7 +4,10 @@ Opt-in (``kernel="native"`` on ``sparse``, ``pattern`` and ``local``), never req
 compiled when subquad is installed. On first use the C source is compiled with the system's C
 compiler (``$CC``, else ``cc``) into a shared library cached under ``$SUBQUAD_CACHE`` (default
 ``$XDG_CACHE_HOME/subquad``, else ``~/.cache/subquad``), named by a hash of the source, the compiler
-and the flags, and loaded with ``ctypes``. It runs where the CPU has AVX2 and FMA (x86-64); fp32
+and the flags, and loaded with ``ctypes``. Loading a library runs its code, so only a file this user
+built is loaded: the cache folder must be this user's and writable by no one else (an own folder
+that others may write to is tightened), and a cached file of another user's, or one others may
+write, is replaced by a fresh build. It runs where the CPU has AVX2 and FMA (x86-64); fp32
 only. Where it cannot run (no compiler, another CPU, another dtype) the caller falls back to the
 pure-PyTorch kernels and says why once.
 
@@ -21,6 +24,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -83,8 +87,9 @@ def _compile() -> ctypes.CDLL:
         raise RuntimeError(f"no C compiler {' '.join(compiler)!r} on PATH (set CC)")
     digest = hashlib.sha256(source + " ".join([*compiler, *_FLAGS]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"block_attention-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _private_folder(target.parent)
+    if not _own_file(target):  # missing, or a file someone else could have written: build our own
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             try:
@@ -98,8 +103,40 @@ def _compile() -> ctypes.CDLL:
                 raise RuntimeError(f"{' '.join(compiler)} took over {error.timeout} s") from error
             if result.returncode != 0:
                 raise RuntimeError(f"{' '.join(compiler)} failed: {result.stderr.strip()[-500:]}")
+            os.chmod(built, 0o700)
             os.replace(built, target)  # atomic: a concurrent process sees the whole library or none
     return ctypes.CDLL(str(target))
+
+
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+def _private_folder(folder: Path) -> None:
+    """Make sure only this user can put a library into ``folder``, the cache: loading a library runs
+    its code. A folder of this user's that others may write to (an older cache made under umask 002)
+    loses their write permission; one of another user is refused, naming the fix."""
+    if not hasattr(os, "getuid"):
+        return
+    info = folder.stat()
+    if info.st_uid != os.getuid():
+        raise RuntimeError(
+            f"the cache folder {folder} belongs to another user (uid {info.st_uid}); a library loaded from it runs "
+            "their code: set SUBQUAD_CACHE to a folder of your own"
+        )
+    if info.st_mode & _OTHERS_WRITE:
+        os.chmod(folder, stat.S_IMODE(info.st_mode) & ~_OTHERS_WRITE)
+
+
+def _own_file(path: Path) -> bool:
+    """Whether ``path`` is a library this user built: a regular file of this user's that no one else
+    may write. Anything else there is not loaded (it is replaced by a fresh build)."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(info.st_mode) or info.st_mode & _OTHERS_WRITE:
+        return False
+    return not hasattr(os, "getuid") or info.st_uid == os.getuid()
 
 
 def _function():
