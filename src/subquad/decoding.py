@@ -5,6 +5,12 @@ A mechanism names its decoder in its registry record (``Mechanism.decoder``): a 
 ``step(q, k, v, **tensors)`` with the new tokens. ``Decoder.step`` checks every step the same way
 and keeps the length; a subclass writes only its maths, in ``_step``. A mechanism without a decoder
 cannot decode from a cache: generate without one.
+
+**The handover.** ``absorb(q, k, v, key_padding_mask, **tensors)`` takes a prompt that the parallel
+causal pass has just attended and builds the decoder's state from it (the keys a window still
+reaches, the running sums), so the prompt is attended once. Under padding, each row's positions
+count its real tokens: a row's sinks are its first real tokens, and rows of different lengths
+decode as if alone. Decoders that can (``absorbs``) implement ``_absorb``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from torch import Tensor
 
 from subquad._contain import contained
 from subquad._validate import check_attention_inputs
+from subquad.ops.kept_window import Kept
 
 if TYPE_CHECKING:
     from subquad.registry import Config, Mechanism
@@ -52,6 +59,8 @@ class Decoder(ABC):
         holds: ``"keys"`` for a cache of past keys and values, ``"state"`` for a summary of them;
             it words the error for a step of other sizes.
         fixed: the sizes, of ``("B", "H", "D", "Dv")``, that a later step must repeat.
+        absorbs: it implements ``_absorb``, the handover from a parallel prefill.
+        scale: the softmax scale of decoders that have one (None: 1/√D); set it after building.
 
     Args:
         mechanism: the mechanism's registry record.
@@ -63,6 +72,8 @@ class Decoder(ABC):
     description: ClassVar[str] = ""
     holds: ClassVar[str] = "state"
     fixed: ClassVar[tuple[str, ...]] = _SIZES
+    absorbs: ClassVar[bool] = False
+    scale: float | None = None
 
     def __init__(self, mechanism: Mechanism, config: Config, state: torch.nn.Module | None) -> None:
         self.mechanism, self.config, self.state = mechanism, config, state
@@ -85,57 +96,98 @@ class Decoder(ABC):
         if shape.queries != shape.keys:
             raise ValueError(f"a decoding step takes as many queries as keys, got {shape.queries} and {shape.keys}")
         sizes = (shape.batch, shape.heads, shape.head_dim, shape.value_dim)
-        self._check_held(sizes, q, k, v)
-        given = self._check_tensors(tensors, q.device)
+        _check_held(self, sizes, q, k, v)
+        given = _check_tensors(self.mechanism, tensors, q.device)
         out = self._step(q, k, v, **given)
         if self.shape is None:
             self.shape, self.dtype, self.device = sizes, q.dtype, q.device
         self.length += shape.keys
         return out
 
+    def absorb(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None, **tensors: Tensor | None
+    ) -> None:
+        """Take over a prompt the parallel causal pass has attended: ``q``, ``k`` ``(B, H, S, D)``,
+        ``v`` ``(B, H, S, Dv)``, its real tokens ``key_padding_mask`` ``(B, S)`` (None: all) and the
+        mechanism's extra tensors for it. The decoder must be new; ``step`` continues after it."""
+        if not self.absorbs:
+            raise ValueError(
+                f"{self.mechanism.name}'s decoder cannot take over a parallel prefill; step it over the prompt instead"
+            )
+        if self.length:
+            raise ValueError(f"this decoder has already decoded {self.length} tokens; absorb a prompt into a new one")
+        shape = check_attention_inputs(q, k, v, key_padding_mask, True, None)
+        if shape.queries != shape.keys:
+            raise ValueError(f"a prompt has as many queries as keys, got {shape.queries} and {shape.keys}")
+        given = _check_tensors(self.mechanism, tensors, q.device)
+        self._absorb(q, k, v, key_padding_mask, **given)
+        self.shape = (shape.batch, shape.heads, shape.head_dim, shape.value_dim)
+        self.dtype, self.device, self.length = q.dtype, q.device, shape.keys
+
+    def _absorb(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, **tensors: Tensor) -> None:
+        """Build the state of a checked prompt (``absorbs`` decoders)."""
+        raise NotImplementedError
+
+    def select_rows(self, index: Tensor) -> None:
+        """Keep the batch rows ``index`` (in that order, repeats allowed): beam search's reorder, a
+        batch's selection. Every tensor the decoder holds is batch-first."""
+        for name, held in vars(self).items():
+            if isinstance(held, Tensor):
+                setattr(self, name, held.index_select(0, index.to(held.device)))
+            elif isinstance(held, Kept):
+                setattr(self, name, held.select(index))
+        if self.shape is not None:
+            self.shape = (len(index), *self.shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the tensors the decoder holds."""
+        return sum(held.nbytes for held in vars(self).values() if isinstance(held, (Tensor, Kept)))
+
     @abstractmethod
     def _step(self, q: Tensor, k: Tensor, v: Tensor, **tensors: Tensor) -> Tensor:
         """The outputs ``(B, H, T, Dv)`` of ``T`` checked new tokens, at positions ``length`` to
         ``length + T - 1``; updates what the decoder holds."""
 
-    def _check_held(self, sizes: tuple[int, int, int, int], q: Tensor, k: Tensor, v: Tensor) -> None:
-        """A later step must have the sizes in ``fixed``, the dtype and the device of the first."""
-        if self.shape is None:
-            return
-        if any(self.shape[_SIZES.index(n)] != sizes[_SIZES.index(n)] for n in self.fixed):
-            raise ValueError(f"{self._mismatch(self.shape, sizes, k, v)}; start a new cache for a new batch")
-        if q.device != self.device:
-            raise ValueError(f"the cache is on {self.device} but q, k and v are on {q.device}; move them with .to()")
-        if q.dtype != self.dtype:
-            what = "keys and values" if self.holds == "keys" else "state"
-            raise ValueError(
-                f"the cache holds {what} of {self.dtype} inputs, got {q.dtype}; cast them or start a new cache"
-            )
 
-    def _mismatch(self, held: tuple[int, ...], sizes: tuple[int, ...], k: Tensor, v: Tensor) -> str:
-        """What the decoder holds, of (B, H, D, Dv) = ``held``, against a step of other ``sizes``."""
-        if self.holds != "keys":
-            pick = [_SIZES.index(n) for n in self.fixed]
-            was, now = tuple(held[i] for i in pick), tuple(sizes[i] for i in pick)
-            return f"the decoder holds state for ({', '.join(self.fixed)}) = {was}, got {now}"
-        if held[:3] != sizes[:3]:
-            return f"the cache holds keys of (B, H, D) = {held[:3]}, got {tuple(k.shape)}"
-        return f"the cache holds values of (B, H, Dv) = {(*held[:2], held[3])}, got {tuple(v.shape)}"
+def _check_held(self: Decoder, sizes: tuple[int, int, int, int], q: Tensor, k: Tensor, v: Tensor) -> None:
+    """A later step must have the sizes in ``fixed``, the dtype and the device of the first."""
+    if self.shape is None:
+        return
+    if any(self.shape[_SIZES.index(n)] != sizes[_SIZES.index(n)] for n in self.fixed):
+        raise ValueError(f"{_mismatch(self, self.shape, sizes, k, v)}; start a new cache for a new batch")
+    if q.device != self.device:
+        raise ValueError(f"the cache is on {self.device} but q, k and v are on {q.device}; move them with .to()")
+    if q.dtype != self.dtype:
+        what = "keys and values" if self.holds == "keys" else "state"
+        raise ValueError(
+            f"the cache holds {what} of {self.dtype} inputs, got {q.dtype}; cast them or start a new cache"
+        )
 
-    def _check_tensors(self, tensors: dict[str, Tensor | None], device: torch.device) -> dict[str, Tensor]:
-        """The extra tensors that were given (not None): named in ``tensor_args``, on ``device``."""
-        given = {name: t for name, t in tensors.items() if t is not None}
-        unknown = sorted(set(given) - set(self.mechanism.tensor_args))
-        if unknown:
-            raise ValueError(
-                f"{self.mechanism.name} takes no tensor argument {unknown}; it takes {list(self.mechanism.tensor_args)}"
-            )
-        for name, t in given.items():
-            if not isinstance(t, Tensor):
-                raise ValueError(f"{name} must be a tensor for a decoding step, got {type(t).__name__}")
-            if t.device != device:
-                raise ValueError(f"{name} is on {t.device} but q, k and v are on {device}; move it with .to()")
-        return given
+
+def _mismatch(decoder: Decoder, held: tuple[int, ...], sizes: tuple[int, ...], k: Tensor, v: Tensor) -> str:
+    """What the decoder holds, of (B, H, D, Dv) = ``held``, against a step of other ``sizes``."""
+    if decoder.holds != "keys":
+        pick = [_SIZES.index(n) for n in decoder.fixed]
+        was, now = tuple(held[i] for i in pick), tuple(sizes[i] for i in pick)
+        return f"the decoder holds state for ({', '.join(decoder.fixed)}) = {was}, got {now}"
+    if held[:3] != sizes[:3]:
+        return f"the cache holds keys of (B, H, D) = {held[:3]}, got {tuple(k.shape)}"
+    return f"the cache holds values of (B, H, Dv) = {(*held[:2], held[3])}, got {tuple(v.shape)}"
+
+
+def _check_tensors(mechanism: Mechanism, tensors: dict[str, Tensor | None], device: torch.device) -> dict[str, Tensor]:
+    """The extra tensors that were given (not None): named in ``tensor_args``, on ``device``."""
+    given = {name: t for name, t in tensors.items() if t is not None}
+    unknown = sorted(set(given) - set(mechanism.tensor_args))
+    if unknown:
+        raise ValueError(f"{mechanism.name} takes no tensor argument {unknown}; it takes {list(mechanism.tensor_args)}")
+    for name, t in given.items():
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a tensor for a decoding step, got {type(t).__name__}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q, k and v are on {device}; move it with .to()")
+    return given
 
 
 class KVCache(Decoder):

@@ -130,6 +130,36 @@ def test_the_decoder_equals_the_parallel_causal_form(case, data, seed):
     torch.testing.assert_close(torch.cat(outputs, dim=2), parallel, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("case", [p for p in all_cases(causal=True, decoder=True) if p.values[0].mech.decoder.absorbs])
+@CONTRACT
+@given(data=st.data(), seed=SEEDS)
+def test_the_decoder_takes_over_a_padded_prefill_and_decodes_each_row_as_if_alone(case, data, seed):
+    """The handover: a left-padded prompt absorbed after the parallel pass, then steps of any size,
+    give each row the outputs of the parallel causal form over that row's real tokens alone (its
+    sinks are its first real tokens)."""
+    N = data.draw(st.integers(2, 60), label="N")
+    prompt = data.draw(st.integers(1, N - 1), label="prompt")
+    pads = data.draw(st.integers(0, prompt - 1), label="pads")  # row 1's padding, before its first real token
+    size = data.draw(sizes_of(case, cross=False, most=N))
+    x = make_inputs(case, **{**size, "B": 2, "L": N, "S": N}, dtype=torch.float64, seed=seed)
+    real = torch.ones(2, prompt, dtype=torch.bool)
+    real[1, :pads] = False
+    decoder = case.mech.decoder(case.mech, case.config, None)
+    start = cut(case, x, slice(0, prompt), slice(0, prompt))
+    decoder.absorb(start.q, start.k, start.v, real, **start.extras)
+    outputs, at = [], prompt
+    while at < N:
+        end = min(N, at + data.draw(st.integers(1, 5), label="step"))
+        step = cut(case, x, slice(at, end), slice(at, end))
+        outputs.append(decoder.step(step.q, step.k, step.v, **step.extras))
+        at = end
+    decoded = torch.cat(outputs, dim=2)
+    for row, first in ((0, 0), (1, pads)):
+        alone = call(case, cut(case, x, slice(first, N), slice(first, N), rows=slice(row, row + 1)), is_causal=True)
+        torch.testing.assert_close(decoded[row : row + 1], alone[:, :, prompt - first :], rtol=1e-9, atol=1e-10)
+    assert decoder.length == N
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_scale_is_used_where_the_mechanism_says_it_applies_and_refused_elsewhere(case):
     """``Mechanism.takes_scale``: a softmax temperature changes the output; without one, any scale raises."""

@@ -138,7 +138,7 @@ def test_recurrent_equals_parallel_token_by_token_over_200_steps(fm):
     decoder = LinearDecoder(get_mechanism("linear"), config, None)
     steps = [decoder.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(200)]
     assert (torch.cat(steps, dim=2) - parallel).abs().max() <= 1e-12
-    assert decoder.sums.shape == (2 * 3, 8, 6), "the state is O(D·Dv) per head, whatever the prefix"
+    assert decoder.sums.shape == (2, 3, 8, 6), "the state is O(D·Dv) per head, whatever the prefix"
 
 
 def test_prefill_then_steps_equals_parallel():
@@ -443,7 +443,8 @@ def test_windowed_decoding_equals_the_parallel_pass_in_steps_of_any_size(hedgeho
     cuts = [0, 1, 2, 9, 10, 16, 23]
     steps = [decoder.step(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in itertools.pairwise(cuts)]
     assert (torch.cat(steps, 2) - parallel).abs().max() <= 1e-10
-    assert decoder.recent[0].shape[2] == 4  # window − 1 keys kept, the rest summed
+    assert decoder.kept.keys.shape[2] == 4  # window − 1 keys kept, the rest summed
+    assert decoder.kept.positions.tolist() == [[19, 20, 21, 22]]
 
 
 @pytest.mark.parametrize("cuts", [[0, 1, 2, 3, 9, 10, 16, 31], [0, 31], [0, 2, 31]])
@@ -461,5 +462,6 @@ def test_sinks_stay_exact_in_decoding_and_equal_the_parallel_pass(cuts):
     decoder = LinearDecoder(get_mechanism("linear"), config, state)
     steps = [decoder.step(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in itertools.pairwise(cuts)]
     assert (torch.cat(steps, 2) - parallel).abs().max() <= 1e-10
-    assert torch.equal(decoder.recent[0][:, :, :3], k[:, :, :3])  # the sinks, then the window's last 4 keys
-    assert torch.equal(decoder.recent[0][:, :, 3:], k[:, :, -4:])
+    assert torch.equal(decoder.kept.keys[:, :, :3], k[:, :, :3])  # the sinks, then the window's last 4 keys
+    assert torch.equal(decoder.kept.keys[:, :, 3:], k[:, :, -4:])
+    assert decoder.kept.positions.tolist() == [[0, 1, 2, 27, 28, 29, 30]]

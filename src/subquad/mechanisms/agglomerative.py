@@ -163,6 +163,7 @@ class AgglomerativeDecoder(Decoder):
     ``Σ c^r`` (fp32 for half inputs). Each step costs the same whatever the prefix length."""
 
     recurrent = True
+    absorbs = True
     description = "recurrent state (Σ c^r v and Σ c^r per class: O(1) in the prefix length)"
     fixed = ("B", "H", "Dv")  # q and k lend only their shapes: D plays no part
 
@@ -176,6 +177,17 @@ class AgglomerativeDecoder(Decoder):
     ) -> Tensor:
         """``Decoder.step``, whose class logits ``(B, H, T)`` may also come by position."""
         return super().step(q, k, v, query_logits=query_logits, key_logits=key_logits)
+
+    @torch.no_grad()
+    def _absorb(
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, query_logits: Tensor | None = None,
+        key_logits: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """The sums of a prompt's real positions, handed over from the parallel pass."""
+        B, H, S, D = q.shape
+        shape = AttentionShape(B, H, S, S, D, v.shape[-1], D**-0.5)
+        _, c_r, values = _weights(shape, v, query_logits, key_logits, key_padding_mask)
+        self.sums, self.mass = (c_r * values).sum(2, keepdim=True), c_r.sum(2, keepdim=True)
 
     @torch.no_grad()
     def _step(

@@ -72,9 +72,10 @@ from torch import Tensor, nn
 
 from subquad._validate import check_attention_inputs, work_dtype
 from subquad.decoding import Decoder
+from subquad.ops.kept_window import Kept, kept_from_prompt, pieces
 from subquad.ops.linear_blocks import Causal, NonCausal, features, normalise
 from subquad.ops.scan import causal_dot_forward
-from subquad.ops.windowed_linear import learned_features, windowed
+from subquad.ops.windowed_linear import far_sums, learned_features, windowed, windowed_step
 from subquad.registry import Config, Mechanism, option
 
 __all__ = ["LinearConfig", "LinearDecoder", "LinearState", "learned_features", "linear_attention"]
@@ -204,64 +205,57 @@ def linear_attention(
 
 class LinearDecoder(Decoder):
     """Recurrent decoding of causal linear attention: per head, the running ``Σ φ(k) [v, 1]ᵀ``
-    (D × Dv+1, fp32 for half inputs). Each step costs the same whatever the prefix length. With a
-    softmax ``window``, the ``sinks`` and the last ``window − 1`` keys and values are kept too, and a
-    key enters the sums when it leaves the window (the sinks never do)."""
+    (F × Dv+1, fp32 for half inputs). Each step costs the same whatever the prefix length. With a
+    softmax ``window``, each row's ``sinks`` and last ``window − 1`` keys are kept too
+    (``ops.kept_window``), and a key enters the sums when it leaves the window (the sinks never
+    do). It takes over a parallel prefill (``absorb``): the sums of the prompt's far keys."""
 
     recurrent = True
+    absorbs = True
     description = (
         "recurrent state (Σ φ(k) vᵀ and Σ φ(k) per head, and any window's and sinks' keys: O(1) in the prefix length)"
     )
 
     def __init__(self, mechanism: Mechanism, config: LinearConfig, state: nn.Module | None) -> None:
         super().__init__(mechanism, config, state)
-        self.sums: Tensor | None = None  # (B·H, D, Dv + 1)
-        self.recent: tuple[Tensor, Tensor] | None = None  # the window's keys and values
+        self.sums: Tensor | None = None  # (B, H, F, Dv + 1)
+        self.kept: Kept | None = None  # the window's keys and values
+
+    @torch.no_grad()
+    def _absorb(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
+        learned = _resolve_state(self.state, self.config, q.shape[1], q.shape[-1], q.device)
+        far = key_padding_mask
+        if self.config.window:
+            self.kept, far = kept_from_prompt(k, v, key_padding_mask, self.config.sinks, self.config.window)
+        self.sums = far_sums(k, v, far, self.config.feature_map, learned)
 
     @torch.no_grad()
     def _step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the prefix and the new keys."""
-        if self.config.window:
-            return self._window_step(q, k, v)
         B, H, T, D = q.shape
-        Dv = v.shape[-1]
-        name, dtype = self.config.feature_map, q.dtype
         learned = _resolve_state(self.state, self.config, H, D, q.device)
+        if self.config.window:
+            if self.kept is None:
+                self._absorb(q[:, :, :0], k[:, :, :0], v[:, :, :0], None)
+            outputs = []
+            for piece in pieces(T):
+                out, self.kept, self.sums = windowed_step(
+                    q[:, :, piece], k[:, :, piece], v[:, :, piece], self.kept, self.sums, self.config, learned,
+                    self.scale,
+                )  # fmt: skip
+                outputs.append(out)
+            return torch.cat(outputs, dim=2).to(q.dtype)
+        name, dtype, Dv = self.config.feature_map, q.dtype, v.shape[-1]
         if learned is not None:
             q, k, name = learned_features(q, learned), learned_features(k, learned), "relu"
-            D = q.shape[-1]
         fq, fk, v1 = features(q, k, v, None, name)
-        a, b, c = fq.reshape(B * H, T, D), fk.reshape(B * H, T, D), v1.reshape(B * H, T, Dv + 1)
-        y = causal_dot_forward(a, b, c, self.sums, self.config.chunk)
-        update = torch.matmul(b.transpose(1, 2), c)
+        F = fq.shape[-1]
+        a, b, c = fq.reshape(B * H, T, F), fk.reshape(B * H, T, F), v1.reshape(B * H, T, Dv + 1)
+        before = None if self.sums is None else self.sums.reshape(B * H, F, Dv + 1)
+        y = causal_dot_forward(a, b, c, before, self.config.chunk)
+        update = torch.matmul(b.transpose(1, 2), c).view(B, H, F, Dv + 1)
         self.sums = update if self.sums is None else self.sums + update
         return normalise(y.view(B, H, T, Dv + 1), self.config.eps, dtype)
-
-    def _window_step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        B, H, _, D = q.shape
-        Dv = v.shape[-1]
-        keys, values = (
-            (k, v) if self.recent is None else (torch.cat([self.recent[0], k], 2), torch.cat([self.recent[1], v], 2))
-        )
-        learned = _resolve_state(self.state, self.config, H, D, q.device)
-        out = windowed(q, keys, values, None, True, None, self.config, learned, self.sums)
-        # kept: the sinks (the first keys of the sequence, while they are first) and the window's last w - 1
-        sinks, recent = self.config.sinks, self.config.window - 1
-        leaving = max(0, keys.shape[2] - sinks - recent)
-        if leaving:
-            old_k, old_v = keys[:, :, sinks : sinks + leaving], values[:, :, sinks : sinks + leaving]
-            if learned is not None:
-                fk = learned_features(old_k, learned)
-                v1 = torch.cat([old_v.to(fk.dtype), old_v.new_ones(*old_v.shape[:3], 1, dtype=fk.dtype)], dim=-1)
-            else:
-                _, fk, v1 = features(q[:, :, :0], old_k, old_v, None, self.config.feature_map)
-            b, c = fk.reshape(B * H, leaving, fk.shape[-1]), v1.reshape(B * H, leaving, Dv + 1)
-            update = torch.matmul(b.transpose(1, 2), c)
-            self.sums = update if self.sums is None else self.sums + update
-            keep = lambda x: torch.cat([x[:, :, :sinks], x[:, :, sinks + leaving :]], dim=2)  # noqa: E731
-            keys, values = keep(keys), keep(values)
-        self.recent = (keys, values)
-        return out.to(q.dtype)
 
 
 MECHANISM = Mechanism(

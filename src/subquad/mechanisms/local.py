@@ -47,11 +47,13 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.nn.functional import scaled_dot_product_attention
 
 from subquad.decoding import Decoder
 from subquad.kernels.band import window_attention, window_mask
 from subquad.masks import window_covers
 from subquad.mechanisms._options import kernel_option
+from subquad.ops.kept_window import Kept, extend, kept_from_prompt, pieces, reach, trim
 from subquad.registry import Config, Mechanism, option
 
 if TYPE_CHECKING:
@@ -101,31 +103,37 @@ def local_attention(
 
 
 class WindowCache(Decoder):
-    """Decoding cache of the first ``sinks`` and the last ``window - 1`` keys and values: each step
-    attends the new tokens to them and to each other, so its cost is independent of the prompt length."""
+    """Decoding cache of each row's first ``sinks`` and last ``window - 1`` keys and values
+    (``ops.kept_window``): each step attends the new tokens to them and to each other, so its
+    cost is independent of the prompt length. It takes over a parallel prefill (``absorb``), with
+    padding: a row's sinks are its first real tokens."""
 
     recurrent = True
+    absorbs = True
     description = "window cache (the sinks and the last window - 1 keys and values: O(window) per head)"
     holds = "keys"
 
     def __init__(self, mechanism: Mechanism, config: LocalConfig, state: nn.Module | None) -> None:
         super().__init__(mechanism, config, state)
-        self.keys: Tensor | None = None
-        self.values: Tensor | None = None
+        self.kept: Kept | None = None
 
+    def _absorb(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
+        self.kept, _ = kept_from_prompt(k, v, key_padding_mask, self.config.sinks, self.config.window)
+
+    @torch.no_grad()
     def _step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the sinks, the window and the new keys.
-        Past keys between the sinks and the window are dropped: the sinks stay the first positions
-        and the window the last, so the kept sequence gives each new query the keys of the whole."""
-        keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
-        values = v if self.values is None else torch.cat([self.values, v], dim=2)
-        out = local_attention(q, keys, values, is_causal=True, config=self.config)
-        sinks, recent = self.config.sinks, self.config.window - 1
-        if keys.shape[2] > sinks + recent:
-            keep = lambda x: torch.cat([x[:, :, :sinks], x[:, :, x.shape[2] - recent :]], dim=2)  # noqa: E731
-            keys, values = keep(keys), keep(values)
-        self.keys, self.values = keys, values
-        return out
+        """Attend the ``T`` new queries ``(B, H, T, D)`` to the sinks, the window and each other
+        (``PIECE`` at a time), by position; the keys that leave the window are dropped."""
+        s, w = self.config.sinks, self.config.window
+        if self.kept is None:
+            self.kept, _ = kept_from_prompt(k[:, :, :0], v[:, :, :0], None, s, w)
+        outputs = []
+        for piece in pieces(q.shape[2]):
+            keys, values, positions, new = extend(self.kept, k[:, :, piece], v[:, :, piece])
+            near, _ = reach(positions, new, s, w)
+            outputs.append(scaled_dot_product_attention(q[:, :, piece], keys, values, near[:, None], scale=self.scale))
+            self.kept, _ = trim(keys, values, positions, new[:, -1] + 1, s, w)
+        return torch.cat(outputs, dim=2)
 
 
 MECHANISM = Mechanism(

@@ -7,6 +7,11 @@ window, and its sinks), kernel attention over the rest, under one normaliser; th
 causal products (``ops.scan.causal_dot``) of the keys shifted by w, and non-causal also of the
 reversed sequences. ``learned_features``: ``[softmax(x W + b), softmax(−(x W + b))]`` per head. The
 maths and the choices are in ``mechanisms.linear``.
+
+Decoding (``LinearDecoder``): ``far_sums`` sums ``φ(k) [v, 1]ᵀ`` over the keys a mask names, in
+blocks (a prompt's keys that left the window, handed over from the prefill); ``windowed_step``
+attends new tokens to the kept window and sinks (``ops.kept_window``) and to those sums, by the
+same formula as ``windowed``, and moves the keys that leave the window into the sums.
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ from torch import Tensor, nn
 
 from subquad._validate import work_dtype
 from subquad.kernels.band import window_attention
+from subquad.ops.features import feature_map
+from subquad.ops.kept_window import Kept, extend, reach, trim
 from subquad.ops.linear_blocks import features
 from subquad.ops.scan import causal_dot
 from subquad.registry import Config
 
-__all__ = ["learned_features", "windowed"]
+__all__ = ["far_sums", "learned_features", "windowed", "windowed_step"]
+
+_BLOCK = 4096  # keys per block of far_sums: the features of one block exist at a time
 
 
 def learned_features(x: Tensor, state: nn.Module) -> Tensor:
@@ -103,3 +112,45 @@ def _rows(x: Tensor, start: int, count: int) -> Tensor:
     """Rows ``start .. start + count`` of ``x`` ``(R, S, ·)``, zero-filled past its end."""
     part = x[:, start : start + count]
     return torch.nn.functional.pad(part, (0, 0, 0, count - part.shape[1]))
+
+
+def _phi(x: Tensor, name: str, learned: nn.Module | None) -> Tensor:
+    """φ(x) ``(B, H, N, F)`` in fp32+: the learned map if there is one, else the named one."""
+    return learned_features(x, learned) if learned is not None else feature_map(x.to(work_dtype(x.dtype)), name)
+
+
+def _with_ones(v: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.cat([v.to(dtype), v.new_ones(*v.shape[:-1], 1, dtype=dtype)], dim=-1)
+
+
+def far_sums(k: Tensor, v: Tensor, mask: Tensor | None, name: str, learned: nn.Module | None) -> Tensor:
+    """``Σ_j φ(k_j) [v_j, 1]ᵀ`` ``(B, H, F, Dv + 1)`` over the keys ``(B, H, S, D)`` that ``mask``
+    ``(B, S)`` names (None: all), ``_BLOCK`` keys at a time."""
+    total = None
+    for start in range(0, max(k.shape[2], 1), _BLOCK):
+        fk = _phi(k[:, :, start : start + _BLOCK], name, learned)
+        if mask is not None:
+            fk = fk * mask[:, None, start : start + _BLOCK, None].to(fk.dtype)
+        part = torch.matmul(fk.transpose(2, 3), _with_ones(v[:, :, start : start + _BLOCK], fk.dtype))
+        total = part if total is None else total + part
+    return total
+
+
+def windowed_step(
+    q: Tensor, k: Tensor, v: Tensor, kept: Kept, sums: Tensor, config: Config, learned: nn.Module | None,
+    scale: float | None,
+) -> tuple[Tensor, Kept, Tensor]:  # fmt: skip
+    """New tokens ``(B, H, T, ·)`` after ``kept`` and the far ``sums`` ``(B, H, F, Dv + 1)``: their
+    outputs ``(B, H, T, Dv)`` in fp32+ (``windowed``'s formula; each query's own key is in its
+    window, so m = 1), the kept keys after them, and the sums with the keys that left."""
+    s, w, Dv = config.sinks, config.window, v.shape[-1]
+    keys, values, positions, new = extend(kept, k, v)
+    near_mask, far_mask = reach(positions, new, s, w)
+    near = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=near_mask[:, None], scale=scale)
+    fq, fk = _phi(q, config.feature_map, learned), _phi(keys, config.feature_map, learned)
+    v1 = _with_ones(values, fk.dtype)
+    far = torch.matmul(fq, sums) + torch.matmul(torch.matmul(fq, fk.transpose(2, 3)) * far_mask[:, None], v1)
+    out = (near.to(far.dtype) + far[..., :Dv]) / (1 + far[..., Dv:] + config.eps)
+    kept, leaving = trim(keys, values, positions, new[:, -1] + 1, s, w)
+    sums = sums + torch.matmul((fk * leaving[:, None, :, None]).transpose(2, 3), v1)
+    return out, kept, sums
