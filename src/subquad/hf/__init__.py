@@ -3,6 +3,7 @@ implementation, conversion of what a mechanism adds, and the jobs that measure a
 
 - ``interface``: ``register``, ``use``, ``restore``; the attention call transformers makes;
 - ``masks``: transformers' masks read as a key padding mask, or refused;
+- ``cache``: ``SubquadCache``, generation at each mechanism's decoding cost (``model.generate`` uses it);
 - ``conversion``: ``convert``, ``calibrate``, what conversion adds (``ConvertedInputs``);
 - ``io``: ``save``, ``from_pretrained``, ``model_source`` (files from elsewhere are checked, never run);
 - ``data``: passages, token windows, model loading for the jobs;
@@ -13,6 +14,7 @@ import importlib
 from typing import Any
 
 _HOMES = {
+    "cache": ("SubquadCache",),
     "conversion": ("ConvertedInputs", "calibratable", "calibrate", "convert", "converted_parameters"),
     "interface": ("NAME", "LayerAttention", "attention_modules", "layer_spec", "register", "restore", "use"),
     "io": ("SPEC_FILE", "TENSOR_FILE", "from_pretrained", "loading", "model_source", "save", "saved_layers"),
@@ -25,6 +27,7 @@ __all__ = [
     "TENSOR_FILE",
     "ConvertedInputs",
     "LayerAttention",
+    "SubquadCache",
     "attention_modules",
     "calibratable",
     "calibrate",

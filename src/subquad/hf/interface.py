@@ -51,6 +51,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from subquad.call import attention, causal_lower_right
 from subquad.config import parse_spec
+from subquad.hf.cache import KEY, install, uninstall
 from subquad.hf.masks import _key_padding, _mask
 from subquad.registry import Config, Mechanism, get_mechanism, make_config, mechanism_names
 
@@ -156,6 +157,7 @@ def _apply(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None)
     if not hasattr(model, "subquad_previous"):
         model.subquad_previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
+    install(model)  # model.generate builds subquad's cache
     return [m for m in modules if m.layer_idx in chosen]
 
 
@@ -170,6 +172,7 @@ def restore(model: nn.Module, implementation: str | None = None) -> nn.Module:
     it had before the first ``use``)."""
     for module in attention_modules(model):
         _clear(module, "subquad_attention", "subquad_state", "subquad_inputs")
+    uninstall(model)
     previous = model.__dict__.pop("subquad_previous", None) or "sdpa"
     model.set_attn_implementation(implementation or previous)
     return model
@@ -241,15 +244,31 @@ def _forward(
             "attention_dropout or attn_pdrop in its config) before training"
         )
     causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
-    queries, keys = query.shape[2], key.shape[2]
+    layer = kwargs.get(KEY)  # subquad's cache layer: the keys are the new tokens', the mask the sequence's
+    queries, keys = query.shape[2], key.shape[2] if layer is None else layer.seen
     key_padding_mask = _key_padding(attention_mask, queries, keys, causal)
-    sinks = getattr(spec.config, spec.mechanism.sinks) if spec.mechanism.sinks else 0
-    if sinks and key_padding_mask is not None and not bool(key_padding_mask[:, : min(sinks, keys)].all()):
-        raise ValueError(
-            f"{spec.mechanism.name}'s sinks are the first {sinks} positions, but padding falls there (left "
-            "padding?): pad on the right (tokenizer.padding_side = 'right'), or run such sequences one by one"
-        )
+    tensors = _tensors(module, spec, query, key, key_padding_mask)
+    if _CAPTURE is not None and module in _CAPTURE:
+        _capture(module, query, key, key_padding_mask)
+    scale, state = _scale(spec, scaling, query.shape[-1]), _state(module, spec, query)
+
+    def parallel() -> Tensor:
+        return _parallel(spec, state, query, key, value, key_padding_mask, dropout, causal, scale, tensors)
+
+    if layer is not None:
+        out = layer.attend(spec, state, query, key, value, key_padding_mask, scale, dict(tensors), parallel)
+    else:
+        out = parallel()
+    gain = getattr(getattr(module, "subquad_inputs", None), "gain", None)
+    if gain is not None:
+        out = out * gain.to(out.dtype)[:, None, None]
+    return out.transpose(1, 2), None
+
+
+def _tensors(module: nn.Module, spec: LayerAttention, query: Tensor, key: Tensor, key_padding_mask: Tensor | None):
+    """The mechanism's extra tensors for this call: the query padding mask, the converted inputs."""
     tensors = {}
+    queries, keys = query.shape[2], key.shape[2]
     if "query_padding_mask" in spec.mechanism.tensor_args and key_padding_mask is not None:
         # self-attention (with or without a cache): the queries are the last keys
         real = key_padding_mask[:, -queries:] if queries <= keys else None
@@ -261,19 +280,48 @@ def _forward(
                 f"{spec.mechanism.name} needs the learned projections subquad.hf.convert adds; this layer has none"
             )
         tensors.update(inputs(query, key))
-    if _CAPTURE is not None and module in _CAPTURE:
-        _capture(module, query, key, key_padding_mask)
-    # transformers' queries continue the keys (a cache's prefix first): the end-aligned causal form
+    return tensors
+
+
+def _parallel(
+    spec: LayerAttention, state: nn.Module | None, query: Tensor, key: Tensor, value: Tensor,
+    key_padding_mask: Tensor | None, dropout: float, causal: bool, scale: float | None, tensors: dict[str, Tensor],
+) -> Tensor:  # fmt: skip
+    """The mechanism's parallel pass, ``(B, H, L, Dv)``. Under causality the queries continue the
+    keys (a cache's prefix first): the end-aligned form. Rows with padding before real tokens run
+    with their real tokens first when the mechanism has sinks, so a row's sinks are its first
+    real tokens (and its output that of the row alone)."""
+    queries, keys = query.shape[2], key.shape[2]
+    sinks = getattr(spec.config, spec.mechanism.sinks) if spec.mechanism.sinks else 0
+    order = None
+    if sinks and key_padding_mask is not None and not bool(key_padding_mask[:, : min(sinks, keys)].all()):
+        if queries != keys:
+            raise ValueError(
+                f"{spec.mechanism.name}'s sinks are each row's first real tokens, but this call continues a cache "
+                "of all keys with padding before them; generate with subquad's cache (the default after use()), "
+                "pad on the right, or run such sequences one by one"
+            )
+        order = torch.argsort((~key_padding_mask).to(torch.int8), dim=1, stable=True)  # real tokens first
+        query, key, value = (_rows(x, order, 2) for x in (query, key, value))
+        key_padding_mask = key_padding_mask.gather(1, order)
+        positions = spec.mechanism.positions
+        tensors = {n: _rows(t, order, t.dim() - 1) if n in positions or n == "query_padding_mask" else t
+                   for n, t in tensors.items()}  # fmt: skip
     aligned = causal_lower_right(queries, keys) if causal and queries != keys else None
     out = attention(
-        query, key, value, aligned, dropout, causal and aligned is None, _scale(spec, scaling, query.shape[-1]),
+        query, key, value, aligned, dropout, causal and aligned is None, scale,
         enable_gqa=key.shape[1] != query.shape[1], mechanism=spec.mechanism.name, key_padding_mask=key_padding_mask,
-        config=spec.config, state=_state(module, spec, query), **tensors,
+        config=spec.config, state=state, **tensors,
     )  # fmt: skip
-    gain = getattr(getattr(module, "subquad_inputs", None), "gain", None)
-    if gain is not None:
-        out = out * gain.to(out.dtype)[:, None, None]
-    return out.transpose(1, 2), None
+    if order is None:
+        return out
+    return torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
+
+
+def _rows(x: Tensor, order: Tensor, dim: int) -> Tensor:
+    """``x`` with each batch row's positions on ``dim`` taken in ``order`` ``(B, N)``."""
+    index = order.view(order.shape[0], *([1] * (dim - 1)), order.shape[1], *([1] * (x.dim() - dim - 1)))
+    return x.gather(dim, index.expand(*x.shape[:dim], order.shape[1], *x.shape[dim + 1 :]))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,220 @@
+"""subquad's generation cache in transformers' Cache API: each layer keeps what its mechanism needs.
+
+``SubquadCache(model)`` has one layer per attention module of a model that ``use``, ``convert``
+or ``from_pretrained`` set up:
+
+- a layer whose mechanism's decoder takes over a prefill (``Decoder.absorbs``: local, linear,
+  agglomerative) is a ``DecoderLayer``. The prefill runs the parallel pass once and hands the
+  prompt to the decoder (``Decoder.absorb``); each new token then costs the same whatever the
+  prompt's length: the sinks and window of ``local``, the running sums (and window) of ``linear``,
+  the class sums of ``agglomerative``. Nothing else of the prompt is kept;
+- every other layer (exact attention, and mechanisms whose decoder keeps every key: sparse,
+  multires, routing in a pretrained model) is transformers' ``DynamicLayer``, and the mechanism
+  runs over the whole prefix as before.
+
+The sequence length reported to transformers (``get_seq_length``, ``get_mask_sizes``) is the
+whole sequence's, so positions and masks are the model's own. After ``use``, ``convert`` or
+``from_pretrained``, ``model.generate`` builds this cache by itself (``install``); a forward
+call takes one as ``cache=SubquadCache(model)``.
+
+How it connects: transformers' attention modules hand the cache the same keyword dict that they
+then pass to the attention function. A ``DecoderLayer`` returns only the new keys and values and
+puts itself in that dict, and ``subquad.hf.interface`` runs the decoder. A model whose modules do
+not pass that dict is refused, naming the fix.
+
+Supported: greedy and sampling, left-padded batches (each row decodes as if alone; its sinks are
+its first real tokens), continuing from a returned cache, beam search (rows are reordered) and
+``num_return_sequences``. Refused, with the reason: cropping (assisted generation, whose
+rollback a running sum cannot undo), padding after a row's first real token, a cache built for
+another model or before ``use`` changed a layer.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+
+from subquad.decoding import Decoder
+
+__all__ = ["KEY", "DecoderLayer", "SubquadCache", "decodes_from_state", "install", "uninstall"]
+
+KEY = "subquad_cache_layer"  # the name under which a DecoderLayer reaches the attention function
+
+
+def decodes_from_state(spec: Any) -> bool:
+    """Whether a layer's ``LayerAttention`` decodes from its decoder's state (``Decoder.absorbs``)."""
+    decoder = None if spec is None else spec.mechanism.decoder
+    return decoder is not None and decoder.absorbs
+
+
+class DecoderLayer(CacheLayerMixin):
+    """One layer's decoder: built at the prefill from its prompt, stepped at each new token."""
+
+    is_sliding = False
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self, spec: Any, layer_idx: int) -> None:
+        super().__init__()
+        self.spec, self.layer_idx = spec, layer_idx
+        self.decoder: Decoder | None = None
+        self.seen = 0  # tokens of the whole sequence, as transformers counts them
+        self.ragged = False  # a row had padding after its first real token
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, kwargs: dict | None = None, **_: Any):
+        """The new tokens' keys and values, returned as they are; the layer joins ``kwargs``."""
+        if kwargs is None:
+            raise ValueError(
+                f"this model's attention (layer {self.layer_idx}) does not hand its keyword arguments to the "
+                "cache, so subquad's decoders cannot be reached; generate with transformers' DynamicCache "
+                "(cache=DynamicCache(config=model.config)): exact, at the cost of the whole prefix per token"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        kwargs[KEY] = self
+        self.seen += key_states.shape[-2]
+        return key_states, value_states
+
+    def attend(
+        self, spec: Any, state: nn.Module | None, query: Tensor, key: Tensor, value: Tensor, real: Tensor | None,
+        scale: float | None, tensors: dict[str, Tensor], parallel: Any,
+    ) -> Tensor:  # fmt: skip
+        """The layer's attention ``(B, H, L, Dv)``: at the prefill, the parallel pass (``parallel()``),
+        whose prompt the decoder then absorbs; afterwards, the decoder's step over the new tokens."""
+        if spec is not self.spec:
+            raise ValueError(
+                f"this cache was built for another model, or before layer {self.layer_idx}'s attention changed "
+                f"(it holds {self.spec.mechanism.name if self.spec else 'exact attention'}'s state); start a new one: "
+                "subquad.hf.SubquadCache(model), or generate without passing a cache"
+            )
+        key, value = _heads(key, query.shape[1]), _heads(value, query.shape[1])
+        if self.decoder is None:
+            out = parallel()
+            decoder = spec.mechanism.decoder(spec.mechanism, spec.config, state)
+            decoder.scale = scale
+            decoder.absorb(query, key, value, real, **tensors)
+            self.decoder, self.ragged = decoder, real is not None and bool(_ragged(real).any())
+            return out
+        new = query.shape[2]
+        if self.ragged or (real is not None and not bool(real[:, -new:].all())):
+            raise ValueError(
+                "subquad's decoders take padding only before each row's first real token (left padding: "
+                "tokenizer.padding_side = 'left'); this batch has padding after it. Pad on the left, or "
+                "generate such rows one by one"
+            )
+        return self.decoder.step(query, key, value, **tensors)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.decoder, self.seen, self.ragged, self.is_initialized = None, 0, False, False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.decoder is not None:
+            self.decoder.select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self.decoder is not None:
+            self.decoder.select_rows(torch.as_tensor(indices, device=self.device).reshape(-1))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.decoder is not None and self.decoder.shape is not None:
+            rows = torch.arange(self.decoder.shape[0], device=self.device)
+            self.decoder.select_rows(rows.repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            f"layer {self.layer_idx}'s {self.spec.mechanism.name} state cannot be cropped: a decoder's running state "
+            "cannot forget tokens (assisted generation and prompt lookup need that); generate without them"
+        )
+
+    def offload(self) -> None:
+        raise ValueError("subquad's decoder layers are small and cannot be offloaded; use cache_implementation=None")
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the layer holds."""
+        return 0 if self.decoder is None else self.decoder.nbytes
+
+
+class SubquadCache(Cache):
+    """The generation cache of a model whose layers run subquad mechanisms (module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from subquad.hf.interface import attention_modules
+
+        modules = sorted(attention_modules(model), key=lambda m: m.layer_idx)
+        if [m.layer_idx for m in modules] != list(range(len(modules))):
+            raise ValueError(
+                f"{type(model).__name__}'s attention modules are layers {[m.layer_idx for m in modules]}; "
+                "SubquadCache needs one self-attention module per layer, numbered from 0"
+            )
+        layers = []
+        for module in modules:
+            spec = getattr(module, "subquad_attention", None)
+            layers.append(DecoderLayer(spec, module.layer_idx) if decodes_from_state(spec) else DynamicLayer())
+        super().__init__(layers=layers)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes all layers hold: the decoders' state and the other layers' keys and values."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, DecoderLayer):
+                total += layer.nbytes
+            elif layer.is_initialized and layer.keys is not None:
+                total += layer.keys.nbytes + layer.values.nbytes
+        return total
+
+
+def cache_bytes(cache: Any) -> int:
+    """The bytes a generation cache holds: ``SubquadCache.nbytes``, or the keys and values of
+    transformers' caches."""
+    if isinstance(cache, SubquadCache):
+        return cache.nbytes
+    layers = getattr(cache, "layers", [])
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in layers if getattr(layer, "keys", None) is not None)
+
+
+def install(model: nn.Module) -> None:
+    """Let ``model.generate`` build a ``SubquadCache`` where it would build a ``DynamicCache``
+    (a cache the caller passes is used as it is)."""
+    if "_prepare_cache_for_generation" not in model.__dict__:
+        model._prepare_cache_for_generation = types.MethodType(_prepare_cache, model)
+
+
+def uninstall(model: nn.Module) -> None:
+    """Undo ``install``."""
+    model.__dict__.pop("_prepare_cache_for_generation", None)
+
+
+def _prepare_cache(model: nn.Module, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+    result = type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
+    made = model_kwargs.get("cache")
+    if type(made) is DynamicCache and not getattr(made, "_is_user_defined", False) and not made.offloading:
+        model_kwargs["cache"] = SubquadCache(model)
+    return result
+
+
+def _heads(x: Tensor, heads: int) -> Tensor:
+    """Grouped-query keys or values ``(B, Hkv, N, ·)`` repeated to the queries' ``heads``."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _ragged(real: Tensor) -> Tensor:
+    """Rows ``(B,)`` of a padding mask ``(B, S)`` with padding after their first real token."""
+    return (real.long().diff(dim=1) < 0).any(dim=1)
