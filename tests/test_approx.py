@@ -70,6 +70,37 @@ def test_a_decoder_s_perplexity_and_agreement_and_the_speed_columns(data, tmp_pa
     assert "| local:window=3 |" in table and "perplexity" in table and "attn ÷" in table and "model ÷" in table
 
 
+def test_decode_lengths_measure_generation_with_subquad_s_cache_beside_the_original(data, tmp_path):
+    rows = ap.approx(data / "decoder", data / "passages.jsonl", ["local:window=3,sinks=1"], tmp_path, tokens=32,
+                     samples=4, batch=4, speed=False, decode=(12, 40), new_tokens=3)  # fmt: skip
+    by = {r["spec"]: r["decode"] for r in rows}
+    for decode in by.values():
+        assert set(decode) == {"12", "40"}
+        for m in decode.values():
+            assert m["prefill_s"] > 0 and m["ms_per_token"] > 0 and m["peak_rss_mb"] > 10
+    # GPT-2 (4 heads of 8, 2 layers, fp32): the original keeps every key and value; local only 1 sink + 2 keys
+    original, local = by["original"], by["local:window=3,sinks=1"]
+    assert original["40"]["cache_mb"] * 2**20 == 2 * 2 * 4 * (40 + 3) * 8 * 4
+    assert local["12"]["cache_mb"] == local["40"]["cache_mb"] < original["12"]["cache_mb"]
+    table = ap.format_decode_table(rows)
+    assert "| local:window=3,sinks=1 | 40 |" in table and "ms / token" in table
+    saved = json.loads((tmp_path / "approx.json").read_text())
+    assert saved["rows"][1]["decode"] == local
+    with pytest.raises(ValueError, match=r"a 99-token prompt needs 99 tokens of text"):
+        from subquad.hf.speed import decode_speed
+
+        decode_speed(GPT2LMHeadModel.from_pretrained(data / "decoder"), torch.ones(1, 50, dtype=torch.long), [99], 1)
+
+
+def test_peak_rss_sees_memory_held_inside_its_context():
+    from subquad.hf.speed import PeakRss
+
+    with PeakRss() as rss:
+        held = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched; alive when the context closes
+    assert rss.peak - rss.start >= 60 * 2**20
+    del held
+
+
 def test_a_rerun_keeps_the_mechanisms_it_measured(data, tmp_path):
     settings = dict(tokens=32, samples=10, batch=5, speed=False)
     first = ap.approx(data / "encoder", data / "passages.jsonl", ["local:window=4"], tmp_path, **settings)

@@ -27,11 +27,10 @@ passages separated by blank lines, or a folder of ``.txt`` files (labelled by th
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,8 @@ from torch import Tensor, nn
 from subquad.files import FileError, read_json
 from subquad.flags import DTYPES, check_choices, setting
 from subquad.hf.data import Windows, load_model, read_passages, token_windows
+from subquad.hf.report import format_decode_table, format_table, plot
+from subquad.hf.speed import attention_speed, decode_speed, decode_windows, each, model_speed
 
 __all__ = ["ApproxConfig", "approx", "format_table", "parse_spec", "run_approx"]
 
@@ -131,67 +132,6 @@ def _quality(original: dict[str, Tensor], swapped: dict[str, Tensor], labels: li
     return row
 
 
-def _speed(
-    model: nn.Module, specs: list[str], context: int, causal: bool, device: torch.device, dtype: str
-) -> dict[str, dict[str, Any]]:
-    """Time and peak memory of each mechanism's attention at ``context``, with the model's heads."""
-    from subquad.bench.runner import BenchSettings, Variant, run_bench
-
-    config = model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    variants = [Variant(name, tuple(sorted(options.items()))) for name, options in map(parse_spec, specs)]
-    settings = BenchSettings(variants=variants, lengths=(context,), heads=heads, head_dim=head_dim, causal=(causal,),
-                             backward=(False,), repeats=5, warmup_seconds=1.0, max_seconds=3.0, device=device.type,
-                             dtype=dtype)  # fmt: skip
-    rows = {r["mechanism"]: r for r in run_bench(settings)}
-    labels = {"original": "full", **{spec: variant.label for spec, variant in zip(specs, variants)}}
-    out = {}
-    for spec, label in labels.items():
-        row = rows.get(label, {})
-        peak = row["peak_bytes"] / 2**20 if row.get("peak_bytes") else None
-        ratio = 1.0 if spec == "original" else row.get("ratio")
-        out[spec] = {"time_ms": row.get("time_s", math.nan) * 1e3, "ratio": ratio, "peak_mb": peak}
-    return out
-
-
-@torch.no_grad()
-def _model_speed(
-    model: nn.Module, tokenizer: Any, texts: list[str], specs: list[str], context: int, calib: Windows,
-    batch: int, seed: int, budget: float = 20.0, converted: dict[str, str] | None = None,
-) -> dict[str, dict[str, float]]:  # fmt: skip
-    """The whole model's forward time on one window of ``context`` tokens of the text (batch 1), the
-    original and each spec swapped in: the median of up to 3 timed calls after one untimed call
-    (fewer where the calls take over ``budget`` seconds). The body runs without a language-model
-    head, whose logits do not change with the attention."""
-    from subquad import hf
-
-    reference = next(model.parameters())
-    ids = token_windows(tokenizer, texts, None, context, 1, seed).ids.to(reference.device)
-
-    def timed(model: nn.Module) -> float:
-        body = getattr(model, "base_model", model)
-        body(input_ids=ids)  # untimed: the first call of a shape
-        times: list[float] = []
-        while len(times) < 3 and sum(times) < budget:
-            start = time.perf_counter()
-            body(input_ids=ids)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    seconds = {"original": timed(model)}
-    for label, folder in (converted or {}).items():
-        seconds[label] = timed(hf.from_pretrained(folder).to(reference.device, reference.dtype))
-    for spec in specs:
-        name, options = parse_spec(spec)
-        hf.use(model, name, **options)
-        if hf.calibratable(name):  # routing's speed depends on how its centroids split the tokens
-            hf.calibrate(model, [{"input_ids": calib.ids[i : i + batch]} for i in range(0, len(calib.ids), batch)])
-        seconds[spec] = timed(model)
-        hf.restore(model)
-    return {spec: {"model_ms": t * 1e3, "model_ratio": t / seconds["original"]} for spec, t in seconds.items()}
-
-
 @dataclass(frozen=True)
 class ApproxConfig:
     """One ``subquad approx`` run; the command's flags come from here (``subquad approx --help``)."""
@@ -209,6 +149,11 @@ class ApproxConfig:
     context: int | None = setting(None, "length of the speed measurement", shown_default="the model's longest context")
     calibration: int = setting(16, "windows routing's k-means reads (after the measured ones)")
     speed: bool = setting(True, "measure the attention's and the model's speed")
+    decode: tuple[int, ...] = setting(
+        (), "decoders: prompt lengths at which to measure generation (prefill s, ms per new token, cache MB, peak "
+        "RSS)", metavar="N", flag="--decode-lengths",
+    )  # fmt: skip
+    new_tokens: int = setting(16, "new tokens generated at each --decode-lengths prompt")
     seed: int = setting(0, "window order and probe split")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N; auto: cuda where this torch sees one")
     dtype: str = setting("float32", "the model's dtype; quality is compared in float32", choices=DTYPES)
@@ -223,18 +168,22 @@ class ApproxConfig:
             raise ValueError(f"--calibration must be >= 0, got {self.calibration}")
         if self.context is not None and self.context < 1:
             raise ValueError(f"--context must be >= 1, got {self.context}")
+        if any(n < 1 for n in self.decode) or self.new_tokens < 1:
+            raise ValueError(f"--decode-lengths and --new-tokens must be >= 1, got {self.decode} and {self.new_tokens}")
 
 
 def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str | Path, *, tokens: int = 256,
            samples: int = 300, batch: int = 8, context: int | None = None, calibration: int = 16,
            speed: bool = True, seed: int = 0, converted: list[str | Path] = (), device: str = "auto",
-           dtype: str = "float32") -> list[dict[str, Any]]:  # fmt: skip
+           dtype: str = "float32", decode: tuple[int, ...] = (),
+           new_tokens: int = 16) -> list[dict[str, Any]]:  # fmt: skip
     """Measure each mechanism spec, and each converted model folder, against the original model;
     returns (and writes) the rows. ``device``: auto, cpu, cuda or cuda:N; ``dtype``: the model's
     (float32, bfloat16, float16); quality is compared in float32 either way. The settings are
     `ApproxConfig`'s."""
     config = ApproxConfig(str(model_path), str(data), str(out), tuple(specs), tuple(map(str, converted)), tokens,
-                          samples, batch, context, calibration, speed, seed, device, dtype)  # fmt: skip
+                          samples, batch, context, calibration, speed, tuple(decode), new_tokens, seed, device,
+                          dtype)  # fmt: skip
     return run_approx(config)
 
 
@@ -259,8 +208,12 @@ def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
     rows = run.quality({r["spec"]: r for r in kept}, folders, saved)
     if config.speed and not all("time_ms" in r and "model_ms" in r for r in rows):
         run.add_speed(rows, folders)
+    lengths = [str(n) for n in config.decode] if run.decoder else []
+    if lengths and not all(set(lengths) <= set(r.get("decode", {})) for r in rows):
+        run.add_decoding(rows, folders, saved)
+        print(format_decode_table(rows), flush=True)
     _write(saved, run.settings, rows)
-    _plot(rows, out / "approx.png", run.decoder)
+    plot(rows, out / "approx.png", run.decoder)
     return rows
 
 
@@ -321,18 +274,63 @@ class _Run:
             print(format_table(rows[-1:], header=False), flush=True)
         return rows
 
+    def setups(self, folders: dict[str, str]) -> dict[str, Any]:
+        """Each label's model: the original, each converted folder's, each spec swapped in (and
+        restored after)."""
+        setups: dict[str, Any] = {"original": lambda: self.model}
+        for label in folders:
+            setups[label] = functools.partial(self.converted, label.partition(":")[2])
+        for spec in self.config.mechanisms:
+            setups[spec] = _Swapped(self, spec)
+        return setups
+
+    def converted(self, folder: str) -> nn.Module:
+        from subquad import hf
+
+        return hf.from_pretrained(folder).to(self.where, self.kind)
+
     def add_speed(self, rows: list[dict[str, Any]], folders: dict[str, str]) -> None:
         """Each row's attention time and memory, and the whole model's forward time, at the longest context."""
         config, specs = self.config, list(self.config.mechanisms)
         longest = config.context or int(getattr(self.model.config, "max_position_embeddings", config.tokens))
-        timing = _speed(self.model, list(dict.fromkeys([*specs, *folders.values()])), longest, self.decoder,
-                        self.where, config.dtype)  # fmt: skip
+        timing = attention_speed(self.model, list(dict.fromkeys([*specs, *folders.values()])), longest,
+                                 self.decoder, self.where, config.dtype)  # fmt: skip
         timing.update({label: timing[spec] for label, spec in folders.items()})
-        converted = {label: label.partition(":")[2] for label in folders}
-        whole = _model_speed(self.model, self.tokenizer, self.texts, specs, longest, self.calib, config.batch,
-                             config.seed, converted=converted)  # fmt: skip
+        ids = decode_windows(self.tokenizer, self.texts, longest, config.seed).to(self.where)
+        whole = model_speed(self.setups(folders), ids)
         for r in rows:
             r.update(timing.get(r["spec"], {}), **whole.get(r["spec"], {}), context=longest)
+
+    def add_decoding(self, rows: list[dict[str, Any]], folders: dict[str, str], saved: Path) -> None:
+        """Each row's generation at each ``--decode-lengths`` prompt (``hf.speed.decode_speed``);
+        the file is rewritten after each row."""
+        config = self.config
+        ids = decode_windows(self.tokenizer, self.texts, max(config.decode), config.seed).to(self.where)
+        setups = self.setups(folders)
+        for r in rows:
+            measure = lambda model: decode_speed(model, ids, list(config.decode), config.new_tokens)  # noqa: E731
+            r["decode"] = each(setups[r["spec"]], measure)
+            _write(saved, self.settings, rows)
+
+
+class _Swapped:
+    """The run's model with ``spec`` swapped in (calibrated where it has centroids); ``done``
+    restores it."""
+
+    def __init__(self, run: _Run, spec: str) -> None:
+        self.run, self.spec = run, spec
+
+    def __call__(self) -> nn.Module:
+        from subquad import hf
+
+        hf.use(self.run.model, self.spec)
+        self.run.calibrate(parse_spec(self.spec)[0])
+        return self.run.model
+
+    def done(self) -> None:
+        from subquad import hf
+
+        hf.restore(self.run.model)
 
 
 _RESULTS_FIX = "remove it (or pass another --out) to measure every mechanism again"
@@ -352,47 +350,3 @@ def _write(path: Path, settings: dict[str, Any], rows: list[dict[str, Any]]) -> 
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
     tmp.replace(path)
-
-
-_COLUMNS = {
-    "cosine": ("cosine", "{:.4f}"), "cosine_p5": ("cosine p5", "{:.4f}"), "spearman": ("Spearman", "{:.4f}"),
-    "probe_accuracy": ("probe acc", "{:.3f}"), "perplexity": ("perplexity", "{:.2f}"),
-    "top1_agreement": ("top-1 agree", "{:.3f}"), "time_ms": ("attn ms", "{:.1f}"), "ratio": ("attn ÷", "{:.2f}"),
-    "peak_mb": ("peak MB", "{:.0f}"), "model_ms": ("model ms", "{:.0f}"), "model_ratio": ("model ÷", "{:.2f}"),
-}  # fmt: skip
-
-
-def format_table(rows: list[dict[str, Any]], header: bool = True) -> str:
-    """The rows as a markdown table."""
-    keys = [k for k in _COLUMNS if any(k in r for r in rows)]
-    lines = []
-    if header:
-        lines = ["| spec | " + " | ".join(_COLUMNS[k][0] for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    for r in rows:
-        cells = [_COLUMNS[k][1].format(r[k]) if isinstance(r.get(k), (int, float)) else "-" for k in keys]
-        lines.append(f"| {r['spec']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _plot(rows: list[dict[str, Any]], path: Path, decoder: bool) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    key = "perplexity" if decoder else "cosine"
-    points = [(r.get("ratio"), r[key], r["spec"]) for r in rows if r.get("ratio") is not None and key in r]
-    if not points:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for x, y, label in points:
-        ax.scatter(x, y)
-        ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set(xlabel="attention time ÷ original (lower is faster)", ylabel=key, title="subquad approx")
-    if decoder:
-        ax.set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

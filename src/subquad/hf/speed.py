@@ -1,0 +1,180 @@
+"""What a user of a swapped or converted model feels, measured for ``subquad approx``.
+
+- ``attention_speed``: the attention alone at the model's heads and head size (``subquad bench``'s
+  measurement), time and peak memory against exact attention;
+- ``model_speed``: the whole model's forward on one window (batch 1);
+- ``decode_speed``: generation. For each prompt length, the prefill's seconds, the median
+  milliseconds per new token after it (greedy, batch 1, ``new_tokens`` tokens), the megabytes the
+  generation cache holds after them, and the process's peak resident memory during both. The
+  model builds the cache ``model.generate`` would: subquad's after ``use``/``convert``/
+  ``from_pretrained`` (``subquad.hf.cache``), transformers' ``DynamicCache`` for the original.
+
+Peak RSS is sampled every few milliseconds by a thread (Linux ``/proc``; elsewhere the process's
+lifetime peak, which only grows); freed heap is handed back to the system first where the C
+library allows, so one measurement does not inherit the last one's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import resource
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from subquad.hf.data import Windows, token_windows
+
+__all__ = ["PeakRss", "attention_speed", "decode_speed", "decode_windows", "each", "model_speed"]
+
+
+def attention_speed(
+    model: nn.Module, specs: list[str], context: int, causal: bool, device: torch.device, dtype: str
+) -> dict[str, dict[str, Any]]:
+    """Time and peak memory of each mechanism's attention at ``context``, with the model's heads."""
+    from subquad.bench.runner import BenchSettings, Variant, run_bench
+    from subquad.hf.interface import layer_spec
+
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    variants = [Variant(name, tuple(sorted(options.items()))) for name, options in map(layer_spec, specs)]
+    settings = BenchSettings(variants=variants, lengths=(context,), heads=heads, head_dim=head_dim, causal=(causal,),
+                             backward=(False,), repeats=5, warmup_seconds=1.0, max_seconds=3.0, device=device.type,
+                             dtype=dtype)  # fmt: skip
+    rows = {r["mechanism"]: r for r in run_bench(settings)}
+    labels = {"original": "full", **{spec: variant.label for spec, variant in zip(specs, variants)}}
+    out = {}
+    for spec, label in labels.items():
+        row = rows.get(label, {})
+        peak = row["peak_bytes"] / 2**20 if row.get("peak_bytes") else None
+        ratio = 1.0 if spec == "original" else row.get("ratio")
+        out[spec] = {"time_ms": row.get("time_s", math.nan) * 1e3, "ratio": ratio, "peak_mb": peak}
+    return out
+
+
+@torch.no_grad()
+def model_speed(models: dict[str, Any], ids: torch.Tensor, budget: float = 20.0) -> dict[str, dict[str, float]]:
+    """The whole model's forward time on ``ids`` ``(1, N)``, for each label's model (a callable
+    that sets it up and returns it, or None after it): the median of up to 3 timed calls after
+    one untimed call (fewer where the calls take over ``budget`` seconds). The body runs without a
+    language-model head, whose logits do not change with the attention. ``"original"`` first."""
+
+    def timed(model: nn.Module) -> float:
+        body = getattr(model, "base_model", model)
+        body(input_ids=ids)  # untimed: the first call of a shape
+        times: list[float] = []
+        while len(times) < 3 and sum(times) < budget:
+            start = time.perf_counter()
+            body(input_ids=ids)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    seconds = {label: each(setup, timed) for label, setup in models.items()}
+    return {label: {"model_ms": t * 1e3, "model_ratio": t / seconds["original"]} for label, t in seconds.items()}
+
+
+def each(setup: Any, measure: Any) -> Any:
+    """``measure(model)`` of the model ``setup()`` returns; ``setup.done()`` after, if it has one."""
+    model = setup()
+    try:
+        return measure(model)
+    finally:
+        getattr(setup, "done", lambda: None)()
+
+
+@torch.no_grad()
+def decode_speed(model: nn.Module, ids: torch.Tensor, lengths: list[int], new_tokens: int) -> dict[str, dict]:
+    """For each prompt length n (the first n of ``ids`` ``(1, N)``): ``prefill_s``,
+    ``ms_per_token`` (median over ``new_tokens`` greedy steps), ``cache_mb`` (after them) and
+    ``peak_rss_mb`` (the process, during both). Keyed by ``str(n)``."""
+    from subquad.hf.cache import cache_bytes
+
+    out = {}
+    for n in lengths:
+        if n > ids.shape[1]:
+            raise ValueError(f"a {n}-token prompt needs {n} tokens of text; the data gives {ids.shape[1]}")
+        _release()
+        with PeakRss() as rss:
+            cache, prompt = _new_cache(model), ids[:, :n]
+            start = time.perf_counter()
+            logits = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
+            prefill = time.perf_counter() - start
+            steps = []
+            for _ in range(new_tokens):
+                token = logits[:, -1].argmax(-1, keepdim=True)
+                start = time.perf_counter()
+                logits = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1).logits
+                steps.append(time.perf_counter() - start)
+        out[str(n)] = {
+            "prefill_s": prefill, "ms_per_token": statistics.median(steps) * 1e3 if steps else math.nan,
+            "cache_mb": cache_bytes(cache) / 2**20, "peak_rss_mb": rss.peak / 2**20,
+        }  # fmt: skip
+        del cache, logits
+    return out
+
+
+def _new_cache(model: nn.Module) -> Any:
+    """The cache ``model.generate`` would build for ``model``."""
+    from transformers import DynamicCache
+
+    from subquad.hf.cache import SubquadCache
+
+    if "_prepare_cache_for_generation" in model.__dict__:  # subquad's, installed by use/convert
+        return SubquadCache(model)
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+def decode_windows(tokenizer: Any, texts: list[str], longest: int, seed: int) -> torch.Tensor:
+    """One window ``(1, longest)`` of the text's tokens for ``decode_speed``."""
+    windows: Windows = token_windows(tokenizer, texts, None, longest, 1, seed)
+    return windows.ids[:1]
+
+
+class PeakRss:
+    """A context that samples the process's resident memory; ``peak`` is the highest, ``start``
+    the first, in bytes."""
+
+    def __init__(self, every: float = 0.002) -> None:
+        self.every, self.peak = every, 0
+        self._stop = threading.Event()
+        self._statm = Path("/proc/self/statm")
+        self._page = resource.getpagesize()
+
+    def _now(self) -> int:
+        if self._statm.exists():
+            return int(self._statm.read_text().split()[1]) * self._page
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak if sys.platform == "darwin" else peak * 1024
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._now())
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> PeakRss:
+        self.start = self.peak = self._now()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._now())
+
+
+def _release() -> None:
+    """Hand freed heap back to the system where the C library can (glibc's ``malloc_trim``)."""
+    name = ctypes.util.find_library("c")
+    if name:
+        libc = ctypes.CDLL(name)
+        if hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
