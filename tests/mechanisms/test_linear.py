@@ -443,8 +443,8 @@ def test_windowed_decoding_equals_the_parallel_pass_in_steps_of_any_size(hedgeho
     cuts = [0, 1, 2, 9, 10, 16, 23]
     steps = [decoder.step(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in itertools.pairwise(cuts)]
     assert (torch.cat(steps, 2) - parallel).abs().max() <= 1e-10
-    assert decoder.kept.keys.shape[2] == 4  # window − 1 keys kept, the rest summed
-    assert decoder.kept.positions.tolist() == [[19, 20, 21, 22]]
+    assert decoder.kept.keys.shape[2] == 5  # the last window keys kept (one of them out of view), the rest summed
+    assert sorted(decoder.kept.positions[0].tolist()) == [18, 19, 20, 21, 22]
 
 
 @pytest.mark.parametrize("cuts", [[0, 1, 2, 3, 9, 10, 16, 31], [0, 31], [0, 2, 31]])
@@ -462,6 +462,7 @@ def test_sinks_stay_exact_in_decoding_and_equal_the_parallel_pass(cuts):
     decoder = LinearDecoder(get_mechanism("linear"), config, state)
     steps = [decoder.step(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in itertools.pairwise(cuts)]
     assert (torch.cat(steps, 2) - parallel).abs().max() <= 1e-10
-    assert torch.equal(decoder.kept.keys[:, :, :3], k[:, :, :3])  # the sinks, then the window's last 4 keys
-    assert torch.equal(decoder.kept.keys[:, :, 3:], k[:, :, -4:])
-    assert decoder.kept.positions.tolist() == [[0, 1, 2, 27, 28, 29, 30]]
+    kept = decoder.kept  # the sinks, then the last 5 keys (in slots of any order)
+    order = kept.positions[0].argsort()
+    assert kept.positions[0, order].tolist() == [0, 1, 2, 26, 27, 28, 29, 30]
+    assert torch.equal(kept.keys[:, :, order], k[:, :, [0, 1, 2, 26, 27, 28, 29, 30]])

@@ -206,7 +206,7 @@ def linear_attention(
 class LinearDecoder(Decoder):
     """Recurrent decoding of causal linear attention: per head, the running ``Σ φ(k) [v, 1]ᵀ``
     (F × Dv+1, fp32 for half inputs). Each step costs the same whatever the prefix length. With a
-    softmax ``window``, each row's ``sinks`` and last ``window − 1`` keys are kept too
+    softmax ``window``, each row's ``sinks`` and last ``window`` keys are kept too
     (``ops.kept_window``), and a key enters the sums when it leaves the window (the sinks never
     do). It takes over a parallel prefill (``absorb``): the sums of the prompt's far keys."""
 

@@ -36,7 +36,7 @@ besides its window: StreamingLLM's attention sinks (Xiao et al. 2024), which pre
 lean on. They are a second, disjoint part of the block-sparse engine (``kernels.layouts.sink_groups``):
 each query block against the first s keys its window leaves out.
 
-**Decoding.** ``WindowCache`` keeps the sinks and the last ``window - 1`` keys and values: each new
+**Decoding.** ``WindowCache`` keeps the sinks and the last ``window`` keys and values: each new
 token attends to them and itself, so decoding cost and memory do not grow with the prompt.
 """
 
@@ -53,7 +53,7 @@ from subquad.decoding import Decoder
 from subquad.kernels.band import window_attention, window_mask
 from subquad.masks import window_covers
 from subquad.mechanisms._options import kernel_option
-from subquad.ops.kept_window import Kept, extend, kept_from_prompt, pieces, reach, trim
+from subquad.ops.kept_window import Kept, extend, kept_from_prompt, one_step, pieces, reach, trim
 from subquad.registry import Config, Mechanism, option
 
 if TYPE_CHECKING:
@@ -103,14 +103,14 @@ def local_attention(
 
 
 class WindowCache(Decoder):
-    """Decoding cache of each row's first ``sinks`` and last ``window - 1`` keys and values
+    """Decoding cache of each row's first ``sinks`` and last ``window`` keys and values
     (``ops.kept_window``): each step attends the new tokens to them and to each other, so its
     cost is independent of the prompt length. It takes over a parallel prefill (``absorb``), with
     padding: a row's sinks are its first real tokens."""
 
     recurrent = True
     absorbs = True
-    description = "window cache (the sinks and the last window - 1 keys and values: O(window) per head)"
+    description = "window cache (the sinks and the last window keys and values: O(window) per head)"
     holds = "keys"
 
     def __init__(self, mechanism: Mechanism, config: LocalConfig, state: nn.Module | None) -> None:
@@ -127,6 +127,9 @@ class WindowCache(Decoder):
         s, w = self.config.sinks, self.config.window
         if self.kept is None:
             self.kept, _ = kept_from_prompt(k[:, :, :0], v[:, :, :0], None, s, w)
+        if q.shape[2] == 1:  # generation's step: in place, every kept key in view
+            *_, filled = one_step(self.kept, k, v, s, leaving=False)
+            return scaled_dot_product_attention(q, self.kept.keys, self.kept.values, filled, scale=self.scale)
         outputs = []
         for piece in pieces(q.shape[2]):
             keys, values, positions, new = extend(self.kept, k[:, :, piece], v[:, :, piece])

@@ -2,8 +2,11 @@
 
 A causal window of ``w`` with ``s`` sinks lets the query at position p see the keys j <= p with
 j < s (the sinks) or p - j < w (the window). The next query, at position n (the row's length so
-far), still reaches only the sinks and the last ``w - 1`` keys, so a decoder keeps those, at most
-``s + w - 1`` per row, and forgets (or, for ``linear``, sums into its far state) the rest.
+far), still reaches only the sinks and the last ``w - 1`` keys. A decoder keeps those and one key
+more, the last ``w``, at most ``s + w`` per row, and forgets (or, for ``linear``, sums into its far
+state) the rest. The one more makes a one-token step cheap (``one_step``): the new key takes the
+slot of the key it pushes out of the window (or an empty one), and then every kept key is one the
+new query sees, so it attends to all slots without a positional mask.
 
 Positions count each row's **real** tokens: under padding, a row's sinks are its first real
 tokens, and a batch whose rows have different lengths decodes each row as if alone. ``Kept``
@@ -14,7 +17,8 @@ slot) and each row's length; the attention over the slots is by position, never 
   and which keys left the window for good;
 - ``reach``: the masks of new queries over the slots and themselves: the window's part, and the
   far part (keys at or beyond ``w`` back, not sinks);
-- ``trim``: the slots after the new tokens, and which keys left.
+- ``trim``: the slots after the new tokens, and which keys left;
+- ``one_step``: one new token written in place (the common step of generation).
 """
 
 from __future__ import annotations
@@ -24,14 +28,14 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-__all__ = ["PIECE", "Kept", "extend", "kept_from_prompt", "pieces", "reach", "trim"]
+__all__ = ["PIECE", "Kept", "extend", "kept_from_prompt", "one_step", "pieces", "reach", "trim"]
 
 PIECE = 256  # new tokens attended at a time: a step's masks are (PIECE, kept + PIECE)
 
 
 @dataclass
 class Kept:
-    """Each row's sinks and last ``window - 1`` keys: ``keys`` ``(B, H, C, D)``, ``values``
+    """Each row's sinks and last ``window`` keys: ``keys`` ``(B, H, C, D)``, ``values``
     ``(B, H, C, Dv)``, ``positions`` ``(B, C)`` (-1: empty) and ``lengths`` ``(B,)``, the real
     tokens each row has had."""
 
@@ -61,8 +65,8 @@ def kept_from_prompt(k: Tensor, v: Tensor, real: Tensor | None, sinks: int, wind
     real = torch.ones(B, S, dtype=torch.bool, device=k.device) if real is None else real.to(k.device, torch.bool)
     positions = real.long().cumsum(1) - 1
     lengths = real.sum(1)
-    keep = real & ((positions < sinks) | (positions >= (lengths - (window - 1))[:, None]))
-    return _gather(k, v, positions, keep, sinks + window - 1, lengths), real & ~keep
+    keep = real & ((positions < sinks) | (positions >= (lengths - window)[:, None]))
+    return _gather(k, v, positions, keep, sinks + window, lengths), real & ~keep
 
 
 def extend(kept: Kept, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -93,8 +97,33 @@ def trim(
     """The slots for rows of ``lengths`` real tokens, from ``keys``, ``values`` at ``positions``
     ``(B, S)``, and the mask ``(B, S)`` of the keys that left the window for good."""
     real = positions >= 0
-    keep = real & ((positions < sinks) | (positions >= (lengths - (window - 1))[:, None]))
-    return _gather(keys, values, positions, keep, sinks + window - 1, lengths), real & ~keep
+    keep = real & ((positions < sinks) | (positions >= (lengths - window)[:, None]))
+    return _gather(keys, values, positions, keep, sinks + window, lengths), real & ~keep
+
+
+def one_step(
+    kept: Kept, k: Tensor, v: Tensor, sinks: int, leaving: bool = True
+) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None]:
+    """One new token ``(B, H, 1, ·)`` into ``kept``, in place: it takes an empty slot, else the
+    oldest key past the sinks (the one now outside the window). Returns the key and value that
+    left ``(B, H, 1, ·)`` (None unless ``leaving``), whether a real key left ``(B,)``, and the mask ``(B, 1, 1, C)`` of the
+    filled slots (None when all are), every one of which the new query sees."""
+    B, H, _, D = kept.keys.shape
+    positions = kept.positions
+    never = torch.iinfo(positions.dtype).max
+    slot = torch.where((positions >= sinks) | (positions < 0), positions, never).argmin(1)  # empty (-1) first
+    index = slot[:, None, None, None]
+    old_k = old_v = None
+    if leaving:
+        old_k = kept.keys.gather(2, index.expand(B, H, 1, D))
+        old_v = kept.values.gather(2, index.expand(B, H, 1, kept.values.shape[-1]))
+    left = positions.gather(1, slot[:, None])[:, 0] >= sinks
+    kept.keys.scatter_(2, index.expand(B, H, 1, D), k)
+    kept.values.scatter_(2, index.expand(B, H, 1, kept.values.shape[-1]), v)
+    positions.scatter_(1, slot[:, None], kept.lengths[:, None])
+    kept.lengths = kept.lengths + 1
+    filled = positions >= 0
+    return old_k, old_v, left, None if bool(filled.all()) else filled[:, None, None, :]
 
 
 def _gather(k: Tensor, v: Tensor, positions: Tensor, keep: Tensor, capacity: int, lengths: Tensor) -> Kept:

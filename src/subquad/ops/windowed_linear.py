@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from subquad._validate import work_dtype
 from subquad.kernels.band import window_attention
 from subquad.ops.features import feature_map
-from subquad.ops.kept_window import Kept, extend, reach, trim
+from subquad.ops.kept_window import Kept, extend, one_step, reach, trim
 from subquad.ops.linear_blocks import features
 from subquad.ops.scan import causal_dot
 from subquad.registry import Config
@@ -144,6 +144,13 @@ def windowed_step(
     outputs ``(B, H, T, Dv)`` in fp32+ (``windowed``'s formula; each query's own key is in its
     window, so m = 1), the kept keys after them, and the sums with the keys that left."""
     s, w, Dv = config.sinks, config.window, v.shape[-1]
+    if q.shape[2] == 1:  # generation's step: the key leaving the window joins the sums first
+        old_k, old_v, left, filled = one_step(kept, k, v, s)
+        fk = _phi(old_k, config.feature_map, learned) * left[:, None, None, None]
+        sums = sums + torch.matmul(fk.transpose(2, 3), _with_ones(old_v, fk.dtype))
+        near = torch.nn.functional.scaled_dot_product_attention(q, kept.keys, kept.values, filled, scale=scale)
+        far = torch.matmul(_phi(q, config.feature_map, learned), sums)
+        return (near.to(far.dtype) + far[..., :Dv]) / (1 + far[..., Dv:] + config.eps), kept, sums
     keys, values, positions, new = extend(kept, k, v)
     near_mask, far_mask = reach(positions, new, s, w)
     near = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=near_mask[:, None], scale=scale)
