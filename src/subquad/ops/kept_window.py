@@ -106,8 +106,8 @@ def one_step(
 ) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None]:
     """One new token ``(B, H, 1, ·)`` into ``kept``, in place: it takes an empty slot, else the
     oldest key past the sinks (the one now outside the window). Returns the key and value that
-    left ``(B, H, 1, ·)`` (None unless ``leaving``), whether a real key left ``(B,)``, and the mask ``(B, 1, 1, C)`` of the
-    filled slots (None when all are), every one of which the new query sees."""
+    left ``(B, H, 1, ·)`` (None unless ``leaving``), whether a real key left ``(B,)``, and the
+    mask ``(B, 1, 1, C)`` of the filled slots (None when all are), all in the new query's view."""
     B, H, _, D = kept.keys.shape
     positions = kept.positions
     never = torch.iinfo(positions.dtype).max
