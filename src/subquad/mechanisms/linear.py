@@ -72,6 +72,7 @@ from torch import Tensor, nn
 
 from subquad._validate import check_attention_inputs, work_dtype
 from subquad.decoding import Decoder
+from subquad.ops.causal_blocks import in_query_blocks
 from subquad.ops.kept_window import Kept, kept_from_prompt, pieces
 from subquad.ops.linear_blocks import Causal, NonCausal, features, normalise
 from subquad.ops.scan import causal_dot_forward
@@ -180,7 +181,7 @@ def linear_attention(
     name, dtype = config.feature_map, q.dtype
     learned = _resolve_state(state, config, H, shape.head_dim, q.device)
     if config.window:
-        return windowed(q, k, v, key_padding_mask, is_causal, scale, config, learned).to(dtype)
+        return _windowed(q, k, v, key_padding_mask, is_causal, scale, config, learned).to(dtype)
     if learned is not None:  # φ in autograd; the kernels' ReLU passes positive features through
         q, k, name = learned_features(q, learned), learned_features(k, learned), "relu"
         v = v.to(q.dtype)
@@ -201,6 +202,18 @@ def linear_attention(
     if offset < 0:
         out = torch.cat([out.new_zeros(B, H, -offset, Dv), out], dim=2)
     return out.to(dtype)
+
+
+def _windowed(q, k, v, key_padding_mask, is_causal, scale, config, learned) -> Tensor:
+    """``windowed``; causal inference in query blocks (``ops.causal_blocks``)."""
+    if is_causal:
+        far = lambda k, v, mask: far_sums(k, v, mask, config.feature_map, learned)  # noqa: E731
+        run = lambda q, k, v, mask, initial: windowed(q, k, v, mask, True, scale, config, learned, initial)  # noqa: E731
+        grads = () if learned is None else tuple(learned.parameters())
+        out = in_query_blocks(q, k, v, key_padding_mask, config.sinks, config.window, run, far, grads)
+        if out is not None:
+            return out
+    return windowed(q, k, v, key_padding_mask, is_causal, scale, config, learned)
 
 
 class LinearDecoder(Decoder):

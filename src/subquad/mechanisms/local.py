@@ -49,10 +49,12 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
+from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
 from subquad.kernels.band import window_attention, window_mask
 from subquad.masks import window_covers
 from subquad.mechanisms._options import kernel_option
+from subquad.ops.causal_blocks import in_query_blocks
 from subquad.ops.kept_window import Kept, extend, kept_from_prompt, one_step, pieces, reach, trim
 from subquad.registry import Config, Mechanism, option
 
@@ -97,9 +99,14 @@ def local_attention(
         ``(B, H, L, Dv)``; zero rows for queries whose window holds no real key.
     """
     config = config or LocalConfig()
-    return window_attention(
-        q, k, v, key_padding_mask, is_causal, scale, config.window, config.sinks, config.kernel, enable_gqa
-    )
+    check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
+    w, s = config.window, config.sinks
+
+    def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, initial: None = None) -> Tensor:
+        return window_attention(q, k, v, mask, is_causal, scale, w, s, config.kernel, enable_gqa)
+
+    out = in_query_blocks(q, k, v, key_padding_mask, s, w, run) if is_causal else None  # inference: by blocks
+    return run(q, k, v, key_padding_mask) if out is None else out
 
 
 class WindowCache(Decoder):
