@@ -102,3 +102,34 @@ def test_agglomerative_fixes_no_head_dim_and_takes_its_logits_by_position():
     q8, k8, _ = qkv(1, 2, 1, 1, 8, 3)
     decoder.step(q8, k8, v, query_logits=logits, key_logits=logits)  # q and k lend only their shapes
     assert decoder.length == 2
+
+
+def _window_decoder(**options):
+    mech = subquad.get_mechanism("local")
+    return mech.decoder(mech, subquad.make_config("local", **options), None)
+
+
+def test_absorb_is_refused_where_it_cannot_hand_over_and_after_a_step():
+    with pytest.raises(
+        ValueError, match=r"full's decoder cannot take over a parallel prefill; step it over the prompt"
+    ):
+        prefix_sum().absorb(*qkv(1, 2, 4, 4, 4))
+    decoder = _window_decoder(window=3)
+    decoder.step(*qkv(1, 2, 2, 2, 4))
+    with pytest.raises(ValueError, match=r"has already decoded 2 tokens; absorb a prompt into a new one"):
+        decoder.absorb(*qkv(1, 2, 4, 4, 4))
+    q, k, v = qkv(1, 2, 3, 5, 4)
+    with pytest.raises(ValueError, match=r"a prompt has as many queries as keys, got 3 and 5"):
+        _window_decoder(window=3).absorb(q, k, v)
+
+
+def test_select_rows_reorders_what_a_decoder_holds_and_nbytes_counts_it():
+    decoder = _window_decoder(window=2, sinks=1)
+    q, k, v = qkv(3, 2, 5, 5, 4)
+    decoder.absorb(q, k, v)
+    assert decoder.nbytes == decoder.kept.nbytes == 2 * (3 * 2 * 3 * 4 * 8) + 3 * 3 * 8 + 3 * 8  # fp64, int64
+    before = decoder.kept.keys.clone()
+    decoder.select_rows(torch.tensor([2, 2, 0, 1]))
+    assert decoder.shape[0] == 4 and torch.equal(decoder.kept.keys, before[[2, 2, 0, 1]])
+    step = decoder.step(*qkv(4, 2, 1, 1, 4))
+    assert step.shape == (4, 2, 1, 4)

@@ -199,3 +199,9 @@ def test_restore_gives_generate_its_own_cache_back():
     hf.restore(model)
     out = model.generate(tokens(1, 6), max_new_tokens=2, pad_token_id=0, return_dict_in_generate=True)
     assert type(out.cache) is DynamicCache
+
+
+def test_generation_past_a_model_s_learned_positions_is_refused_before_it_starts():
+    model = swapped("gpt2", "local")  # 512 learned positions
+    with pytest.raises(ValueError, match=r"would reach 520 tokens .* learned positions for 512"):
+        model.generate(tokens(1, 500), max_new_tokens=20, pad_token_id=0)

@@ -98,3 +98,25 @@ def test_smollm2_under_a_window_keeps_its_quality_with_sinks_and_decodes_with_th
         assert torch.equal(model.generate(prompt, use_cache=True, **settings),
                            model.generate(prompt, use_cache=False, **settings))  # fmt: skip
     hf.restore(model)
+
+
+SPECS = [("local", {"window": 32, "sinks": 4}), ("linear", {"feature_map": "hedgehog", "window": 16, "sinks": 4})]
+
+
+@pytest.mark.parametrize(("mechanism", "options"), SPECS)
+def test_smollm2_generates_64_tokens_with_subquad_s_cache_as_without_a_cache(smollm, mechanism, options):
+    """The decoders' state, handed over from the prefill, gives the tokens of rerunning the whole
+    sequence at every step (greedy, 64 new tokens, past the window many times)."""
+    model, tokenizer = smollm
+    prompt = tokenizer(TEXT, return_tensors="pt").input_ids[:, :150]
+    if mechanism == "linear":
+        hf.convert(model, mechanism, **options)
+    else:
+        hf.use(model, mechanism, **options)
+    try:
+        settings = dict(max_new_tokens=64, do_sample=False)
+        out = model.generate(prompt, return_dict_in_generate=True, **settings)
+        assert isinstance(out.cache, hf.SubquadCache)
+        assert torch.equal(out.sequences, model.generate(prompt, use_cache=False, **settings))
+    finally:
+        hf.restore(model)

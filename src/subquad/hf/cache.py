@@ -203,11 +203,26 @@ def uninstall(model: nn.Module) -> None:
 
 
 def _prepare_cache(model: nn.Module, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
+    _check_positions(model, generation_config)
     result = type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
     made = model_kwargs.get("cache")
     if type(made) is DynamicCache and not getattr(made, "_is_user_defined", False) and not made.offloading:
         model_kwargs["cache"] = SubquadCache(model)
     return result
+
+
+def _check_positions(model: nn.Module, generation_config: Any) -> None:
+    """A model with learned absolute positions (an embedding named for them) cannot go past them."""
+    tables = [
+        m for name, m in model.named_modules()
+        if isinstance(m, nn.Embedding) and ("position" in name or name.endswith("wpe"))
+    ]  # fmt: skip
+    longest = getattr(generation_config, "max_length", None)
+    if tables and longest is not None and longest > tables[0].num_embeddings:
+        raise ValueError(
+            f"this generation would reach {longest} tokens (prompt and max_new_tokens), but the model has learned "
+            f"positions for {tables[0].num_embeddings}: shorten the prompt or max_new_tokens"
+        )
 
 
 def _heads(x: Tensor, heads: int) -> Tensor:

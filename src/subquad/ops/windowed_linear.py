@@ -146,10 +146,11 @@ def windowed_step(
     s, w, Dv = config.sinks, config.window, v.shape[-1]
     if q.shape[2] == 1:  # generation's step: the key leaving the window joins the sums first
         old_k, old_v, left, filled = one_step(kept, k, v, s)
-        fk = _phi(old_k, config.feature_map, learned) * left[:, None, None, None]
-        sums = sums + torch.matmul(fk.transpose(2, 3), _with_ones(old_v, fk.dtype))
+        fq, fk = _phi(torch.cat([q, old_k], dim=2), config.feature_map, learned).unbind(2)  # one call for both
+        fk = fk * left[:, None, None].to(fk.dtype)
+        sums = sums.addcmul_(fk[..., None], _with_ones(old_v, fk.dtype))  # the outer product φ(k) [v, 1]ᵀ
         near = torch.nn.functional.scaled_dot_product_attention(q, kept.keys, kept.values, filled, scale=scale)
-        far = torch.matmul(_phi(q, config.feature_map, learned), sums)
+        far = torch.matmul(fq[:, :, None], sums)
         return (near.to(far.dtype) + far[..., :Dv]) / (1 + far[..., Dv:] + config.eps), kept, sums
     keys, values, positions, new = extend(kept, k, v)
     near_mask, far_mask = reach(positions, new, s, w)
