@@ -19,10 +19,13 @@ What the model hands over is translated exactly or refused:
   Without a registered mask function transformers would pass no mask at all and padding would be
   silently ignored. A mask that is not causal-or-bidirectional plus padding (a sliding window,
   packed sequences, image overlays, any other 4-D mask) raises, naming what was found.
-- **Generation caches.** New queries are aligned to the last keys (``causal_lower_right``),
-  so a token decoded with transformers' cache meets the cached keys as in the parallel pass. That
-  cache holds every key and value, so each new token runs the mechanism over the whole prefix:
-  exact, but O(prefix) per token; the mechanisms' recurrent decoders are not used here.
+- **Generation caches.** With subquad's cache (``subquad.hf.cache``, what ``model.generate``
+  builds after ``use``), a layer whose mechanism's decoder takes over a prefill runs the parallel
+  pass once, hands the prompt to the decoder, and steps it for each new token. With transformers'
+  cache (every key kept), new queries are aligned to the last keys (``causal_lower_right``): exact,
+  at O(prefix) per token.
+- **Padding and sinks.** Rows with padding before real tokens run with their real tokens first
+  when the mechanism has sinks, so a row's sinks are its first real tokens.
 - **Grouped-query models** (Llama, SmolLM2, Qwen) pass K/V with fewer heads; they go to the core
   with ``enable_gqa`` (read in place where the mechanism can, repeated otherwise).
 - **Scale and dropout.** The model's ``scaling`` is the softmax scale; mechanisms without a softmax
