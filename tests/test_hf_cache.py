@@ -205,3 +205,9 @@ def test_generation_past_a_model_s_learned_positions_is_refused_before_it_starts
     model = swapped("gpt2", "local")  # 512 learned positions
     with pytest.raises(ValueError, match=r"would reach 520 tokens .* learned positions for 512"):
         model.generate(tokens(1, 500), max_new_tokens=20, pad_token_id=0)
+
+
+def test_a_static_cache_is_refused_rather_than_read_as_keys():
+    model = swapped("llama", "local-sinks")
+    with pytest.raises(ValueError, match=r"gives 10 key slots for 9 tokens \(a static cache\?\)"):
+        model.generate(tokens(1, 9), max_new_tokens=2, cache_implementation="static", pad_token_id=0)

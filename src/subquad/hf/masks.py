@@ -33,6 +33,12 @@ def _mask(
             "attention with padding: swap in a mechanism only for models (and inputs) without sliding windows, "
             "packed sequences or image overlays"
         )
+    if int(q_offset) + q_length < kv_length:  # key slots past the last query: a cache of fixed size
+        raise ValueError(
+            f"this cache gives {kv_length} key slots for {int(q_offset) + q_length} tokens (a static cache?); "
+            "subquad's mechanisms read the keys by position and need the cache to hold the sequence as it is: "
+            "generate without cache_implementation (subquad's cache is the default after subquad.hf.use)"
+        )
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
     if padding is None or bool(padding.all()):
         return None
