@@ -147,11 +147,12 @@ def windowed_step(
     if q.shape[2] == 1:  # generation's step: the key leaving the window joins the sums first
         old_k, old_v, left, filled = one_step(kept, k, v, s)
         fq, fk = _phi(torch.cat([q, old_k], dim=2), config.feature_map, learned).unbind(2)  # one call for both
-        fk = fk * left[:, None, None].to(fk.dtype)
-        sums = sums.addcmul_(fk[..., None], _with_ones(old_v, fk.dtype))  # the outer product φ(k) [v, 1]ᵀ
+        fk = fk * left[:, None, None]  # an empty slot adds nothing
+        sums[..., :Dv].addcmul_(fk[..., None], old_v.to(fk.dtype))  # the outer product φ(k) vᵀ, in place
+        sums[..., Dv].add_(fk)
         near = torch.nn.functional.scaled_dot_product_attention(q, kept.keys, kept.values, filled, scale=scale)
         far = torch.matmul(fq[:, :, None], sums)
-        return (near.to(far.dtype) + far[..., :Dv]) / (1 + far[..., Dv:] + config.eps), kept, sums
+        return (near.to(far.dtype) + far[..., :Dv]) / (far[..., Dv:] + (1 + config.eps)), kept, sums
     keys, values, positions, new = extend(kept, k, v)
     near_mask, far_mask = reach(positions, new, s, w)
     near = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=near_mask[:, None], scale=scale)
