@@ -177,6 +177,7 @@ def test_a_cache_from_another_model_or_spec_is_refused():
     hf.use(model, "local", window=6)  # the layers' attention changed since the cache was built
     with pytest.raises(ValueError, match=r"this cache was built for another model, or before layer 0's attention"):
         model(tokens(1, 1), cache=cache)
+    assert cache.get_seq_length() == 8, "a refused call leaves the cache as it was"
 
 
 def test_cropping_and_models_that_hide_their_kwargs_are_refused():

@@ -87,29 +87,34 @@ class DecoderLayer(CacheLayerMixin):
         scale: float | None, tensors: dict[str, Tensor], parallel: Any,
     ) -> Tensor:  # fmt: skip
         """The layer's attention ``(B, H, L, Dv)``: at the prefill, the parallel pass (``parallel()``),
-        whose prompt the decoder then absorbs; afterwards, the decoder's step over the new tokens."""
-        if spec is not self.spec:
-            raise ValueError(
-                f"this cache was built for another model, or before layer {self.layer_idx}'s attention changed "
-                f"(it holds {self.spec.mechanism.name if self.spec else 'exact attention'}'s state); start a new one: "
-                "subquad.hf.SubquadCache(model), or generate without passing a cache"
-            )
-        key, value = _heads(key, query.shape[1]), _heads(value, query.shape[1])
-        if self.decoder is None:
-            out = parallel()
-            decoder = spec.mechanism.decoder(spec.mechanism, spec.config, state)
-            decoder.scale = scale
-            decoder.absorb(query, key, value, real, **tensors)
-            self.decoder, self.ragged = decoder, real is not None and bool(_ragged(real).any())
-            return out
-        new = query.shape[2]
-        if self.ragged or (real is not None and not bool(real[:, -new:].all())):
-            raise ValueError(
-                "subquad's decoders take padding only before each row's first real token (left padding: "
-                "tokenizer.padding_side = 'left'); this batch has padding after it. Pad on the left, or "
-                "generate such rows one by one"
-            )
-        return self.decoder.step(query, key, value, **tensors)
+        whose prompt the decoder then absorbs; afterwards, the decoder's step over the new tokens.
+        A refused call leaves the layer as it was (``update`` counted its tokens: uncounted here)."""
+        try:
+            if spec is not self.spec:
+                raise ValueError(
+                    f"this cache was built for another model, or before layer {self.layer_idx}'s attention changed "
+                    f"(it holds {self.spec.mechanism.name if self.spec else 'exact attention'}'s state); start a new "
+                    "one: subquad.hf.SubquadCache(model), or generate without passing a cache"
+                )
+            key, value = _heads(key, query.shape[1]), _heads(value, query.shape[1])
+            if self.decoder is None:
+                out = parallel()
+                decoder = spec.mechanism.decoder(spec.mechanism, spec.config, state)
+                decoder.scale = scale
+                decoder.absorb(query, key, value, real, **tensors)
+                self.decoder, self.ragged = decoder, real is not None and bool(_ragged(real).any())
+                return out
+            new = query.shape[2]
+            if self.ragged or (real is not None and not bool(real[:, -new:].all())):
+                raise ValueError(
+                    "subquad's decoders take padding only before each row's first real token (left padding: "
+                    "tokenizer.padding_side = 'left'); this batch has padding after it. Pad on the left, or "
+                    "generate such rows one by one"
+                )
+            return self.decoder.step(query, key, value, **tensors)
+        except Exception:
+            self.seen -= query.shape[2]
+            raise
 
     def get_seq_length(self) -> int:
         return self.seen
