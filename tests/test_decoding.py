@@ -133,3 +133,42 @@ def test_select_rows_reorders_what_a_decoder_holds_and_nbytes_counts_it():
     assert decoder.shape[0] == 4 and torch.equal(decoder.kept.keys, before[[2, 2, 0, 1]])
     step = decoder.step(*qkv(4, 2, 1, 1, 4))
     assert step.shape == (4, 2, 1, 4)
+
+
+def _by_position(kept):
+    """The kept keys and values of each row ordered by position, with the positions: slot order aside."""
+    order = torch.argsort(kept.positions, dim=1)
+    index = order[:, None, :, None]
+    return (
+        kept.positions.gather(1, order),
+        kept.keys.gather(2, index.expand_as(kept.keys)),
+        kept.values.gather(2, index.expand_as(kept.values)),
+    )
+
+
+@pytest.mark.parametrize("lengths", [(9, 9), (3, 3), (3, 9), (9, 1, 6)])
+def test_one_token_steps_turn_the_slots_as_a_ring_and_keep_what_the_search_keeps(lengths):
+    from subquad.ops.kept_window import extend, kept_from_prompt, one_step, trim
+
+    sinks, window, S = 2, 3, max(lengths)
+    real = torch.arange(S)[None, :] >= S - torch.tensor(lengths)[:, None]  # left padding
+    _, k, v = qkv(len(lengths), 2, S, S, 4)
+    ring, _ = kept_from_prompt(k, v, real, sinks, window)
+    search, _ = kept_from_prompt(k, v, real, sinks, window)
+    assert (ring.ring == sinks) == (min(lengths) >= sinks + window)  # a full prompt: slots by position
+    agreed = []
+    for step in range(8):
+        new_k, new_v = qkv(len(lengths), 2, 1, 1, 4, seed=10 + step)[1:]
+        search.ring = None  # always the search
+        expected, got = one_step(search, new_k, new_v, sinks), one_step(ring, new_k, new_v, sinks)
+        agreed.append(ring.ring is not None)
+        left = torch.ones(len(lengths), dtype=torch.bool) if got[2] is None else got[2]
+        assert torch.equal(left, expected[2]) and torch.equal(got[0][left], expected[0][left])
+        assert torch.equal(got[1][left], expected[1][left]) and (got[3] is None) == (expected[3] is None)
+        for a, b in zip(_by_position(ring), _by_position(search)):
+            assert torch.equal(a, b)
+    # rows that filled at different steps turn at different slots: the search goes on
+    assert agreed[-1] == (len(set(min(n, sinks + window) for n in lengths)) == 1 or min(lengths) >= sinks + window)
+    keys, values, positions, new = extend(ring, *qkv(len(lengths), 2, 2, 2, 4)[1:])
+    trimmed, _ = trim(keys, values, positions, new[:, -1] + 1, sinks, window)
+    assert trimmed.ring == sinks and bool((trimmed.positions.diff(dim=1) > 0).all())  # by position again

@@ -251,13 +251,13 @@ class LinearDecoder(Decoder):
             if self.kept is None:
                 self._absorb(q[:, :, :0], k[:, :, :0], v[:, :, :0], None)
             outputs = []
-            for piece in pieces(T):
+            for piece in pieces(T) if T > 1 else [slice(None)]:
                 out, self.kept, self.sums = windowed_step(
                     q[:, :, piece], k[:, :, piece], v[:, :, piece], self.kept, self.sums, self.config, learned,
                     self.scale,
                 )  # fmt: skip
                 outputs.append(out)
-            return torch.cat(outputs, dim=2).to(q.dtype)
+            return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)).to(q.dtype)
         name, dtype, Dv = self.config.feature_map, q.dtype, v.shape[-1]
         if learned is not None:
             q, k, name = learned_features(q, learned), learned_features(k, learned), "relu"

@@ -23,7 +23,7 @@ slot) and each row's length; the attention over the slots is by position, never 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -43,14 +43,19 @@ class Kept:
     values: Tensor
     positions: Tensor
     lengths: Tensor
+    ring: int | None = None  # the slot every row's next key takes, when all slots are full and rows agree
 
     def select(self, index: Tensor) -> Kept:
         """The rows ``index`` (beam search's reorder, a batch's selection)."""
-        return Kept(*(getattr(self, f.name).index_select(0, index.to(self.keys.device)) for f in fields(self)))
+        index = index.to(self.keys.device)
+        return Kept(*(getattr(self, name).index_select(0, index) for name in _TENSORS), ring=self.ring)
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, f.name).nbytes for f in fields(self))
+        return sum(getattr(self, name).nbytes for name in _TENSORS)
+
+
+_TENSORS = ("keys", "values", "positions", "lengths")
 
 
 def pieces(count: int) -> list[slice]:
@@ -66,7 +71,7 @@ def kept_from_prompt(k: Tensor, v: Tensor, real: Tensor | None, sinks: int, wind
     positions = real.long().cumsum(1) - 1
     lengths = real.sum(1)
     keep = real & ((positions < sinks) | (positions >= (lengths - window)[:, None]))
-    return _gather(k, v, positions, keep, sinks + window, lengths), real & ~keep
+    return _gather(k, v, positions, keep, sinks, window, lengths), real & ~keep
 
 
 def extend(kept: Kept, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -98,20 +103,34 @@ def trim(
     ``(B, S)``, and the mask ``(B, S)`` of the keys that left the window for good."""
     real = positions >= 0
     keep = real & ((positions < sinks) | (positions >= (lengths - window)[:, None]))
-    return _gather(keys, values, positions, keep, sinks + window, lengths), real & ~keep
+    return _gather(keys, values, positions, keep, sinks, window, lengths), real & ~keep
 
 
 def one_step(
     kept: Kept, k: Tensor, v: Tensor, sinks: int, leaving: bool = True
-) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None]:
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
     """One new token ``(B, H, 1, ·)`` into ``kept``, in place: it takes an empty slot, else the
     oldest key past the sinks (the one now outside the window). Returns the key and value that
-    left ``(B, H, 1, ·)`` (None unless ``leaving``), whether a real key left ``(B,)``, and the
-    mask ``(B, 1, 1, C)`` of the filled slots (None when all are), all in the new query's view."""
+    left ``(B, H, 1, ·)`` (None unless ``leaving``), whether a real key left ``(B,)`` (None: in
+    every row), and the mask ``(B, 1, 1, C)`` of the filled slots (None when all are), all in the
+    new query's view.
+
+    Once every slot is full and the rows' oldest keys share a slot (``kept.ring``: one row, or
+    rows past the window alike), the slots turn as a ring: the step writes there with no search."""
+    if kept.ring is not None:
+        slot = kept.ring
+        old_k = old_v = None
+        if leaving:
+            old_k, old_v = kept.keys[:, :, slot : slot + 1].clone(), kept.values[:, :, slot : slot + 1].clone()
+        kept.keys.narrow(2, slot, 1).copy_(k)
+        kept.values.narrow(2, slot, 1).copy_(v)
+        kept.positions[:, slot] = kept.lengths
+        kept.lengths = kept.lengths + 1
+        kept.ring = slot + 1 if slot + 1 < kept.positions.shape[1] else sinks
+        return old_k, old_v, None, None
     B, H, _, D = kept.keys.shape
     positions = kept.positions
-    never = torch.iinfo(positions.dtype).max
-    slot = torch.where((positions >= sinks) | (positions < 0), positions, never).argmin(1)  # empty (-1) first
+    slot = _oldest(positions, sinks)  # empty (-1) first
     index = slot[:, None, None, None]
     old_k = old_v = None
     if leaving:
@@ -123,23 +142,45 @@ def one_step(
     positions.scatter_(1, slot[:, None], kept.lengths[:, None])
     kept.lengths = kept.lengths + 1
     filled = positions >= 0
-    return old_k, old_v, left, None if bool(filled.all()) else filled[:, None, None, :]
+    if not bool(filled.all()):
+        return old_k, old_v, left, filled[:, None, None, :]
+    kept.ring = _ring(positions, sinks)
+    return old_k, old_v, left, None
 
 
-def _gather(k: Tensor, v: Tensor, positions: Tensor, keep: Tensor, capacity: int, lengths: Tensor) -> Kept:
-    """``capacity`` slots per row: the kept keys first, in order, then empty ones."""
+def _oldest(positions: Tensor, sinks: int) -> Tensor:
+    """Each row's slot ``(B,)`` of the smallest position past the sinks (an empty slot's -1 first)."""
+    never = torch.iinfo(positions.dtype).max
+    return torch.where((positions >= sinks) | (positions < 0), positions, never).argmin(1)
+
+
+def _ring(positions: Tensor, sinks: int) -> int | None:
+    """The slot every row's next key takes, for full slots ``positions`` ``(B, C)``, when the rows agree."""
+    if positions.shape[1] <= sinks:
+        return None
+    slot = _oldest(positions, sinks)
+    return int(slot[0]) if bool((slot == slot[0]).all()) else None
+
+
+def _gather(k: Tensor, v: Tensor, positions: Tensor, keep: Tensor, sinks: int, window: int, lengths: Tensor) -> Kept:
+    """``sinks + window`` slots per row: the kept keys first, by position, then empty ones."""
     B, H, S, D = k.shape
+    capacity = sinks + window
     if S < capacity:  # a short prompt: empty slots to the capacity
         pad = capacity - S
         k = torch.cat([k, k.new_zeros(B, H, pad, D)], dim=2)
         v = torch.cat([v, v.new_zeros(B, H, pad, v.shape[-1])], dim=2)
         positions = torch.cat([positions, positions.new_full((B, pad), -1)], dim=1)
         keep = torch.cat([keep, keep.new_zeros(B, pad)], dim=1)
-    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :capacity]
+    never = torch.iinfo(positions.dtype).max
+    order = torch.argsort(torch.where(keep, positions, never), dim=1, stable=True)[:, :capacity]  # by position
     index = order[:, None, :, None]
+    kept = torch.where(keep.gather(1, order), positions.gather(1, order), -1)
+    full = capacity > 0 and bool((kept >= 0).all())
     return Kept(
         k.gather(2, index.expand(B, H, capacity, D)),
         v.gather(2, index.expand(B, H, capacity, v.shape[-1])),
-        torch.where(keep.gather(1, order), positions.gather(1, order), -1),
+        kept,
         lengths,
+        ring=_ring(kept, sinks) if full else None,
     )

@@ -35,9 +35,12 @@ _BLOCK = 4096  # keys per block of far_sums: the features of one block exist at 
 def learned_features(x: Tensor, state: nn.Module) -> Tensor:
     """Hedgehog's ``[softmax(xW + b), softmax(−(xW + b))]`` of ``x`` ``(B, H, N, D)``: ``(B, H, N, 2D)``,
     in fp32 for half-precision inputs; W and b are ``state``'s (a ``LinearState``)."""
+    B, H, N, D = x.shape
     work = work_dtype(x.dtype)
-    t = torch.matmul(x.to(work), state.weight.to(work)) + state.bias.to(work)[:, None, :]
-    return torch.cat([torch.softmax(t, -1), torch.softmax(-t, -1)], dim=-1)
+    heads_first = x.to(work).transpose(0, 1).reshape(H, B * N, D)  # one batched product per head
+    t = torch.baddbmm(state.bias.to(work)[:, None, :], heads_first, state.weight.to(work))
+    both = torch.softmax(torch.stack([t, -t], dim=2), dim=-1)  # (H, B·N, 2, D)
+    return both.view(H, B, N, 2 * D).transpose(0, 1)
 
 
 def windowed(
@@ -147,12 +150,13 @@ def windowed_step(
     if q.shape[2] == 1:  # generation's step: the key leaving the window joins the sums first
         old_k, old_v, left, filled = one_step(kept, k, v, s)
         fq, fk = _phi(torch.cat([q, old_k], dim=2), config.feature_map, learned).unbind(2)  # one call for both
-        fk = fk * left[:, None, None]  # an empty slot adds nothing
-        sums[..., :Dv].addcmul_(fk[..., None], old_v.to(fk.dtype))  # the outer product φ(k) vᵀ, in place
-        sums[..., Dv].add_(fk)
+        if left is not None:
+            fk = fk * left[:, None, None]  # an empty slot adds nothing
+        v1 = torch.nn.functional.pad(old_v.to(fk.dtype), (0, 1), value=1.0)  # [v, 1]
+        sums.addcmul_(fk[..., None], v1)  # the outer product φ(k) [v, 1]ᵀ, in place
         near = torch.nn.functional.scaled_dot_product_attention(q, kept.keys, kept.values, filled, scale=scale)
         far = torch.matmul(fq[:, :, None], sums)
-        return (near.to(far.dtype) + far[..., :Dv]) / (far[..., Dv:] + (1 + config.eps)), kept, sums
+        return far[..., :Dv].add_(near).div_(far[..., Dv:].add_(1 + config.eps)), kept, sums
     keys, values, positions, new = extend(kept, k, v)
     near_mask, far_mask = reach(positions, new, s, w)
     near = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=near_mask[:, None], scale=scale)
