@@ -57,3 +57,31 @@ def test_a_smaller_tile_changes_no_output():
     with tuned(blocksparse_tile=1, blocksparse_fused_tile=1, blocksparse_view_tile=1):
         out = subquad.attention(q, k, v, mechanism="sparse", stride=8, is_causal=True)
     assert (out - expected).abs().max() <= 1e-12
+
+
+def test_a_call_of_the_block_engine_holds_at_most_blocksparse_rows_query_rows(monkeypatch):
+    """Each chunk's output exists beside the result's: ``blocksparse_rows`` bounds it (one block at
+    least), and smaller chunks change no output."""
+    import subquad
+    from subquad.kernels import blocksparse_forward
+
+    q, k, v = (
+        torch.randn(1, 2, 256, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    )
+    rows = []
+    chunks = blocksparse_forward.chunks
+
+    def counted(group, B, H, *args, **kwargs):
+        for chunk in chunks(group, B, H, *args, **kwargs):
+            rows.append(B * H * (chunk.stop - chunk.start) * group.queries.shape[1])
+            yield chunk
+
+    monkeypatch.setattr(blocksparse_forward, "chunks", counted)
+    options = {"mechanism": "sparse", "stride": 16, "sinks": 2, "is_causal": True}
+    expected = subquad.attention(q, k, v, **options)
+    assert max(rows) > 128
+    rows.clear()
+    with tuned(blocksparse_rows=128):
+        out = subquad.attention(q, k, v, **options)
+    assert max(rows) <= 128 and sum(rows) >= 2 * 256
+    assert (out - expected).abs().max() <= 1e-12

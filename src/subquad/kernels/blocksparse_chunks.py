@@ -166,12 +166,13 @@ def chunks(
     groups: int = 1,
 ):  # fmt: skip
     """The group's chunks of at most ``tile`` scores; with ``views``, a group read through views
-    with one block's mask, whose chunks hold nothing but their output, of ``TUNING.blocksparse_view_tile``."""
+    with one block's mask, whose chunks hold nothing but their output, of ``TUNING.blocksparse_view_tile``;
+    at most ``TUNING.blocksparse_rows`` query rows each, whose output exists beside the result's."""
     n, bq = group.queries.shape
     W = group.keys.shape[-1]
     if views and group.facts.uniform and group.views is not None and key_padding_mask is None:
         tile = TUNING.blocksparse_view_tile
-    per_chunk = max(1, tile // max(1, B * H * bq * W))
+    per_chunk = max(1, min(tile // max(1, B * H * bq * W), TUNING.blocksparse_rows // max(1, B * H * bq)))
     for start in range(0, n, per_chunk):
         yield Chunk(group, start, min(start + per_chunk, n), H, L, S, pad, key_padding_mask, groups)
 

@@ -62,7 +62,12 @@ class Tuning:
         1 << 20, "the fused backward returns key gradients per block before they are summed: keep them small"
     )
     blocksparse_view_tile: int = _knob(
-        1 << 28, "view groups with one block's mask hold only their output: one call per group where possible"
+        1 << 28, "view groups with one block's mask hold only their output: few calls per group"
+    )
+    blocksparse_rows: int = _knob(
+        1 << 13,
+        "query rows (B·H·queries) per call: its output (2 MB at Dv = 64, fp32) and any gathered queries "
+        "exist beside the result's",
     )
     blocksparse_kept_mask: int = _knob(
         1 << 20, "the largest element mask a kept layout group keeps between calls (Group.memo): 4 MB additive"
