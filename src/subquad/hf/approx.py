@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from subquad.files import FileError, read_json
 from subquad.flags import DTYPES, check_choices, setting
 from subquad.hf.data import Windows, load_model, read_passages, token_windows
-from subquad.hf.report import format_decode_table, format_table, plot
+from subquad.hf.recall import passkey
+from subquad.hf.report import format_decode_table, format_recall_table, format_table, plot
 from subquad.hf.speed import attention_speed, decode_speed, decode_windows, each, model_speed
 
 __all__ = ["ApproxConfig", "approx", "format_table", "parse_spec", "run_approx"]
@@ -154,7 +155,14 @@ class ApproxConfig:
         "RSS)", metavar="N", flag="--decode-lengths",
     )  # fmt: skip
     new_tokens: int = setting(16, "new tokens generated at each --decode-lengths prompt")
-    seed: int = setting(0, "window order and probe split")
+    passkey: tuple[int, ...] = setting(
+        (), "decoders: prompt lengths of the passkey probe (subquad.hf.recall)", metavar="N", flag="--passkey-lengths"
+    )
+    passkey_depths: tuple[float, ...] = setting(
+        (0.1, 0.3, 0.5, 0.7, 0.9), "where the key sits in the filler (0-1)", metavar="D"
+    )
+    passkey_samples: int = setting(4, "passkey cases at each length and depth, each with its own seeded key")
+    seed: int = setting(0, "window order, probe split and passkey keys")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N; auto: cuda where this torch sees one")
     dtype: str = setting("float32", "the model's dtype; quality is compared in float32", choices=DTYPES)
 
@@ -170,20 +178,26 @@ class ApproxConfig:
             raise ValueError(f"--context must be >= 1, got {self.context}")
         if any(n < 1 for n in self.decode) or self.new_tokens < 1:
             raise ValueError(f"--decode-lengths and --new-tokens must be >= 1, got {self.decode} and {self.new_tokens}")
+        if self.passkey_samples < 1 or not self.passkey_depths or not all(0 <= d <= 1 for d in self.passkey_depths):
+            raise ValueError(
+                f"--passkey-samples must be >= 1 and --passkey-depths fractions from 0 to 1, got "
+                f"{self.passkey_samples} and {self.passkey_depths}"
+            )
 
 
 def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str | Path, *, tokens: int = 256,
            samples: int = 300, batch: int = 8, context: int | None = None, calibration: int = 16,
            speed: bool = True, seed: int = 0, converted: list[str | Path] = (), device: str = "auto",
-           dtype: str = "float32", decode: tuple[int, ...] = (),
-           new_tokens: int = 16) -> list[dict[str, Any]]:  # fmt: skip
+           dtype: str = "float32", decode: tuple[int, ...] = (), new_tokens: int = 16,
+           passkey: tuple[int, ...] = (), passkey_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9),
+           passkey_samples: int = 4) -> list[dict[str, Any]]:  # fmt: skip
     """Measure each mechanism spec, and each converted model folder, against the original model;
     returns (and writes) the rows. ``device``: auto, cpu, cuda or cuda:N; ``dtype``: the model's
     (float32, bfloat16, float16); quality is compared in float32 either way. The settings are
     `ApproxConfig`'s."""
     config = ApproxConfig(str(model_path), str(data), str(out), tuple(specs), tuple(map(str, converted)), tokens,
-                          samples, batch, context, calibration, speed, tuple(decode), new_tokens, seed, device,
-                          dtype)  # fmt: skip
+                          samples, batch, context, calibration, speed, tuple(decode), new_tokens, tuple(passkey),
+                          tuple(passkey_depths), passkey_samples, seed, device, dtype)  # fmt: skip
     return run_approx(config)
 
 
@@ -212,6 +226,9 @@ def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
     if lengths and not all(set(lengths) <= set(r.get("decode", {})) for r in rows):
         run.add_decoding(rows, folders, saved)
         print(format_decode_table(rows), flush=True)
+    if run.decoder and config.passkey:
+        run.add_recall(rows, folders, saved)
+        print(format_recall_table(rows), flush=True)
     _write(saved, run.settings, rows)
     plot(rows, out / "approx.png", run.decoder)
     return rows
@@ -311,6 +328,31 @@ class _Run:
             measure = lambda model: decode_speed(model, ids, list(config.decode), config.new_tokens)  # noqa: E731
             r["decode"] = each(setups[r["spec"]], measure)
             _write(saved, self.settings, rows)
+
+    def add_recall(self, rows: list[dict[str, Any]], folders: dict[str, str], saved: Path) -> None:
+        """Each row's passkey probe (``hf.recall``) at each ``--passkey-lengths``, where it has not
+        run with these depths, samples and seed; the file is rewritten after each row."""
+        config = self.config
+        depths, samples = list(config.passkey_depths), config.passkey_samples
+        probe = {"depths": depths, "samples": samples, "seed": config.seed}
+        setups = self.setups(folders)
+        for r in rows:
+            done = {n: m for n, m in r.get("passkey", {}).items() if m.get("probe") == probe}
+            todo = [n for n in config.passkey if str(n) not in done]
+            if todo:
+                measure = functools.partial(passkey, tokenizer=self.tokenizer, lengths=todo, depths=depths,
+                                            samples=samples, seed=config.seed,
+                                            progress=_progress(r["spec"]))  # fmt: skip
+                done.update({n: {**m, "probe": probe} for n, m in each(setups[r["spec"]], measure).items()})
+            r["passkey"] = done
+            _write(saved, self.settings, rows)
+
+
+def _progress(label: str) -> Any:
+    def show(done: int, total: int) -> None:
+        print(f"\r  passkey {label}: {done}/{total}", end="\n" if done == total else "", flush=True)
+
+    return show
 
 
 class _Swapped:

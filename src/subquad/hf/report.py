@@ -37,6 +37,18 @@ def format_decode_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_recall_table(rows: list[dict[str, Any]]) -> str:
+    """Each row's passkey probe, one line per prompt length: found of all, and by depth."""
+    depths = sorted({d for r in rows for m in r.get("passkey", {}).values() for d in m["by_depth"]}, key=float)
+    lines = ["| spec | prompt | found | " + " | ".join(f"depth {d}" for d in depths) + " |",
+             "|---" * (3 + len(depths)) + "|"]  # fmt: skip
+    for r in rows:
+        for n, m in sorted(r.get("passkey", {}).items(), key=lambda item: int(item[0])):
+            per = [str(m["by_depth"].get(d, "-")) for d in depths]
+            lines.append(f"| {r['spec']} | {n} | {m['found']}/{m['cases']} | " + " | ".join(per) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict[str, Any]], path: Path, decoder: bool) -> None:
     try:
         import matplotlib

@@ -1,0 +1,129 @@
+"""Recall of what a decoder read long before: the passkey probe of ``subquad approx``.
+
+Perplexity hides recall: a window with sinks is within a few percent of a model's perplexity and
+cannot find a fact told 2,000 tokens earlier. The passkey probe (Mohtashami & Jaggi 2023, the
+prompt LongLoRA and LoLA report) asks for it directly:
+
+- the instruction ``INSTRUCTION``, then whole repetitions of ``FILLER`` (each after a space), with
+  ``NEEDLE`` (a five-digit key, twice) after the first ``round(depth · n)`` of the n repetitions,
+  then ``QUESTION``; as many repetitions as keep the prompt within ``length`` tokens (the
+  tokenizer's own leading tokens, such as a BOS, first). The pieces are tokenized apart and joined,
+  so every prompt of a length has the same tokens but for the key's;
+- the key of each case is drawn from a generator seeded by ``(seed, length, depth, sample)``:
+  the same cases in every run and for every model, whatever else the run measures;
+- the model continues greedily for ``NEW_TOKENS`` tokens, with the cache ``model.generate``
+  would build (subquad's after ``use``/``convert``, transformers' for the original);
+- **scoring** (``score``): the case is found when the first number in the continuation is the key,
+  exactly. A continuation that names another number first, or none, misses.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FILLER", "INSTRUCTION", "NEEDLE", "QUESTION", "PasskeyCase", "passkey", "passkey_case", "score"]
+
+INSTRUCTION = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there."
+)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key? The pass key is"
+NEW_TOKENS = 8  # a five-digit key and what a tokenizer may put around it
+
+
+@dataclass(frozen=True)
+class PasskeyCase:
+    """One prompt: its token ids ``(1, n)``, the key, and where the needle's tokens start."""
+
+    ids: torch.Tensor
+    key: str
+    needle_at: int
+
+
+def passkey_case(tokenizer: Any, length: int, depth: float, key: str) -> PasskeyCase:
+    """The prompt of at most ``length`` tokens with ``key``'s needle at ``depth`` (0: right after
+    the instruction, 1: right before the question)."""
+    from subquad.hf.data import _special_tokens
+
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"a passkey depth is a fraction of the filler, from 0 to 1; got {depth}")
+    tokens = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    head = _special_tokens(tokenizer)[0] + tokens(INSTRUCTION)
+    unit, needle, question = tokens(" " + FILLER), tokens(" " + NEEDLE.format(key=key)), tokens(" " + QUESTION)
+    room = length - len(head) - len(needle) - len(question)
+    if room < 2 * len(unit):
+        fixed = length - room
+        raise ValueError(
+            f"a {length}-token passkey prompt leaves room for {max(room, 0) // len(unit)} filler repetitions of "
+            f"{len(unit)} tokens after its {fixed} fixed tokens; pass a length of at least {fixed + 2 * len(unit)}"
+        )
+    count = room // len(unit)
+    before = round(depth * count)
+    ids = head + unit * before + needle + unit * (count - before) + question
+    return PasskeyCase(torch.tensor([ids]), key, len(head) + len(unit) * before)
+
+
+def case_key(seed: int, length: int, depth: float, sample: int) -> str:
+    """The five-digit key of one case, from a generator seeded by the case alone."""
+    return str(random.Random(f"passkey:{seed}:{length}:{depth:g}:{sample}").randrange(10_000, 100_000))
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def score(continuation: str, key: str) -> tuple[bool, str | None]:
+    """Whether the first number in ``continuation`` is ``key``, and that number (None: none)."""
+    first = _NUMBER.search(continuation)
+    answer = None if first is None else first.group()
+    return answer == key, answer
+
+
+@torch.no_grad()
+def passkey(
+    model: nn.Module, tokenizer: Any, lengths: list[int], depths: list[float], samples: int, seed: int = 0,
+    progress: Any = None,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The probe at each length: ``{str(length): {"found", "cases", "by_depth": {depth: found},
+    "answers": [...]}}``, ``samples`` cases at each depth. ``progress(done, total)`` is called
+    after each case."""
+    device = next(model.parameters()).device
+    out, total, done = {}, len(lengths) * len(depths) * samples, 0
+    for length in lengths:
+        answers, by_depth = [], {}
+        for depth in depths:
+            found = 0
+            for sample in range(samples):
+                case = passkey_case(tokenizer, length, depth, case_key(seed, length, depth, sample))
+                text = tokenizer.decode(_greedy(model, case.ids.to(device)), skip_special_tokens=True)
+                hit, answer = score(text, case.key)
+                found += hit
+                answers.append({"depth": depth, "key": case.key, "answer": answer, "found": hit})
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+            by_depth[f"{depth:g}"] = found
+        out[str(length)] = {"found": sum(by_depth.values()), "cases": len(answers), "by_depth": by_depth,
+                            "answers": answers}  # fmt: skip
+    return out
+
+
+def _greedy(model: nn.Module, ids: torch.Tensor) -> list[int]:
+    """``NEW_TOKENS`` greedy tokens after ``ids`` ``(1, n)``, with the cache generate would build."""
+    from subquad.hf.speed import _new_cache
+
+    cache, new = _new_cache(model), []
+    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    while True:
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        new.append(int(token))
+        if len(new) == NEW_TOKENS:
+            return new
+        logits = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1).logits
