@@ -159,7 +159,7 @@ def test_bad_inputs_are_refused(data, tmp_path):
     assert ap.read_passages(tmp_path) == (["one"], ["a"])
     with pytest.raises(ValueError, match=r"an attention spec is NAME, NAME:option=value.*bad option 'window'"):
         ap.parse_spec("local:window")
-    with pytest.raises(ValueError, match=r"'local\*2\+full' is a head mix; inside a pretrained model each layer"):
+    with pytest.raises(ValueError, match=r"'local\*2\+full' is a head mix, and this takes one mechanism"):
         ap.parse_spec("local*2+full")
     assert ap.parse_spec("multires:rates=0.5|0.25,similarity=softmax") == (
         "multires", {"rates": (0.5, 0.25), "similarity": "softmax"})  # fmt: skip

@@ -2,6 +2,7 @@
 implementation, conversion of what a mechanism adds, and the jobs that measure and train it.
 
 - ``interface``: ``register``, ``use``, ``restore``; the attention call transformers makes;
+- ``mixes``: head mixes, a layer's heads split between mechanisms (``LayerMix``, ``HeadShare``);
 - ``masks``: transformers' masks read as a key padding mask, or refused;
 - ``cache``: ``SubquadCache``, generation at each mechanism's decoding cost (``model.generate`` uses it);
 - ``conversion``: ``convert``, ``calibrate``, what conversion adds (``ConvertedInputs``);
@@ -16,7 +17,19 @@ from typing import Any
 _HOMES = {
     "cache": ("SubquadCache",),
     "conversion": ("ConvertedInputs", "calibratable", "calibrate", "convert", "converted_parameters"),
-    "interface": ("NAME", "LayerAttention", "attention_modules", "layer_spec", "register", "restore", "use"),
+    "interface": (
+        "NAME",
+        "LayerAttention",
+        "attention_modules",
+        "check_spec",
+        "is_mix",
+        "layer_spec",
+        "model_attention",
+        "register",
+        "restore",
+        "use",
+    ),
+    "mixes": ("HeadShare", "LayerMix"),
     "io": ("SPEC_FILE", "TENSOR_FILE", "from_pretrained", "loading", "model_source", "save", "saved_layers"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
@@ -26,16 +39,21 @@ __all__ = [
     "SPEC_FILE",
     "TENSOR_FILE",
     "ConvertedInputs",
+    "HeadShare",
     "LayerAttention",
+    "LayerMix",
     "SubquadCache",
     "attention_modules",
     "calibratable",
     "calibrate",
+    "check_spec",
     "convert",
     "converted_parameters",
     "from_pretrained",
+    "is_mix",
     "layer_spec",
     "loading",
+    "model_attention",
     "model_source",
     "register",
     "restore",

@@ -206,8 +206,7 @@ def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
     from subquad import hf
 
     for spec in config.mechanisms:
-        name, options = parse_spec(spec)
-        hf.LayerAttention.build(name, **options)  # a bad spec fails before the model loads
+        hf.check_spec(spec)  # a bad spec fails before the model loads
     folders = {f"converted:{folder}": converted_spec(folder) for folder in config.converted}
     out = Path(config.out)
     if out.exists() and not out.is_dir():
@@ -259,11 +258,11 @@ class _Run:
                         "device": run.where.type, "dtype": config.dtype}  # fmt: skip
         return run
 
-    def calibrate(self, name: str) -> None:
-        """Calibrate the swapped-in mechanism ``name`` on the calibration windows, where it has state."""
+    def calibrate(self, spec: str) -> None:
+        """Calibrate the swapped-in ``spec`` on the calibration windows, where it has centroids."""
         from subquad import hf
 
-        if hf.calibratable(name):  # routing's centroids, from the model's own queries and keys
+        if hf.calibratable(spec):  # routing's centroids, from the model's own queries and keys
             ids, batch = self.calib.ids, self.config.batch
             hf.calibrate(self.model, [{"input_ids": ids[i : i + batch]} for i in range(0, len(ids), batch)])
 
@@ -283,7 +282,7 @@ class _Run:
                 swapped = hf.from_pretrained(label.partition(":")[2]).to(self.where, self.kind)
             else:
                 swapped = hf.use(self.model, label)
-                self.calibrate(parse_spec(label)[0])
+                self.calibrate(label)
             rows.append({"spec": label, **_quality(original, outputs(swapped), self.windows.labels)})
             if label not in folders:
                 hf.restore(self.model)
@@ -366,7 +365,7 @@ class _Swapped:
         from subquad import hf
 
         hf.use(self.run.model, self.spec)
-        self.run.calibrate(parse_spec(self.spec)[0])
+        self.run.calibrate(self.spec)
         return self.run.model
 
     def done(self) -> None:

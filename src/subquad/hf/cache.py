@@ -10,7 +10,9 @@ or ``from_pretrained`` set up:
   the class sums of ``agglomerative``. Nothing else of the prompt is kept;
 - every other layer (exact attention, and mechanisms whose decoder keeps every key: sparse,
   multires, routing in a pretrained model) is transformers' ``DynamicLayer``, and the mechanism
-  runs over the whole prefix as before.
+  runs over the whole prefix as before;
+- a head mix with such a decoder in one of its groups is a ``MixLayer``: a ``DecoderLayer`` per
+  such group and a ``DynamicLayer`` of its own key/value heads per other group.
 
 The sequence length reported to transformers (``get_seq_length``, ``get_mask_sizes``) is the
 whole sequence's, so positions and masks are the model's own. After ``use``, ``convert`` or
@@ -40,14 +42,18 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 from subquad.decoding import Decoder
 
-__all__ = ["KEY", "DecoderLayer", "SubquadCache", "decodes_from_state", "install", "uninstall"]
+__all__ = ["KEY", "DecoderLayer", "MixLayer", "SubquadCache", "decodes_from_state", "install", "uninstall"]
 
 KEY = "subquad_cache_layer"  # the name under which a DecoderLayer reaches the attention function
 
 
 def decodes_from_state(spec: Any) -> bool:
-    """Whether a layer's ``LayerAttention`` decodes from its decoder's state (``Decoder.absorbs``)."""
-    decoder = None if spec is None else spec.mechanism.decoder
+    """Whether a layer's ``LayerAttention`` decodes from its decoder's state (``Decoder.absorbs``);
+    a head mix (``subquad.hf.mixes.LayerMix``) does where one of its groups does."""
+    if getattr(spec, "groups", None) is not None:
+        return any(decodes_from_state(group) for group in spec.groups)
+    mechanism = getattr(spec, "mechanism", None)
+    decoder = None if mechanism is None else mechanism.decoder
     return decoder is not None and decoder.absorbs
 
 
@@ -156,6 +162,76 @@ class DecoderLayer(CacheLayerMixin):
         return 0 if self.decoder is None else self.decoder.nbytes
 
 
+class MixLayer(DecoderLayer):
+    """A head mix's layer: one part per group, a ``DecoderLayer`` where the group's decoder takes
+    over a prefill and a ``DynamicLayer`` of its key/value heads otherwise (``subquad.hf.mixes``)."""
+
+    def __init__(self, spec: Any, layer_idx: int) -> None:
+        super().__init__(spec, layer_idx)
+        self.parts = [DecoderLayer(g, layer_idx) if decodes_from_state(g) else DynamicLayer() for g in spec.groups]
+
+    def order(self) -> list[int]:
+        """The groups in the order a step runs them: those that keep keys first, whose refusals
+        leave nothing changed (``undo``), then the decoders, which refuse before they step."""
+        return sorted(range(len(self.parts)), key=lambda i: isinstance(self.parts[i], DecoderLayer))
+
+    def share(self, spec: Any, index: int, key: Tensor, value: Tensor, kwargs: dict) -> tuple[Tensor, Tensor, dict]:
+        """Group ``index``'s keys, values and keyword arguments for this call (its heads' own)."""
+        if spec is not self.spec:
+            raise ValueError(
+                f"this cache was built for another model, or before layer {self.layer_idx}'s attention changed "
+                f"(it holds the head mix {self.spec.text!r}); start a new one: subquad.hf.SubquadCache(model), "
+                "or generate without passing a cache"
+            )
+        part, kwargs = self.parts[index], dict(kwargs)
+        if isinstance(part, DecoderLayer):
+            part.update(key, value, kwargs=kwargs)
+            return key, value, kwargs
+        return *part.update(key, value), kwargs
+
+    def undo(self, new: int) -> None:
+        """Forget a refused call's ``new`` tokens (the decoders refused before stepping)."""
+        self.seen -= new
+        for part in self.parts:
+            extra = 0 if isinstance(part, DecoderLayer) else part.get_seq_length() - self.seen
+            if extra > 0:
+                part.crop(-extra)
+
+    def reset(self) -> None:
+        super().reset()
+        for part in self.parts:
+            part.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for part in self.parts:
+            part.reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        for part in self.parts:
+            part.batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for part in self.parts:
+            part.batch_repeat_interleave(repeats)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(
+            f"layer {self.layer_idx}'s head mix {self.spec.text!r} cannot be cropped: a decoder's running state "
+            "cannot forget tokens (assisted generation and prompt lookup need that); generate without them"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_layer_bytes(part) for part in self.parts)
+
+
+def _layer_bytes(layer: Any) -> int:
+    """The bytes one cache layer holds: a decoder's state, or its keys and values."""
+    if isinstance(layer, DecoderLayer):
+        return layer.nbytes
+    return layer.keys.nbytes + layer.values.nbytes if layer.is_initialized and layer.keys is not None else 0
+
+
 class SubquadCache(Cache):
     """The generation cache of a model whose layers run subquad mechanisms (module docstring)."""
 
@@ -171,19 +247,14 @@ class SubquadCache(Cache):
         layers = []
         for module in modules:
             spec = getattr(module, "subquad_attention", None)
-            layers.append(DecoderLayer(spec, module.layer_idx) if decodes_from_state(spec) else DynamicLayer())
+            kind = MixLayer if getattr(spec, "groups", None) is not None else DecoderLayer
+            layers.append(kind(spec, module.layer_idx) if decodes_from_state(spec) else DynamicLayer())
         super().__init__(layers=layers)
 
     @property
     def nbytes(self) -> int:
         """The bytes all layers hold: the decoders' state and the other layers' keys and values."""
-        total = 0
-        for layer in self.layers:
-            if isinstance(layer, DecoderLayer):
-                total += layer.nbytes
-            elif layer.is_initialized and layer.keys is not None:
-                total += layer.keys.nbytes + layer.values.nbytes
-        return total
+        return sum(_layer_bytes(layer) for layer in self.layers)
 
 
 def cache_bytes(cache: Any) -> int:

@@ -28,17 +28,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from subquad.hf.interface import LayerAttention, _apply, _new_state, attention_modules, capturing
+from subquad.config import parse_spec
+from subquad.hf.interface import LayerAttention, _apply, _new_state, attention_modules, capturing, model_attention
+from subquad.hf.mixes import LayerMix, units
 from subquad.ops.clustering import spherical_kmeans
 from subquad.registry import get_mechanism
 
 
-def calibratable(spec: LayerAttention | str | None) -> bool:
-    """Whether ``calibrate`` fits this mechanism (its state holds routing centroids)."""
+def calibratable(spec: LayerAttention | LayerMix | str | None) -> bool:
+    """Whether ``calibrate`` fits this mechanism, or a group of this head mix or spec string (its
+    state holds routing centroids)."""
     if spec is None:
         return False
-    mech = get_mechanism(spec) if isinstance(spec, str) else spec.mechanism
-    return mech.calibratable
+    if isinstance(spec, LayerMix):
+        return any(calibratable(group) for group in spec.groups)
+    if isinstance(spec, str):
+        return any(get_mechanism(group.name).calibratable for group in parse_spec(spec))
+    return spec.mechanism.calibratable
 
 
 @torch.no_grad()
@@ -47,7 +53,7 @@ def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]], iterations
     model's own queries and keys over ``batches`` (keyword arguments of the model's forward);
     returns the number of layers fitted. Routing's centroids start random otherwise, and a
     pretrained model's queries and keys do not lie where random directions cut them."""
-    routed = [m for m in attention_modules(model) if calibratable(getattr(m, "subquad_attention", None))]
+    routed = [m for m in units(attention_modules(model)) if calibratable(getattr(m, "subquad_attention", None))]
     if not routed:
         raise ValueError("no layer of this model has a mechanism with centroids; subquad.hf.use(model, 'routing')")
     with capturing(routed) as captured:
@@ -58,7 +64,8 @@ def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]], iterations
             raise ValueError("calibrate saw no batch; pass at least one")
         centroids = module.subquad_state.centroids
         points = torch.cat(captured[module], dim=1)
-        centroids.copy_(spherical_kmeans(points, centroids.shape[1], iterations, seed + module.layer_idx))
+        layer_seed = getattr(module, "subquad_seed", module.layer_idx)  # a mix's groups: seeds of their own
+        centroids.copy_(spherical_kmeans(points, centroids.shape[1], iterations, seed + layer_seed))
     return len(routed)
 
 
@@ -118,10 +125,10 @@ def convert(
         seed: seeds the new projections' initial weights (layer i from ``seed`` and i, without
             touching the global random state) and routing's k-means.
     """
-    spec = LayerAttention.build(mechanism, converted=True, **options)
+    spec = model_attention(model, mechanism, converted=True, **options)
     if calibratable(spec) and calibration is None:
         raise ValueError(
-            f"{spec.mechanism.name}'s centroids are fitted by k-means on the model's own queries and keys: pass "
+            f"{mechanism}'s centroids are fitted by k-means on the model's own queries and keys: pass "
             "calibration=[{'input_ids': ...}, ...] (a few batches of real text)"
         )
     if freeze:
@@ -133,22 +140,31 @@ def convert(
     return model
 
 
-def _add(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None, seed: int = 0) -> list[nn.Module]:
+def _add(model: nn.Module, spec: LayerAttention | LayerMix, layers: Iterable[int] | None, seed: int = 0):
+    """``_apply``, then each unit's state and converted inputs (a mix's groups on their heads)."""
     modules = _apply(model, spec, layers)
     heads, head_dim = _heads(model)
     reference = next(model.parameters())
-    for module in modules:
+    for unit in units(modules):
+        spec, unit_heads = unit.subquad_attention, getattr(unit, "heads", heads)
         if spec.mechanism.state is not None:
-            _new_state(module, spec, heads, head_dim, reference.device, reference.dtype)
+            _new_state(unit, spec, unit_heads, head_dim, reference.device, reference.dtype)
         if spec.mechanism.inputs is not None:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed * 1_000_003 + int(module.layer_idx))
-                inputs = ConvertedInputs(spec, heads, head_dim)
-            module.subquad_inputs = inputs.to(reference.device, reference.dtype)
+                torch.manual_seed(seed * 1_000_003 + int(getattr(unit, "subquad_seed", unit.layer_idx)))
+                inputs = ConvertedInputs(spec, unit_heads, head_dim)
+            unit.subquad_inputs = inputs.to(reference.device, reference.dtype)
     return modules
 
 
 def _converted(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """What conversion added to an attention module, by name (a mix's: per ``HeadShare``)."""
+    if isinstance(getattr(module, "subquad_attention", None), LayerMix):
+        return [
+            (f"subquad_shares.{i}.{n}", p)
+            for i, share in enumerate(module.subquad_shares)
+            for n, p in _converted(share)
+        ]
     return [(n, getattr(module, n)) for n in ("subquad_state", "subquad_inputs") if hasattr(module, n)]
 
 

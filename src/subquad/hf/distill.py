@@ -42,7 +42,6 @@ import torch
 from torch import Tensor, nn
 
 from subquad.flags import DTYPES, named, setting
-from subquad.hf.approx import parse_spec
 from subquad.hf.data import load_model, read_passages, token_windows
 
 __all__ = ["AttentionTransfer", "DistillConfig", "distill"]
@@ -124,7 +123,7 @@ class AttentionTransfer:
         self.teachers: dict[nn.Module, nn.Module] = {}
         for module in self.modules:
             teacher = copy.deepcopy(module)
-            _clear(teacher, "subquad_state", "subquad_inputs")
+            _clear(teacher, "subquad_state", "subquad_inputs", "subquad_shares")
             teacher.subquad_attention = full
             self.teachers[module] = teacher.requires_grad_(False)
         self.losses: list[Tensor] = []
@@ -211,8 +210,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     from subquad.train import checkpoint
 
     checkpoint.require()  # before any work: a run that cannot save must not start
-    name, options = parse_spec(config.mechanism)
-    hf.LayerAttention.build(name, converted=True, **options)  # a bad spec fails before the model loads
+    hf.check_spec(config.mechanism, converted=True)  # a bad spec fails before the model loads
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder (it is created if missing)")
@@ -222,7 +220,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     if found is not None:
         checkpoint.verify(found)  # a damaged checkpoint is refused before the model loads
     out.mkdir(parents=True, exist_ok=True)
-    job = _Job(config, name, options)
+    job = _Job(config)
     run = _resume(job, found)
     _train(job, run, progress)
     job.transfer.close()
@@ -244,7 +242,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
 class _Job:
     """The converted model of a distillation with its teachers, and its training and held-out windows."""
 
-    def __init__(self, config: DistillConfig, name: str, options: dict[str, Any]) -> None:
+    def __init__(self, config: DistillConfig) -> None:
         from subquad import hf
         from subquad.train.loop import resolve_device
 
@@ -262,12 +260,13 @@ class _Job:
             )
         self.train, self.heldout = windows[: self.train_count], windows[self.train_count :]
         calibration = [{"input_ids": b} for b in self.batches(self.train[: max(config.calibration, 1)])]
-        hf.convert(self.model, name, layers=config.layers, seed=config.seed, **options,
+        name = config.mechanism
+        hf.convert(self.model, name, layers=config.layers, seed=config.seed,
                    calibration=calibration if hf.calibratable(name) else None)  # fmt: skip
         self.modules = [m for m in hf.attention_modules(model) if getattr(m, "subquad_attention", None) is not None]
         if config.steps and not hf.converted_parameters(model):
             raise ValueError(
-                f"{name} adds no parameters that gradients train (routing's centroids are fitted by k-means); "
+                f"{name!r} adds no parameters that gradients train (routing's centroids are fitted by k-means); "
                 "pass --steps 0 and --finetune-steps N to train the attention blocks themselves"
             )
         self.transfer = AttentionTransfer(model)  # the teachers copy the original attention weights

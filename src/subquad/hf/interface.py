@@ -37,12 +37,15 @@ What the model hands over is translated exactly or refused:
   saved with the model).
 - Mechanisms whose inputs come from learned projections the model lacks (agglomerative's class
   logits, multires' router) are refused by ``use`` with that reason; ``convert`` adds them.
+- **Head mixes** (``"local:window=256,sinks=4*6+routing*3"``) split each layer's query heads
+  between mechanisms, along the key/value groups (``subquad.hf.mixes``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +59,7 @@ from subquad.call import attention, causal_lower_right
 from subquad.config import parse_spec
 from subquad.hf.cache import KEY, install, uninstall
 from subquad.hf.masks import _key_padding, _mask
+from subquad.hf.mixes import LayerMix, build_mix, mixed_forward, shares
 from subquad.registry import Config, Mechanism, get_mechanism, make_config, mechanism_names
 
 NAME = "subquad"
@@ -125,8 +129,8 @@ def layer_spec(spec: str, **options: Any) -> tuple[str, dict[str, Any]]:
     groups = parse_spec(spec)
     if len(groups) > 1 or groups[0].heads is not None:
         raise ValueError(
-            f"{spec!r} is a head mix; inside a pretrained model each layer runs one mechanism on all its heads "
-            "for now: give one (e.g. local:window=128), and choose it per layer with layers="
+            f"{spec!r} is a head mix, and this takes one mechanism (e.g. local:window=128); a mix is applied "
+            "with subquad.hf.use or convert"
         )
     both = sorted(set(dict(groups[0].options)) & set(options))
     if both:
@@ -138,13 +142,44 @@ def use(model: nn.Module, mechanism: str, *, layers: Iterable[int] | None = None
     """Compute the attention of ``layers`` (their ``layer_idx``; all by default) with ``mechanism``
     (a name or a spec such as ``"local:window=128"``) and ``options``, and switch ``model`` to
     ``"subquad"``; returns ``model``. Calls for different layers combine; layers never set run
-    exact attention."""
-    name, options = layer_spec(mechanism, **options)
-    _apply(model, LayerAttention.build(name, **options), layers)
+    exact attention. A head mix (``"local:window=256,sinks=4*6+full*3"``) splits each layer's
+    heads between mechanisms (``subquad.hf.mixes``)."""
+    _apply(model, model_attention(model, mechanism, **options), layers)
     return model
 
 
-def _apply(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None) -> list[nn.Module]:
+def is_mix(spec: str) -> bool:
+    """Whether ``spec`` splits a layer's heads between mechanisms (``subquad.hf.mixes``)."""
+    groups = parse_spec(spec)
+    return len(groups) > 1 or groups[0].heads is not None
+
+
+def check_spec(spec: str, *, converted: bool = False) -> None:
+    """Fail on a bad spec before a model loads: every mechanism and its options (a head mix's
+    counts are checked against the model's heads when it is applied)."""
+    for group in parse_spec(spec) if is_mix(spec) else [parse_spec(spec)[0]]:
+        LayerAttention.build(group.name, converted=converted, **dict(group.options))
+
+
+def model_attention(
+    model: nn.Module, spec: str, *, converted: bool = False, **options: Any
+) -> LayerAttention | LayerMix:
+    """What ``use`` sets on ``model``'s layers for ``spec``: one mechanism (``options`` join the
+    spec's), or a head mix split by the model's query and key/value head counts."""
+    if not is_mix(spec):
+        name, options = layer_spec(spec, **options)
+        return LayerAttention.build(name, converted=converted, **options)
+    if options:
+        raise ValueError(f"options {sorted(options)} apply to a single mechanism; put them in the mix {spec!r}")
+    config = model.config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return build_mix(
+        parse_spec(spec), spec, heads, kv_heads, functools.partial(LayerAttention.build, converted=converted)
+    )
+
+
+def _apply(model: nn.Module, spec: LayerAttention | LayerMix, layers: Iterable[int] | None) -> list[nn.Module]:
     """``use``'s work: set ``spec`` on the chosen layers; returns their attention modules."""
     register()
     modules = attention_modules(model)
@@ -156,7 +191,9 @@ def _apply(model: nn.Module, spec: LayerAttention, layers: Iterable[int] | None)
     for module in modules:
         if module.layer_idx in chosen:
             module.subquad_attention = spec
-            _clear(module, "subquad_state", "subquad_inputs")  # a new mechanism starts from a new state
+            _clear(module, "subquad_state", "subquad_inputs", "subquad_shares")  # a new mechanism: a new state
+            if isinstance(spec, LayerMix):
+                module.subquad_shares = shares(spec, module.layer_idx).train(module.training)
     if not hasattr(model, "subquad_previous"):
         model.subquad_previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
@@ -174,7 +211,7 @@ def restore(model: nn.Module, implementation: str | None = None) -> nn.Module:
     """Remove what ``use`` set and switch ``model`` back to ``implementation`` (by default the one
     it had before the first ``use``)."""
     for module in attention_modules(model):
-        _clear(module, "subquad_attention", "subquad_state", "subquad_inputs")
+        _clear(module, "subquad_attention", "subquad_state", "subquad_inputs", "subquad_shares")
     uninstall(model)
     previous = model.__dict__.pop("subquad_previous", None) or "sdpa"
     model.set_attn_implementation(implementation or previous)
@@ -184,9 +221,9 @@ def restore(model: nn.Module, implementation: str | None = None) -> nn.Module:
 def _named_forward(name: str):
     def forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, **kwargs: Any):
         spec = getattr(module, "subquad_attention", None)
-        if spec is None or spec.mechanism.name != name:
+        if not isinstance(spec, LayerAttention) or spec.mechanism.name != name:
             module.subquad_attention = LayerAttention.build(name)
-            _clear(module, "subquad_state", "subquad_inputs")
+            _clear(module, "subquad_state", "subquad_inputs", "subquad_shares")
         return _forward(module, query, key, value, attention_mask, **kwargs)
 
     forward.__name__ = f"subquad_{name.replace('-', '_')}_forward"
@@ -214,7 +251,7 @@ def _state(module: nn.Module, spec: LayerAttention, query: Tensor) -> nn.Module 
 
 
 def _new_state(module: nn.Module, spec: LayerAttention, heads: int, head_dim: int, device, dtype) -> None:
-    seed = int(getattr(module, "layer_idx", 0) or 0)
+    seed = int(getattr(module, "subquad_seed", getattr(module, "layer_idx", 0)) or 0)
     state = spec.mechanism.state(spec.config, heads, head_dim, seed).to(device)
     if any(p.is_floating_point() for p in state.parameters()):  # learned maps follow the model's dtype
         state = state.to(dtype)
@@ -240,13 +277,15 @@ def _forward(
     spec = getattr(module, "subquad_attention", None)
     if spec is None:
         spec = _FULL = _FULL or LayerAttention.build("full")
+    causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
+    if isinstance(spec, LayerMix):
+        return mixed_forward(module, _forward, query, key, value, attention_mask, dropout, scaling, causal, **kwargs)
     if dropout and not spec.mechanism.dropout:
         raise ValueError(
             f"{spec.mechanism.name} has no attention dropout, but this model applies {dropout} in training: call "
             "model.eval(), or set the model's attention dropout to 0 (e.g. attention_probs_dropout_prob, "
             "attention_dropout or attn_pdrop in its config) before training"
         )
-    causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
     layer = kwargs.get(KEY)  # subquad's cache layer: the keys are the new tokens', the mask the sequence's
     queries, keys = query.shape[2], key.shape[2] if layer is None else layer.seen
     key_padding_mask = _key_padding(attention_mask, queries, keys, causal)

@@ -2,7 +2,7 @@
 
 ``save(model, folder)`` writes the model (loadable
 by transformers as the original architecture), ``subquad.json`` (each layer's mechanism and
-options, the SHA-256 of the model's config and weights and of ``subquad.safetensors``, and a
+options, or its head mix's spec; the SHA-256 of the model's config and weights and of ``subquad.safetensors``, and a
 checksum of its own) and ``subquad.safetensors`` (what conversion added); ``from_pretrained(folder)``
 checks every recorded file and loads it back with subquad attention. A changed or damaged file is
 refused by name (``subquad.files.FileError``), and only data is read: safetensors and JSON, never
@@ -20,7 +20,8 @@ from torch import nn
 
 from subquad.files import FileError, check_fields, check_gguf, json_checksum, load_safetensors, read_json, sha256
 from subquad.hf.conversion import _add, _converted
-from subquad.hf.interface import LayerAttention, attention_modules
+from subquad.hf.interface import LayerAttention, attention_modules, check_spec, is_mix, model_attention
+from subquad.hf.mixes import LayerMix
 
 SPEC_FILE, TENSOR_FILE = "subquad.json", "subquad.safetensors"
 
@@ -40,7 +41,10 @@ def save(model: nn.Module, folder: str | Path, tokenizer: Any = None) -> Path:
         if spec is None:
             continue
         index = int(module.layer_idx)
-        layers[str(index)] = {"mechanism": spec.mechanism.name, "options": _jsonable(spec.options)}
+        if isinstance(spec, LayerMix):  # a head mix: its spec, whose options are in it
+            layers[str(index)] = {"mechanism": spec.text, "options": {}}
+        else:
+            layers[str(index)] = {"mechanism": spec.mechanism.name, "options": _jsonable(spec.options)}
         for name, part in _converted(module):
             for key, value in part.state_dict().items():
                 tensors[f"{index}.{name}.{key}"] = value.detach().cpu().contiguous().clone()
@@ -117,7 +121,7 @@ def from_pretrained(folder: str | Path, *, model_class: Any = None, **kwargs: An
     spec_file = folder / SPEC_FILE
     for index, (mechanism, options) in layers.items():
         try:
-            _add(model, LayerAttention.build(mechanism, converted=True, **options), [index])
+            _add(model, model_attention(model, mechanism, converted=True, **options), [index])
         except ValueError as error:
             raise FileError(spec_file, f"layer {index}: {error}", _RESAVE) from error
     tensors = load_safetensors(folder / TENSOR_FILE, fix=_RESAVE)
@@ -125,7 +129,8 @@ def from_pretrained(folder: str | Path, *, model_class: Any = None, **kwargs: An
     expected = set()
     for index, module in by_index.items():
         for name, part in _converted(module):
-            state = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{index}.{name}.")}
+            prefix = f"{index}.{name}."
+            state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
             expected.update(f"{index}.{name}.{k}" for k in part.state_dict())
             try:
                 part.load_state_dict(state)
@@ -186,7 +191,12 @@ def _read_spec(folder: str | Path) -> dict[int, tuple[str, dict[str, Any]]]:
         check_fields(layer, spec_file, {"mechanism": str, "options": dict}, ("mechanism", "options"), where, _RESAVE)
         options = {k: tuple(v) if isinstance(v, list) else v for k, v in layer["options"].items()}
         try:
-            LayerAttention.build(layer["mechanism"], converted=True, **options)
+            if is_mix(layer["mechanism"]) and options:
+                raise ValueError(f"a head mix ({layer['mechanism']!r}) holds its options in its spec; options is {{}}")
+            if is_mix(layer["mechanism"]):
+                check_spec(layer["mechanism"], converted=True)
+            else:
+                LayerAttention.build(layer["mechanism"], converted=True, **options)
         except (ValueError, TypeError) as error:
             raise FileError(spec_file, f"{where}: {error}", _RESAVE) from error
         layers[int(index)] = layer["mechanism"], options

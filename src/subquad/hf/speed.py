@@ -38,26 +38,43 @@ __all__ = ["PeakRss", "attention_speed", "decode_speed", "decode_windows", "each
 def attention_speed(
     model: nn.Module, specs: list[str], context: int, causal: bool, device: torch.device, dtype: str
 ) -> dict[str, dict[str, Any]]:
-    """Time and peak memory of each mechanism's attention at ``context``, with the model's heads."""
+    """Time and peak memory of each spec's attention at ``context``, with the model's heads and
+    head size, against exact attention's. A head mix's time is the sum of its groups', each timed
+    on its own heads (its peak, the largest of theirs)."""
     from subquad.bench.runner import BenchSettings, Variant, run_bench
-    from subquad.hf.interface import layer_spec
+    from subquad.hf.interface import model_attention
 
-    config = model.config
+    config = model.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    variants = [Variant(name, tuple(sorted(options.items()))) for name, options in map(layer_spec, specs)]
-    settings = BenchSettings(variants=variants, lengths=(context,), heads=heads, head_dim=head_dim, causal=(causal,),
-                             backward=(False,), repeats=5, warmup_seconds=1.0, max_seconds=3.0, device=device.type,
-                             dtype=dtype)  # fmt: skip
-    rows = {r["mechanism"]: r for r in run_bench(settings)}
-    labels = {"original": "full", **{spec: variant.label for spec, variant in zip(specs, variants)}}
-    out = {}
-    for spec, label in labels.items():
-        row = rows.get(label, {})
-        peak = row["peak_bytes"] / 2**20 if row.get("peak_bytes") else None
-        ratio = 1.0 if spec == "original" else row.get("ratio")
-        out[spec] = {"time_ms": row.get("time_s", math.nan) * 1e3, "ratio": ratio, "peak_mb": peak}
+    parts = {}  # each spec's groups: (variant, heads)
+    for spec in specs:
+        made = model_attention(model, spec)
+        groups = zip(made.groups, made.heads) if hasattr(made, "groups") else [(made, heads)]
+        parts[spec] = [(Variant(g.mechanism.name, tuple(sorted(g.options.items()))), n) for g, n in groups]
+    rows = {}  # (label, heads) -> bench row
+    for count in sorted({n for groups in parts.values() for _, n in groups} | {heads}):
+        variants = [
+            v for v in dict.fromkeys(v for g in parts.values() for v, n in g if n == count) if v.label != "full"
+        ]
+        settings = BenchSettings(variants=variants, lengths=(context,), heads=count, head_dim=head_dim,
+                                 causal=(causal,), backward=(False,), repeats=5, warmup_seconds=1.0, max_seconds=3.0,
+                                 device=device.type, dtype=dtype)  # fmt: skip
+        rows.update({(r["mechanism"], count): r for r in run_bench(settings)})
+    full = {count: row.get("time_s", math.nan) for (label, count), row in rows.items() if label == "full"}
+    out = {"original": _cell([(rows.get(("full", heads), {}), heads)], full, heads)}
+    for spec, groups in parts.items():
+        out[spec] = _cell([(rows.get((v.label, n), {}), n) for v, n in groups], full, heads)
     return out
+
+
+def _cell(rows: list[tuple[dict[str, Any], int]], full: dict[int, float], heads: int) -> dict[str, Any]:
+    """One spec's time (its groups' summed), ratio to exact attention's on all ``heads`` (each
+    group's paired ratio to exact attention on its heads, weighted by that one's time) and peak MB."""
+    time_s = sum(r.get("time_s", math.nan) for r, _ in rows)
+    ratio = sum((r.get("ratio") or math.nan) * full.get(n, math.nan) for r, n in rows) / full.get(heads, math.nan)
+    peaks = [r["peak_bytes"] / 2**20 for r, _ in rows if r.get("peak_bytes")]
+    return {"time_ms": time_s * 1e3, "ratio": ratio, "peak_mb": max(peaks) if len(peaks) == len(rows) else None}
 
 
 @torch.no_grad()

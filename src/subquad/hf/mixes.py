@@ -1,0 +1,123 @@
+"""Head mixes inside pretrained models: a layer's query heads split between mechanisms.
+
+The Routing Transformer runs routing heads beside local heads in every layer; a pretrained model
+that keeps a few heads exact, or gives some heads a window and others a routed reach, is the same
+kind of layer. ``subquad.hf.use(model, "local:window=256,sinks=4*6+full*3")`` gives the first six
+query heads of each chosen layer a window with sinks and the last three exact attention; a group
+without ``*N`` takes the heads the others leave (the spec grammar of ``subquad.config.parse_spec``).
+
+- Groups take consecutive query heads, in the spec's order, with the key/value heads those
+  queries read: under grouped-query attention (G query heads per key/value head, as transformers'
+  ``repeat_kv`` pairs them) each group's count must be a multiple of G, so no key/value head is
+  split between groups.
+- Each group runs in a ``HeadShare``, a child module of the attention module that holds the group's
+  mechanism and, like an attention module, its state (routing's centroids, seeded by layer and
+  first head; ``calibrate`` fits them): the layer's output is the groups' outputs side by side,
+  exactly what each group's call gives on its heads.
+- Generation: in ``SubquadCache`` a mixed layer is a ``MixLayer``: each group whose decoder takes
+  over a prefill (local, linear) steps at its own cost, each other group keeps its key/value heads.
+- ``convert`` adds what each group's mechanism needs on the group's heads (``distill`` trains it),
+  ``save`` writes the mix's spec, and ``subquad approx`` measures a mix as any spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from subquad.config import SpecGroup
+from subquad.hf.cache import KEY
+
+__all__ = ["HeadShare", "LayerMix", "build_mix", "mixed_forward", "units"]
+
+
+@dataclass
+class LayerMix:
+    """A layer's head groups: ``groups[i]`` (a ``LayerAttention``) on ``heads[i]`` consecutive query heads."""
+
+    groups: tuple[Any, ...]
+    heads: tuple[int, ...]
+    text: str  # the spec, for messages
+
+    @property
+    def firsts(self) -> list[int]:
+        return [sum(self.heads[:i]) for i in range(len(self.heads))]
+
+
+class HeadShare(nn.Module):
+    """One head group of a mixed layer: its mechanism (``subquad_attention``), its first query head
+    and head count, and the state its mechanism keeps, as an attention module holds them."""
+
+    def __init__(self, spec: Any, first: int, heads: int, layer_idx: int) -> None:
+        super().__init__()
+        self.subquad_attention, self.first, self.heads, self.layer_idx = spec, first, heads, layer_idx
+        self.subquad_seed = 1009 * int(layer_idx or 0) + first  # two groups of one layer: two seeds
+
+    def extra_repr(self) -> str:
+        return f"heads {self.first}..{self.first + self.heads - 1}: {self.subquad_attention.mechanism.name}"
+
+
+def build_mix(groups: tuple[SpecGroup, ...], text: str, heads: int, kv_heads: int, build: Any) -> LayerMix:
+    """The ``LayerMix`` of a parsed spec for layers of ``heads`` query and ``kv_heads`` key/value heads;
+    ``build(name, **options)`` makes each group's ``LayerAttention``."""
+    open_groups = [g for g in groups if g.heads is None]
+    claimed = sum(g.heads for g in groups if g.heads is not None)
+    if len(open_groups) > 1 or (open_groups and claimed >= heads) or (not open_groups and claimed != heads):
+        several = " and leaves the rest to several groups" if len(open_groups) > 1 else ""
+        raise ValueError(
+            f"the head mix {text!r} gives {claimed} heads{several}, but this model's layers have {heads} query heads: "
+            f"give every group its count (NAME*N) summing to {heads}, or leave one group without *N to take the rest"
+        )
+    counts = tuple(heads - claimed if g.heads is None else g.heads for g in groups)
+    per = heads // kv_heads
+    if any(n % per for n in counts):
+        raise ValueError(
+            f"the head mix {text!r} splits {counts} of {heads} query heads, but this model's query heads share "
+            f"key/value heads {per} at a time ({kv_heads} key/value heads): give each group a multiple of {per}"
+        )
+    return LayerMix(tuple(build(g.name, **dict(g.options)) for g in groups), counts, text)
+
+
+def shares(mix: LayerMix, layer_idx: int) -> nn.ModuleList:
+    """A layer's ``HeadShare`` modules for ``mix``."""
+    return nn.ModuleList(HeadShare(s, f, n, layer_idx) for s, f, n in zip(mix.groups, mix.firsts, mix.heads))
+
+
+def mixed_forward(
+    module: nn.Module, forward: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, dropout: float,
+    scaling: float | None, causal: bool, **kwargs: Any,
+) -> tuple[Tensor, None]:  # fmt: skip
+    """A mixed layer's attention: each ``HeadShare`` of ``module`` runs ``forward`` (the interface's
+    attention call) on its query heads and their key/value heads, with its part of subquad's cache
+    (``subquad.hf.cache.MixLayer``) if one is passed; the outputs ``(B, L, h, D)`` side by side."""
+    per, layer = query.shape[1] // key.shape[1], kwargs.pop(KEY, None)
+    shares = list(module.subquad_shares)
+    outputs: list[Tensor | None] = [None] * len(shares)
+    try:
+        for index in range(len(shares)) if layer is None else layer.order():
+            share = shares[index]
+            q = query[:, share.first : share.first + share.heads]
+            kv = slice(share.first // per, (share.first + share.heads) // per)
+            k, v, extra = key[:, kv], value[:, kv], kwargs
+            if layer is not None:
+                k, v, extra = layer.share(module.subquad_attention, index, k, v, kwargs)
+            outputs[index], _ = forward(share, q, k, v, attention_mask, dropout, scaling, causal, **extra)
+    except Exception:
+        if layer is not None:
+            layer.undo(key.shape[2])
+        raise
+    return torch.cat(outputs, dim=2), None
+
+
+def units(modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules that hold one mechanism each: attention modules, and mixed layers' ``HeadShare``s."""
+    found = []
+    for module in modules:
+        if isinstance(getattr(module, "subquad_attention", None), LayerMix):
+            found.extend(module.subquad_shares)
+        else:
+            found.append(module)
+    return found

@@ -1,0 +1,216 @@
+"""Head mixes inside pretrained models (``subquad.hf.mixes``): a layer's query heads split between
+mechanisms along the key/value groups.
+
+A mix equals, head for head, full attention under each group's dense mask; each group's state is
+its own (seeded apart, calibrated apart, converted on its heads, saved and loaded); generation with
+subquad's cache equals generation without it over left-padded batches; every refusal is asserted
+with its message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", minversion="5")
+hf = pytest.importorskip("subquad.hf")
+
+from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.cache_utils import DynamicLayer  # noqa: E402
+
+from subquad.hf.cache import DecoderLayer, MixLayer, SubquadCache  # noqa: E402
+from subquad.hf.mixes import HeadShare, LayerMix  # noqa: E402
+
+V = 96
+
+
+def llama(heads=4, kv_heads=2):
+    config = LlamaConfig(vocab_size=V, hidden_size=8 * heads, num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, intermediate_size=64, max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def gpt2():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=256)).eval()
+
+
+MODELS = {"llama": llama, "gpt2": gpt2}
+
+
+def tokens(B, N, seed=1):
+    return torch.randint(1, V, (B, N), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded(B, N):
+    mask = torch.ones(B, N, dtype=torch.long)
+    for b in range(B):
+        mask[b, : 3 * b] = 0
+    return mask
+
+
+def oracle(visible):
+    """A transformers attention function: softmax over the keys ``visible(h, N)`` (bool ``(N, N)``)
+    lets head h see; keys repeated to the query heads as ``repeat_kv`` does."""
+
+    def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        heads, n = query.shape[1], query.shape[2]
+        key, value = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (key, value))
+        mask = torch.stack([visible(h, n) for h in range(heads)])
+        scores = (query @ key.transpose(-1, -2)) * scaling
+        out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ value
+        return out.transpose(1, 2).contiguous(), None
+
+    return forward
+
+
+def window_sinks(window, sinks):
+    def visible(n):
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        return (j <= i) & ((i - j < window) | (j < sinks))
+
+    return visible
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_head_mix_equals_full_attention_under_each_group_s_dense_mask(name):
+    """Heads 0-1 a window of 3 with a sink, heads 2-3 exact: the model's logits equal the same model
+    whose attention is a dense-masked softmax per head (under GQA, heads 0-1 read key/value head 0)."""
+    ids = tokens(2, 13)
+    band, causal = window_sinks(3, 1), window_sinks(10**9, 0)
+    AttentionInterface.register("mix_oracle", oracle(lambda h, n: band(n) if h < 2 else causal(n)))
+    model = MODELS[name]()
+    model.set_attn_implementation("mix_oracle")
+    reference = model(ids).logits
+    hf.use(model, "local:window=3,sinks=1*2+full*2")
+    torch.testing.assert_close(model(ids).logits, reference, rtol=1e-5, atol=1e-5)
+    AttentionInterface.register("mix_oracle", oracle(lambda h, n: causal(n) if h < 2 else band(n)))
+    model.set_attn_implementation("mix_oracle")
+    reference = model(ids).logits
+    hf.use(model, "full*2+local:window=3,sinks=1")  # the open group takes the heads left
+    torch.testing.assert_close(model(ids).logits, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_each_group_holds_its_own_state_seeded_and_calibrated_apart():
+    model = hf.use(llama(heads=4, kv_heads=2), "routing:clusters=2*2+routing:clusters=2*2")
+    model(tokens(1, 16))
+    module = hf.attention_modules(model)[1]
+    first, second = module.subquad_shares
+    assert isinstance(module.subquad_attention, LayerMix) and isinstance(first, HeadShare)
+    assert (first.first, first.heads, second.first, second.heads) == (0, 2, 2, 2)
+    assert first.subquad_state.centroids.shape[0] == 2  # the group's heads, not the layer's
+    assert not first.training and not first.subquad_state.training  # the model's mode: no EMA updates in eval
+    assert not torch.equal(first.subquad_state.centroids, second.subquad_state.centroids)
+    assert hf.calibratable(module.subquad_attention) and hf.calibratable("local*2+routing*2")
+    assert not hf.calibratable("local*2+full*2")
+    before = first.subquad_state.centroids.clone()
+    assert hf.calibrate(model, [{"input_ids": tokens(2, 16)}]) == 4  # two groups in each of two layers
+    assert not torch.equal(first.subquad_state.centroids, before)
+    state = model.state_dict()
+    assert "model.layers.1.self_attn.subquad_shares.1.subquad_state.centroids" in state
+    hf.use(model, "local:window=4")  # one mechanism again: the groups are gone
+    assert not hasattr(module, "subquad_shares")
+    hf.use(model, "local*2+full*2")
+    hf.restore(model)
+    assert not hasattr(module, "subquad_shares") and not hasattr(module, "subquad_attention")
+
+
+@pytest.mark.parametrize("spec", ["local:window=4,sinks=2*2+full*2", "full*2+linear:window=3,sinks=1,chunk=4"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cached_generation_of_a_mix_equals_uncached_over_a_left_padded_batch(name, spec):
+    model = hf.use(MODELS[name](), spec)
+    prompt, mask = tokens(3, 11), left_padded(3, 11)
+    settings = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0, "attention_mask": mask}
+    out = model.generate(prompt, use_cache=True, return_dict_in_generate=True, **settings)
+    assert isinstance(out.cache.layers[0], MixLayer)
+    assert [type(p) for p in out.cache.layers[0].parts] == (
+        [DecoderLayer, DynamicLayer] if spec.startswith("local") else [DynamicLayer, DecoderLayer]
+    )
+    assert torch.equal(out.sequences, model.generate(prompt, use_cache=False, **settings))
+    exact = out.cache.layers[0].parts[0 if spec.startswith("full") else 1]
+    assert exact.keys.shape == (3, 1 if name == "llama" else 2, 11 + 11, 8)  # its own key/value heads only
+    beams = {"max_new_tokens": 6, "num_beams": 3, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(model.generate(prompt[:1], **beams), model.generate(prompt[:1], use_cache=False, **beams))
+
+
+def test_a_mix_without_a_decoder_keeps_keys_and_a_refused_step_changes_nothing():
+    model = hf.use(llama(), "local:window=4,sinks=2*2+full*2")
+    assert isinstance(SubquadCache(hf.use(llama(), "routing*2+full*2")).layers[0], DynamicLayer)
+    cache = SubquadCache(model)
+    model(tokens(2, 6), attention_mask=torch.ones(2, 6, dtype=torch.long), cache=cache)
+    layer = cache.layers[0]
+    with pytest.raises(ValueError, match="subquad's decoders take padding only before each row's first real token"):
+        model(tokens(2, 1), attention_mask=torch.tensor([[1] * 6 + [0], [1] * 7]), cache=cache)
+    assert layer.seen == 6 and layer.parts[1].get_seq_length() == 6 and layer.parts[0].seen == 6
+    with pytest.raises(ValueError, match="head mix 'local:window=4,sinks=2\\*2\\+full\\*2' cannot be cropped"):
+        cache.crop(2)
+    hf.use(model, "local:window=4,sinks=2*2+full*2")  # a new mix: the old cache is refused
+    with pytest.raises(ValueError, match="this cache was built for another model, or before layer 0's attention"):
+        model(tokens(2, 1), cache=cache)
+
+
+def test_convert_adds_each_group_s_inputs_on_its_heads_and_a_saved_mix_loads_back(tmp_path):
+    spec = "local:window=3*2+linear:feature_map=hedgehog,window=3,sinks=1,chunk=4*2"
+    model = hf.convert(llama(), spec, freeze=False)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in hf.converted_parameters(model):
+            p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    module = hf.attention_modules(model)[0]
+    assert not hasattr(module.subquad_shares[0], "subquad_state")
+    assert len(hf.converted_parameters(model)) == 2 * len(list(module.subquad_shares[1].subquad_state.parameters()))
+    ids = tokens(2, 12)
+    reference = model(ids).logits
+    hf.save(model, tmp_path / "m")
+    assert hf.saved_layers(tmp_path / "m")[0] == (spec, {})
+    loaded = hf.from_pretrained(tmp_path / "m")
+    torch.testing.assert_close(loaded(ids).logits, reference)
+    with pytest.raises(ValueError, match="routing:clusters=2\\*2\\+local\\*2's centroids are fitted by k-means"):
+        hf.convert(llama(), "routing:clusters=2*2+local*2")
+
+
+def test_a_mix_s_refusals_name_the_fix():
+    counts = r"gives 3 heads, but this model's layers have 4 query heads: give every group its count \(NAME\*N\)"
+    with pytest.raises(ValueError, match=r"the head mix 'local\*2\+full\*1' " + counts):
+        hf.use(llama(), "local*2+full*1")
+    with pytest.raises(ValueError, match=r"gives 2 heads and leaves the rest to several groups"):
+        hf.use(llama(), "local*2+full+routing")
+    with pytest.raises(ValueError, match=r"gives 4 heads, .*or leave one group without \*N to take the rest"):
+        hf.use(llama(), "local*4+full")
+    with pytest.raises(ValueError, match=r"splits \(1, 3\) of 4 query heads, but this model's query heads share "
+                                         r"key/value heads 2 at a time \(2 key/value heads\): give each group a "
+                                         r"multiple of 2"):  # fmt: skip
+        hf.use(llama(), "local*1+full")
+    with pytest.raises(ValueError, match=r"options \['window'\] apply to a single mechanism; put them in the mix"):
+        hf.use(llama(), "local*2+full*2", window=4)
+    with pytest.raises(ValueError, match="unknown mechanism|no mechanism"):
+        hf.check_spec("local*2+nonesuch*2")
+    with pytest.raises(ValueError, match="agglomerative needs inputs from learned projections"):
+        hf.use(llama(), "agglomerative*2+full*2")
+    assert hf.is_mix("local*4") and hf.is_mix("local+full*2") and not hf.is_mix("local:window=4")
+
+
+def test_a_mix_s_attention_time_is_its_groups_timed_on_their_heads(monkeypatch):
+    """``subquad approx``'s attention column: each group is benched on its own heads; the mix's
+    time is their sum, its ratio that sum over exact attention's on all heads."""
+    from subquad.bench import runner
+    from subquad.hf.speed import attention_speed
+
+    calls = []
+
+    def bench(settings):  # exact attention costs 1 s per head, local 0.25 s (ratio 0.25), peaks 10 MB per head
+        calls.append((settings.heads, [v.label for v in settings.variants]))
+        cost = {"full": 1.0, "local(window=3)": 0.25}
+        labels = ["full", *(v.label for v in settings.variants)]
+        h = settings.heads
+        return [{"mechanism": x, "time_s": cost[x] * h, "ratio": cost[x], "peak_bytes": 10 * h * 2**20} for x in labels]
+
+    monkeypatch.setattr(runner, "run_bench", bench)
+    out = attention_speed(
+        llama(), ["local:window=3*2+full*2", "local:window=3"], 64, True, torch.device("cpu"), "float32"
+    )
+    assert calls == [(2, ["local(window=3)"]), (4, ["local(window=3)"])]  # exact attention: the baseline
+    assert out["original"] == {"time_ms": 4000.0, "ratio": 1.0, "peak_mb": 40.0}
+    assert out["local:window=3*2+full*2"] == {"time_ms": 2500.0, "ratio": 0.625, "peak_mb": 20.0}
+    assert out["local:window=3"] == {"time_ms": 1000.0, "ratio": 0.25, "peak_mb": 40.0}
