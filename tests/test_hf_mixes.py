@@ -116,7 +116,15 @@ def test_each_group_holds_its_own_state_seeded_and_calibrated_apart():
     assert not hasattr(module, "subquad_shares") and not hasattr(module, "subquad_attention")
 
 
-@pytest.mark.parametrize("spec", ["local:window=4,sinks=2*2+full*2", "full*2+linear:window=3,sinks=1,chunk=4"])
+# Each mix, with the cache part of each group: a decoder's state, or the group's own keys.
+MIXES = {
+    "local:window=4,sinks=2*2+full*2": (DecoderLayer, DynamicLayer),
+    "full*2+linear:window=3,sinks=1,chunk=4": (DynamicLayer, DecoderLayer),
+    "retrieval:window=3,sinks=0,blocks=2,block=2*2+local:window=4,sinks=2*2": (DynamicLayer, DecoderLayer),
+}
+
+
+@pytest.mark.parametrize("spec", list(MIXES))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cached_generation_of_a_mix_equals_uncached_over_a_left_padded_batch(name, spec):
     model = hf.use(MODELS[name](), spec)
@@ -124,12 +132,10 @@ def test_cached_generation_of_a_mix_equals_uncached_over_a_left_padded_batch(nam
     settings = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0, "attention_mask": mask}
     out = model.generate(prompt, use_cache=True, return_dict_in_generate=True, **settings)
     assert isinstance(out.cache.layers[0], MixLayer)
-    assert [type(p) for p in out.cache.layers[0].parts] == (
-        [DecoderLayer, DynamicLayer] if spec.startswith("local") else [DynamicLayer, DecoderLayer]
-    )
+    assert tuple(type(p) for p in out.cache.layers[0].parts) == MIXES[spec]
     assert torch.equal(out.sequences, model.generate(prompt, use_cache=False, **settings))
-    exact = out.cache.layers[0].parts[0 if spec.startswith("full") else 1]
-    assert exact.keys.shape == (3, 1 if name == "llama" else 2, 11 + 11, 8)  # its own key/value heads only
+    kept = out.cache.layers[0].parts[MIXES[spec].index(DynamicLayer)]
+    assert kept.keys.shape == (3, 1 if name == "llama" else 2, 11 + 11, 8)  # its own key/value heads only
     beams = {"max_new_tokens": 6, "num_beams": 3, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(model.generate(prompt[:1], **beams), model.generate(prompt[:1], use_cache=False, **beams))
 

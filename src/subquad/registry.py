@@ -58,6 +58,7 @@ _BUILTIN_MODULES = (
     "subquad.mechanisms.multires",
     "subquad.mechanisms.sparse",
     "subquad.mechanisms.pattern",
+    "subquad.mechanisms.retrieval",
 )
 
 

@@ -101,6 +101,7 @@ class Tuning:
     tiles_group: int = _knob(1 << 18, "score entries computed at once, about 1 MB in fp32: within one core's L2")
     tiles_chunks: int = _knob(32, "window attention: the most chunks of about tiles_group, larger ones past it")
     tiles_min_block: int = _knob(16, "the narrowest query block run: narrower ones cost more per query than they save")
+    retrieval_gather: int = _knob(1 << 21, "retrieval: far-key elements (queries × far keys × D) gathered at once")
     routing_query_block: int = _knob(64, "causal routing: queries sharing a window, computed together")
     routing_assign: int = _knob(1 << 19, "position × centroid scores held at once while routing")
     # clustered

@@ -1,0 +1,223 @@
+"""Retrieval attention: a window with sinks, and the far key blocks each query's bound ranks highest,
+in one softmax. Ours, composed from StreamingLLM (Xiao et al. 2024: the sinks and the window),
+Quest (Tang et al. 2024: query-aware block selection by an upper bound on q·k) and LoLA (McDermott
+et al. 2025: a few far "hard" keys beside the window restore the recall a window loses).
+
+Query i, at key position p = i + S − L (bottom-right alignment), sees:
+
+- **the window**: keys with ``0 ≤ p − j < window`` (non-causal: ``|p − j| < window``);
+- **the sinks**: the first ``sinks`` keys (causal: those ≤ p);
+- **far blocks**: the keys are cut by position into blocks of ``block`` (block b holds keys
+  ``b·block … (b+1)·block − 1``). A block is *eligible* for query i when every key of it lies
+  outside i's window (causal: before it) and it holds a real key that is not a sink. Each eligible
+  block gets Quest's bound ``Σ_d max(q_d·min_d, q_d·max_d)`` over the elementwise minimum and
+  maximum of its real non-sink keys (= relu(q)·max − relu(−q)·min: two matmuls), an upper bound
+  on q·k for every key of the block. The ``blocks`` highest (fewer where fewer are eligible; equal
+  bounds as ``torch.topk`` orders them) join the query's keys, less sinks and padding.
+
+The three parts are disjoint by construction (a far block lies outside the window; sinks are kept
+out of far blocks), so no key is counted twice, and softmax is exact over their union: the output
+equals full attention under the dense mask of the keys each query sees. Under
+causality that mask, the bounds and the ranking read only keys ≤ p: the output at p depends on q_p
+and the keys and values up to p, so ``KVCache`` decodes it exactly. The far keys cost O(blocks ·
+block) per query beside the window's; ranking costs O(S/block) per query, a small quadratic term
+(S/block bounds per query, as in Quest) where full attention pays S dot products.
+
+**Computation.** Queries go in chunks (``TUNING.retrieval_gather`` gathered far-key elements at
+a time); each chunk scores its
+sinks and its windows' key range together, and each query its own far blocks (whole blocks,
+gathered per query, so that one query's arithmetic never depends on what others chose: the
+past's output stays bit-identical when the future changes), merged in one softmax. With
+gradients, each chunk is checkpointed (the gathered blocks are recomputed in the backward, not
+kept). Grouped-query
+keys are repeated to the query heads; each
+query head ranks blocks by its own bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from subquad._validate import check_grouped_inputs
+from subquad.decoding import KVCache
+from subquad.kernels.softmax import work_dtype
+from subquad.kernels.tuning import TUNING
+from subquad.masks import window_covers
+from subquad.registry import Config, Mechanism, option
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["RetrievalConfig", "retrieval_attention"]
+
+
+@dataclass(frozen=True)
+class RetrievalConfig(Config):
+    mechanism = "retrieval"
+    window: int = option(256, "w: keys with |p − j| < w (causal: the last w, itself included)", ge=1)
+    sinks: int = option(4, "the first s keys are visible to every query as well (StreamingLLM's attention sinks)", ge=0)
+    blocks: int = option(4, "far key blocks each query adds, those its bound (Quest's) ranks highest", ge=1)
+    block: int = option(32, "keys per far block (by position)", ge=1)
+
+
+def retrieval_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    config: RetrievalConfig | None = None,
+    state: nn.Module | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Window + sinks + each query's top far key blocks, one softmax (module docstring).
+
+    Args:
+        q, k, v: ``(B, H, L, D)``, ``(B, H, S, D)``, ``(B, H, S, Dv)``.
+        key_padding_mask: bool ``(B, S)``, True marks a real key.
+        is_causal: query i (at key position p = i + S − L) sees keys ≤ p only.
+        scale: softmax scale, default ``D ** -0.5``.
+        config: ``RetrievalConfig``.
+        enable_gqa: k and v may have a divisor of q's heads (grouped-query).
+
+    Returns:
+        ``(B, H, L, Dv)``; zero rows for queries that see no real key.
+    """
+    config = config or RetrievalConfig()
+    check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
+    if k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    B, H, L, _ = q.shape
+    S = k.shape[2]
+    real = torch.ones(B, S, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+    n, size = -(-S // config.block), config.block
+    counted = real.clone()
+    counted[:, : config.sinks] = False  # the keys far blocks may hold: real, not sinks
+    pad = n * size - S
+    counted = torch.nn.functional.pad(counted, (0, pad)).view(B, n, size)
+    kb, vb = (torch.nn.functional.pad(x, (0, 0, 0, pad)).view(B, H, n, size, x.shape[-1]) for x in (k, v))
+    low, high = _bounds(kb.detach(), counted)
+    step = max(1, TUNING.retrieval_gather // (B * H * config.blocks * config.block * max(q.shape[-1], v.shape[-1])))
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    outputs = []
+    for a in range(0, L, step):
+        args = (q[:, :, a : a + step], k, v, kb, vb, real, counted, low, high, a + S - L, is_causal, scale, config)
+        outputs.append(checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
+    return torch.cat(outputs, dim=2)
+
+
+def _bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
+    """Each block's elementwise min and max ``(B, H, n, D)`` over its counted keys (zero for a
+    block without one, which is never eligible)."""
+    held = counted[:, None, :, :, None]
+    low = kb.masked_fill(~held, float("inf")).amin(3)
+    high = kb.masked_fill(~held, float("-inf")).amax(3)
+    empty = ~held.any(3)
+    return low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
+
+
+def _chunk(
+    q: Tensor, k: Tensor, v: Tensor, kb: Tensor, vb: Tensor, real: Tensor, counted: Tensor, low: Tensor,
+    high: Tensor, first: int, is_causal: bool, scale: float, config: RetrievalConfig,
+) -> Tensor:  # fmt: skip
+    """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks, their
+    windows' key range and the union of the far blocks they chose, each query masked to its own."""
+    c, S, w, s = q.shape[2], k.shape[2], config.window, config.sinks
+    p = torch.arange(first, first + c, device=q.device)
+    lo = min(S, max(0, first - w + 1))
+    hi = max(lo, min(S, first + c if is_causal else first + c - 1 + w))  # queries may lie before the keys
+    near = torch.arange(lo, hi, device=q.device)
+    sink = torch.cat([torch.arange(min(s, lo), device=q.device), torch.arange(hi, min(S, max(s, hi)), device=q.device)])
+    chosen = _chosen(q, low, high, counted, p, is_causal, config)  # each query's far blocks
+    keys, values = (torch.cat([x.index_select(2, sink), x[:, :, lo:hi]], dim=2) for x in (k, v))
+    seen = torch.cat([_seen(sink, p, real, is_causal, w, s, False), _seen(near, p, real, is_causal, w, s, True)], -1)
+    return _merge(_part(q, keys, values, seen, scale), _far(q, kb, vb, counted, *chosen, scale)).to(q.dtype)
+
+
+def _part(q: Tensor, k: Tensor, v: Tensor, seen: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One part of a softmax: the largest seen score (-inf: none), the sum of exp(score − it) and
+    the values weighted by those exponentials (no log: a part without keys keeps finite gradients)."""
+    work = work_dtype(q.dtype)
+    if not k.shape[-2]:  # no key in reach (queries before every key)
+        top = q.new_full((*q.shape[:-1], 1), float("-inf"), dtype=work)
+        return top, torch.zeros_like(top), q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=work)
+    scores = torch.matmul(q.to(work) * scale, k.to(work).transpose(-1, -2)).masked_fill(~seen, float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(torch.isfinite(top), top, 0.0))
+    return top, weights.sum(-1, keepdim=True), weights @ v.to(work)
+
+
+def _merge(*parts: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """One softmax over the union of disjoint parts (``_part``), rescaled to their common maximum."""
+    top = torch.stack([t for t, _, _ in parts]).amax(0)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    total = sum(s * torch.exp(t - top) for t, s, _ in parts)
+    out = sum(o * torch.exp(t - top) for t, _, o in parts)
+    return out / torch.where(total > 0, total, 1.0)
+
+
+def _far(q: Tensor, kb: Tensor, vb: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float):
+    """The far part (``_part``) of each query: its own blocks ``index`` (B, H, c, blocks), read
+    whole, so that what one query computes never depends on what the others chose."""
+    B, H = q.shape[:2]
+    rows, heads = torch.arange(B, device=q.device).view(B, 1, 1, 1), torch.arange(H, device=q.device).view(1, H, 1, 1)
+    keys, values = kb[rows, heads, index].flatten(3, 4), vb[rows, heads, index].flatten(3, 4)  # (B, H, c, F, ·)
+    seen = (ok[..., None] & counted[rows, index]).flatten(3)  # (B, H, c, F)
+    top, total, out = _part(q.unsqueeze(-2), keys, values, seen.unsqueeze(-2), scale)
+    return top.squeeze(-2), total.squeeze(-2), out.squeeze(-2)
+
+
+def _seen(keys: Tensor, p: Tensor, real: Tensor, is_causal: bool, w: int, s: int, window: bool) -> Tensor:
+    """``(B, 1, c, n)``: which of the positions ``keys`` the queries at ``p`` see as window or sinks."""
+    j, at = keys[None, :], p[:, None]
+    near = (at - j < w) & (j - at < w) if window else torch.zeros_like(j - at, dtype=torch.bool)
+    seen = near | (j < s)
+    if is_causal:
+        seen = seen & (j <= at)
+    return (seen[None] & real[:, None, keys])[:, None]
+
+
+def _chosen(
+    q: Tensor, low: Tensor, high: Tensor, counted: Tensor, p: Tensor, is_causal: bool, config: RetrievalConfig
+) -> tuple[Tensor, Tensor]:
+    """``(B, H, c, blocks)``: each query's far blocks, the eligible ones of highest bound, and
+    whether each is one (fewer are eligible than ``blocks``)."""
+    n, size, w = low.shape[2], config.block, config.window
+    start = torch.arange(n, device=q.device) * size
+    outside = (start + size - 1)[None] <= p[:, None] - w  # (c, n): the whole block older than the window
+    if not is_causal:
+        outside = outside | (start[None] >= p[:, None] + w)
+    eligible = outside[None, None] & counted.any(-1)[:, None, None]
+    q = q.detach()
+    bound = q.clamp_min(0) @ high.transpose(-1, -2) - (-q).clamp_min(0) @ low.transpose(-1, -2)
+    top, index = bound.masked_fill(~eligible, float("-inf")).topk(min(config.blocks, n), dim=-1, sorted=False)
+    return index, torch.isfinite(top)
+
+
+MECHANISM = Mechanism(
+    name="retrieval",
+    sinks="sinks",
+    fn=retrieval_attention,
+    config=RetrievalConfig,
+    summary="window + sinks + each query's top far key blocks by Quest's bound, one softmax; KV cache",
+    paper="ours: StreamingLLM's sinks and window (Xiao et al. 2024) with Quest's block selection (Tang et al. 2024)",
+    causal=True,
+    cross=True,
+    decoder=KVCache,  # exact: the output at p reads q_p and keys <= p only
+    gqa=True,
+    exact_full=lambda config, shape, causal, state, tensors: window_covers(
+        config.window, shape.queries, shape.keys, causal
+    ),
+    examples=(
+        {"window": 3, "sinks": 1, "blocks": 2, "block": 2},
+        {"window": 4, "sinks": 0, "blocks": 1, "block": 3},
+    ),
+)

@@ -1,0 +1,106 @@
+"""Retrieval attention: window + sinks + each query's top far blocks, one softmax.
+
+The oracle below builds, key by key and in plain Python, the dense mask of what each query sees
+(its window, its sinks, and the far blocks Quest's bound ranks highest), and full attention under
+that mask is what the mechanism must return.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import subquad
+from subquad.kernels.tuning import TUNING
+from subquad.mechanisms.full import full_attention
+from subquad.mechanisms.retrieval import RetrievalConfig, retrieval_attention
+
+from ..conftest import padding, qkv
+
+
+def visible(q, k, key_padding_mask, is_causal, config):
+    """``(B, H, L, S)``: window and sinks, then per query the ``blocks`` eligible blocks of largest
+    bound Σ_d max(q_d·min_d, q_d·max_d) over their real non-sink keys (random inputs: no ties)."""
+    B, H, L, _ = q.shape
+    S, w = k.shape[2], config.window
+    real = torch.ones(B, S, dtype=torch.bool) if key_padding_mask is None else key_padding_mask
+    mask = torch.zeros(B, H, L, S, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for i in range(L):
+                p = i + S - L
+                for j in range(S):
+                    seen = abs(p - j) < w or j < config.sinks
+                    mask[b, h, i, j] = seen and real[b, j] and (j <= p or not is_causal)
+                bounds = {}
+                for start in range(0, S, config.block):
+                    span = range(max(start, config.sinks), min(S, start + config.block))
+                    members = [j for j in span if real[b, j]]
+                    last = start + config.block - 1
+                    outside = last <= p - w or (not is_causal and start >= p + w)
+                    if members and outside:
+                        keys = k[b, h, members]
+                        bounds[start] = float(torch.maximum(q[b, h, i] * keys.amin(0), q[b, h, i] * keys.amax(0)).sum())
+                for start in sorted(bounds, key=lambda x: (-bounds[x], x))[: config.blocks]:
+                    for j in range(start, min(S, start + config.block)):
+                        mask[b, h, i, j] |= bool(real[b, j]) and j >= config.sinks
+    return mask
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    L=st.integers(1, 40), S=st.integers(1, 40), window=st.sampled_from([1, 3, 8]), sinks=st.sampled_from([0, 1, 3]),
+    blocks=st.sampled_from([1, 2, 5]), block=st.sampled_from([1, 3, 4]), is_causal=st.booleans(),
+    pad=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_retrieval_equals_full_attention_under_the_keys_each_query_sees(
+    L, S, window, sinks, blocks, block, is_causal, pad, seed
+):
+    if is_causal and L > S:
+        L = S
+    q, k, v = qkv(2, 2, L, S, 4, 3, seed=seed)
+    kpm = padding(2, S, seed) if pad else None
+    config = RetrievalConfig(window=window, sinks=sinks, blocks=blocks, block=block)
+    out = retrieval_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config)
+    mask = visible(q, k, kpm, is_causal, config)
+    expected = full_attention(q, k, v, attn_mask=mask)
+    expected = expected.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # a query that sees nothing: zeros
+    assert (out - expected).abs().max() <= 1e-10
+
+
+def test_chunks_grouped_keys_and_gradients_change_nothing(monkeypatch):
+    q, k, v = qkv(1, 4, 50, 50, 8, 8, seed=3)
+    config = RetrievalConfig(window=6, sinks=2, blocks=2, block=4)
+    whole = retrieval_attention(q, k, v, is_causal=True, config=config)
+    monkeypatch.setattr(TUNING, "retrieval_gather", 1)  # one query per chunk: the same up to rounding
+    torch.testing.assert_close(retrieval_attention(q, k, v, is_causal=True, config=config), whole, rtol=0, atol=1e-12)
+    whole = retrieval_attention(q, k, v, is_causal=True, config=config)
+    grouped = retrieval_attention(q, k[:, :2], v[:, :2], is_causal=True, config=config, enable_gqa=True)
+    repeated = (x[:, :2].repeat_interleave(2, dim=1) for x in (k, v))
+    assert torch.equal(grouped, retrieval_attention(q, *repeated, is_causal=True, config=config))
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out = retrieval_attention(q, k, v, is_causal=True, config=config)
+    assert torch.equal(out.detach(), whole)  # checkpointed chunks return what an inference call returns
+    out.square().sum().backward()
+    assert all(torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0 for x in (q, k, v))
+
+
+def test_a_far_key_that_matches_the_query_is_found_where_a_window_misses_it():
+    """The passkey in miniature: one far key aligned with the last query carries the value to find."""
+    torch.manual_seed(0)
+    S, D = 200, 16
+    k, v = torch.randn(1, 1, S, D) * 0.1, torch.zeros(1, 1, S, 1)
+    needle = torch.randn(D)
+    k[0, 0, 37], v[0, 0, 37] = needle * 3, 1.0
+    q = needle.view(1, 1, 1, D) * 3
+    config = RetrievalConfig(window=16, sinks=2, blocks=1, block=8)
+    found = subquad.attention(q, k, v, mechanism="retrieval", is_causal=False, **vars(config))
+    local = subquad.attention(q, k, v, mechanism="local", window=16, sinks=2)
+    assert found.item() > 0.9 and local.item() == 0.0
+
+
+def test_retrieval_is_registered_with_its_options():
+    mech = subquad.get_mechanism("retrieval")
+    assert mech.decoder is not None and mech.sinks == "sinks" and mech.gqa
+    with pytest.raises(ValueError, match="blocks"):
+        RetrievalConfig(blocks=0)
