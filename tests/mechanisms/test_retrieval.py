@@ -20,9 +20,10 @@ from ..conftest import padding, qkv
 
 def visible(q, k, key_padding_mask, is_causal, config):
     """``(B, H, L, S)``: window and sinks, then per query the ``blocks`` eligible blocks of largest
-    bound Σ_d max(q_d·min_d, q_d·max_d) over their real non-sink keys (random inputs: no ties)."""
+    bound Σ_d max(q_d·min_d, q_d·max_d) over their real non-sink keys, summed over the ``shared``
+    heads of its group (random inputs: no ties)."""
     B, H, L, _ = q.shape
-    S, w = k.shape[2], config.window
+    S, w, G = k.shape[2], config.window, config.shared
     real = torch.ones(B, S, dtype=torch.bool) if key_padding_mask is None else key_padding_mask
     mask = torch.zeros(B, H, L, S, dtype=torch.bool)
     for b in range(B):
@@ -39,8 +40,15 @@ def visible(q, k, key_padding_mask, is_causal, config):
                     last = start + config.block - 1
                     outside = last <= p - w or (not is_causal and start >= p + w)
                     if members and outside:
-                        keys = k[b, h, members]
-                        bounds[start] = float(torch.maximum(q[b, h, i] * keys.amin(0), q[b, h, i] * keys.amax(0)).sum())
+                        group = range(h // G * G, h // G * G + G)
+                        bounds[start] = sum(
+                            float(
+                                torch.maximum(
+                                    q[b, g, i] * k[b, g, members].amin(0), q[b, g, i] * k[b, g, members].amax(0)
+                                ).sum()
+                            )
+                            for g in group
+                        )
                 for start in sorted(bounds, key=lambda x: (-bounds[x], x))[: config.blocks]:
                     for j in range(start, min(S, start + config.block)):
                         mask[b, h, i, j] |= bool(real[b, j]) and j >= config.sinks
@@ -50,17 +58,17 @@ def visible(q, k, key_padding_mask, is_causal, config):
 @settings(max_examples=25, deadline=None)
 @given(
     L=st.integers(1, 40), S=st.integers(1, 40), window=st.sampled_from([1, 3, 8]), sinks=st.sampled_from([0, 1, 3]),
-    blocks=st.sampled_from([1, 2, 5]), block=st.sampled_from([1, 3, 4]), is_causal=st.booleans(),
-    pad=st.booleans(), seed=st.integers(0, 2**16),
+    blocks=st.sampled_from([1, 2, 5]), block=st.sampled_from([1, 3, 4]), shared=st.sampled_from([1, 2]),
+    is_causal=st.booleans(), pad=st.booleans(), seed=st.integers(0, 2**16),
 )  # fmt: skip
 def test_retrieval_equals_full_attention_under_the_keys_each_query_sees(
-    L, S, window, sinks, blocks, block, is_causal, pad, seed
+    L, S, window, sinks, blocks, block, shared, is_causal, pad, seed
 ):
     if is_causal and L > S:
         L = S
     q, k, v = qkv(2, 2, L, S, 4, 3, seed=seed)
     kpm = padding(2, S, seed) if pad else None
-    config = RetrievalConfig(window=window, sinks=sinks, blocks=blocks, block=block)
+    config = RetrievalConfig(window=window, sinks=sinks, blocks=blocks, block=block, shared=shared)
     out = retrieval_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config)
     mask = visible(q, k, kpm, is_causal, config)
     expected = full_attention(q, k, v, attn_mask=mask)
@@ -75,9 +83,14 @@ def test_chunks_grouped_keys_and_gradients_change_nothing(monkeypatch):
     monkeypatch.setattr(TUNING, "retrieval_gather", 1)  # one query per chunk: the same up to rounding
     torch.testing.assert_close(retrieval_attention(q, k, v, is_causal=True, config=config), whole, rtol=0, atol=1e-12)
     whole = retrieval_attention(q, k, v, is_causal=True, config=config)
-    grouped = retrieval_attention(q, k[:, :2], v[:, :2], is_causal=True, config=config, enable_gqa=True)
-    repeated = (x[:, :2].repeat_interleave(2, dim=1) for x in (k, v))
-    assert torch.equal(grouped, retrieval_attention(q, *repeated, is_causal=True, config=config))
+    for shared in (1, 2, 4):  # within a key/value head, one gathered copy per group; across two, one per head
+        options = RetrievalConfig(window=6, sinks=2, blocks=2, block=4, shared=shared)
+        grouped = retrieval_attention(q, k[:, :2], v[:, :2], is_causal=True, config=options, enable_gqa=True)
+        repeated = (x[:, :2].repeat_interleave(2, dim=1) for x in (k, v))
+        expected = retrieval_attention(q, *repeated, is_causal=True, config=options)
+        torch.testing.assert_close(grouped, expected, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="retrieval's shared=3 groups query heads that choose blocks together, but"):
+        retrieval_attention(q, k, v, config=RetrievalConfig(shared=3))
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     out = retrieval_attention(q, k, v, is_causal=True, config=config)
     assert torch.equal(out.detach(), whole)  # checkpointed chunks return what an inference call returns

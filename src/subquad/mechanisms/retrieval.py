@@ -13,7 +13,10 @@ Query i, at key position p = i + S − L (bottom-right alignment), sees:
   block gets Quest's bound ``Σ_d max(q_d·min_d, q_d·max_d)`` over the elementwise minimum and
   maximum of its real non-sink keys (= relu(q)·max − relu(−q)·min: two matmuls), an upper bound
   on q·k for every key of the block. The ``blocks`` highest (fewer where fewer are eligible; equal
-  bounds as ``torch.topk`` orders them) join the query's keys, less sinks and padding.
+  bounds as ``torch.topk`` orders them) join the query's keys, less sinks and padding. With
+  ``shared = G``, each group of G consecutive query heads ranks blocks by its heads' bounds
+  summed and all its heads take the group's blocks (NSA's group-shared selection, Yuan et al.
+  2025): set to the query heads per key/value head, a group gathers each block once.
 
 The three parts are disjoint by construction (a far block lies outside the window; sinks are kept
 out of far blocks), so no key is counted twice, and softmax is exact over their union: the output
@@ -29,9 +32,8 @@ sinks and its windows' key range together, and each query its own far blocks (wh
 gathered per query, so that one query's arithmetic never depends on what others chose: the
 past's output stays bit-identical when the future changes), merged in one softmax. With
 gradients, each chunk is checkpointed (the gathered blocks are recomputed in the backward, not
-kept). Grouped-query
-keys are repeated to the query heads; each
-query head ranks blocks by its own bound.
+kept). Grouped-query keys and values are read in place for the far blocks and repeated to the
+query heads for the window.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class RetrievalConfig(Config):
     sinks: int = option(4, "the first s keys are visible to every query as well (StreamingLLM's attention sinks)", ge=0)
     blocks: int = option(4, "far key blocks each query adds, those its bound (Quest's) ranks highest", ge=1)
     block: int = option(32, "keys per far block (by position)", ge=1)
+    shared: int = option(
+        1, "consecutive query heads that choose their far blocks together (bounds summed; NSA's group selection)", ge=1
+    )
 
 
 def retrieval_attention(
@@ -92,19 +97,24 @@ def retrieval_attention(
     """
     config = config or RetrievalConfig()
     check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
-    if k.shape[1] != q.shape[1]:
-        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     B, H, L, _ = q.shape
-    S = k.shape[2]
+    S, per = k.shape[2], H // k.shape[1]  # per: query heads per key/value head
+    if H % config.shared:
+        raise ValueError(
+            f"retrieval's shared={config.shared} groups query heads that choose blocks together, but there are {H} "
+            f"heads: give a divisor of {H}"
+        )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     real = torch.ones(B, S, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     n, size = -(-S // config.block), config.block
     counted = real.clone()
     counted[:, : config.sinks] = False  # the keys far blocks may hold: real, not sinks
     pad = n * size - S
     counted = torch.nn.functional.pad(counted, (0, pad)).view(B, n, size)
-    kb, vb = (torch.nn.functional.pad(x, (0, 0, 0, pad)).view(B, H, n, size, x.shape[-1]) for x in (k, v))
-    low, high = _bounds(kb.detach(), counted)
+    kb, vb = (torch.nn.functional.pad(x, (0, 0, 0, pad)).view(*x.shape[:2], n, size, x.shape[-1]) for x in (k, v))
+    low, high = (x.repeat_interleave(per, dim=1) for x in _bounds(kb.detach(), counted))  # (B, H, n, D)
+    if per > 1:
+        k, v = (x.repeat_interleave(per, dim=1) for x in (k, v))
     step = max(1, TUNING.retrieval_gather // (B * H * config.blocks * config.block * max(q.shape[-1], v.shape[-1])))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     outputs = []
@@ -165,14 +175,23 @@ def _merge(*parts: tuple[Tensor, Tensor, Tensor]) -> Tensor:
 
 
 def _far(q: Tensor, kb: Tensor, vb: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float):
-    """The far part (``_part``) of each query: its own blocks ``index`` (B, H, c, blocks), read
-    whole, so that what one query computes never depends on what the others chose."""
-    B, H = q.shape[:2]
-    rows, heads = torch.arange(B, device=q.device).view(B, 1, 1, 1), torch.arange(H, device=q.device).view(1, H, 1, 1)
-    keys, values = kb[rows, heads, index].flatten(3, 4), vb[rows, heads, index].flatten(3, 4)  # (B, H, c, F, ·)
-    seen = (ok[..., None] & counted[rows, index]).flatten(3)  # (B, H, c, F)
-    top, total, out = _part(q.unsqueeze(-2), keys, values, seen.unsqueeze(-2), scale)
-    return top.squeeze(-2), total.squeeze(-2), out.squeeze(-2)
+    """The far part (``_part``) of each query: its own blocks ``index`` ``(B, H / shared, c,
+    blocks)``, read whole from the key/value heads ``kb``, ``vb`` ``(B, Hkv, n, block, ·)``, so
+    that what one query computes never depends on what the others chose. The heads of a group read
+    one gathered copy where they share a key/value head."""
+    B, H, c, D = q.shape
+    groups, per = index.shape[1], H // kb.shape[1]
+    shared = H // groups
+    if per % shared:  # a group spans key/value heads: each head gathers its own
+        index, ok, shared = index.repeat_interleave(shared, dim=1), ok.repeat_interleave(shared, dim=1), 1
+    units = H // shared
+    rows = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+    source = (torch.arange(units, device=q.device) * shared // per).view(1, units, 1, 1)
+    keys, values = kb[rows, source, index].flatten(3, 4), vb[rows, source, index].flatten(3, 4)  # (B, U, c, F, ·)
+    seen = (ok[..., None] & counted[rows, index]).flatten(3).unsqueeze(-2)  # (B, U, c, 1, F)
+    grouped = q.view(B, units, shared, c, D).transpose(2, 3)  # (B, U, c, shared, D)
+    parts = _part(grouped, keys, values, seen, scale)
+    return tuple(x.transpose(2, 3).reshape(B, H, c, -1) for x in parts)
 
 
 def _seen(keys: Tensor, p: Tensor, real: Tensor, is_causal: bool, w: int, s: int, window: bool) -> Tensor:
@@ -198,6 +217,8 @@ def _chosen(
     eligible = outside[None, None] & counted.any(-1)[:, None, None]
     q = q.detach()
     bound = q.clamp_min(0) @ high.transpose(-1, -2) - (-q).clamp_min(0) @ low.transpose(-1, -2)
+    if config.shared > 1:  # a group ranks blocks by its heads' bounds summed
+        bound = bound.view(bound.shape[0], -1, config.shared, *bound.shape[2:]).sum(2)
     top, index = bound.masked_fill(~eligible, float("-inf")).topk(min(config.blocks, n), dim=-1, sorted=False)
     return index, torch.isfinite(top)
 
