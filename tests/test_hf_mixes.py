@@ -120,7 +120,7 @@ def test_each_group_holds_its_own_state_seeded_and_calibrated_apart():
 MIXES = {
     "local:window=4,sinks=2*2+full*2": (DecoderLayer, DynamicLayer),
     "full*2+linear:window=3,sinks=1,chunk=4": (DynamicLayer, DecoderLayer),
-    "retrieval:window=3,sinks=0,blocks=2,block=2*2+local:window=4,sinks=2*2": (DynamicLayer, DecoderLayer),
+    "retrieval:window=3,sinks=1,blocks=2,block=2*2+full*2": (DecoderLayer, DynamicLayer),
 }
 
 

@@ -22,7 +22,7 @@ The three parts are disjoint by construction (a far block lies outside the windo
 out of far blocks), so no key is counted twice, and softmax is exact over their union: the output
 equals full attention under the dense mask of the keys each query sees. Under
 causality that mask, the bounds and the ranking read only keys ≤ p: the output at p depends on q_p
-and the keys and values up to p, so ``KVCache`` decodes it exactly. The far keys cost O(blocks ·
+and the keys and values up to p, so ``RetrievalCache`` decodes it exactly. The far keys cost O(blocks ·
 block) per query beside the window's; ranking costs O(S/block) per query, a small quadratic term
 (S/block bounds per query, as in Quest) where full attention pays S dot products.
 
@@ -46,7 +46,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from subquad._validate import check_grouped_inputs
-from subquad.decoding import KVCache
+from subquad.decoding import Decoder
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
 from subquad.masks import window_covers
@@ -55,7 +55,9 @@ from subquad.registry import Config, Mechanism, option
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["RetrievalConfig", "retrieval_attention"]
+    from subquad.registry import Mechanism
+
+__all__ = ["RetrievalCache", "RetrievalConfig", "retrieval_attention"]
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,59 @@ def _chosen(
     return index, torch.isfinite(top)
 
 
+class RetrievalCache(Decoder):
+    """Decoding cache of each row's keys and values, its real tokens first (a row's sinks are its
+    first real tokens, as in the parallel pass under padding): each step runs the mechanism for
+    the new queries over the row's keys, exactly. It takes over a parallel prefill (``absorb``).
+    Each token costs its window, sinks and far blocks plus the bounds of every block: O(S·D) per
+    head, with a small constant, where exact attention's KV cache pays S dot products and S
+    weighted values."""
+
+    absorbs = True
+    description = "KV cache of each row's real tokens (the window, sinks and far blocks are chosen from them)"
+    holds = "keys"
+
+    def __init__(self, mechanism: Mechanism, config: RetrievalConfig, state: nn.Module | None) -> None:
+        super().__init__(mechanism, config, state)
+        self.keys: Tensor | None = None  # (B, H, capacity, D), each row's real tokens first
+        self.values: Tensor | None = None
+        self.filled: Tensor | None = None  # (B,): each row's tokens held
+
+    def _absorb(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
+        if key_padding_mask is None:
+            self.keys, self.values = k.clone(), v.clone()
+            self.filled = torch.full((k.shape[0],), k.shape[2], device=k.device)
+            return
+        order = torch.argsort((~key_padding_mask).to(torch.int8), dim=1, stable=True)  # real tokens first
+        self.keys, self.values = (x.gather(2, order[:, None, :, None].expand(-1, *x.shape[1:2], -1, x.shape[-1]))
+                                  for x in (k, v))  # fmt: skip
+        self.filled = key_padding_mask.sum(1)
+
+    @torch.no_grad()
+    def _step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Append the ``T`` new tokens after each row's own and attend them causally to the row."""
+        B, T = q.shape[0], q.shape[2]
+        if self.keys is None:
+            self.keys, self.values = k[:, :, :0], v[:, :, :0]
+            self.filled = torch.zeros(B, dtype=torch.long, device=q.device)
+        needed = int(self.filled.max()) + T
+        if needed > self.keys.shape[2]:
+            grow = max(needed, 2 * self.keys.shape[2], 16) - self.keys.shape[2]
+            self.keys, self.values = (torch.nn.functional.pad(x, (0, 0, 0, grow)) for x in (self.keys, self.values))
+        at = self.filled[:, None] + torch.arange(T, device=q.device)  # (B, T)
+        for held, new in ((self.keys, k), (self.values, v)):
+            held.scatter_(2, at[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[-1]), new)
+        self.filled = self.filled + T
+
+        def run(b: slice, n: int) -> Tensor:  # row(s) b over their first n keys
+            keys, values = self.keys[b, :, :n], self.values[b, :, :n]
+            return retrieval_attention(q[b], keys, values, is_causal=True, scale=self.scale, config=self.config)
+
+        if bool((self.filled == self.filled[0]).all()):
+            return run(slice(None), int(self.filled[0]))
+        return torch.cat([run(slice(b, b + 1), int(self.filled[b])) for b in range(B)])
+
+
 MECHANISM = Mechanism(
     name="retrieval",
     sinks="sinks",
@@ -232,7 +287,7 @@ MECHANISM = Mechanism(
     paper="ours: StreamingLLM's sinks and window (Xiao et al. 2024) with Quest's block selection (Tang et al. 2024)",
     causal=True,
     cross=True,
-    decoder=KVCache,  # exact: the output at p reads q_p and keys <= p only
+    decoder=RetrievalCache,  # exact: the output at p reads q_p and keys <= p only
     gqa=True,
     exact_full=lambda config, shape, causal, state, tensors: window_covers(
         config.window, shape.queries, shape.keys, causal
