@@ -111,17 +111,20 @@ def retrieval_attention(
     n, size = -(-S // config.block), config.block
     counted = real.clone()
     counted[:, : config.sinks] = False  # the keys far blocks may hold: real, not sinks
-    pad = n * size - S
-    counted = torch.nn.functional.pad(counted, (0, pad)).view(B, n, size)
-    kb, vb = (torch.nn.functional.pad(x, (0, 0, 0, pad)).view(*x.shape[:2], n, size, x.shape[-1]) for x in (k, v))
-    low, high = (x.repeat_interleave(per, dim=1) for x in _bounds(kb.detach(), counted))  # (B, H, n, D)
+    counted = torch.nn.functional.pad(counted, (0, n * size - S)).view(B, n, size)
+    full, keys = S // size, k.detach()  # the whole blocks are a view of the keys (a step copies nothing)
+    parts = [_bounds(keys[:, :, : full * size].view(*k.shape[:2], full, size, k.shape[-1]), counted[:, :full])]
+    if full < n:  # the last block, partly filled
+        parts.append(_bounds(keys[:, :, full * size :].unsqueeze(2), counted[:, full:, : S - full * size]))
+    low, high = (torch.cat(x, dim=2).repeat_interleave(per, dim=1) for x in zip(*parts))  # (B, H, n, D)
+    kv = k, v  # the far blocks are read from the key/value heads
     if per > 1:
         k, v = (x.repeat_interleave(per, dim=1) for x in (k, v))
     step = max(1, TUNING.retrieval_gather // (B * H * config.blocks * config.block * max(q.shape[-1], v.shape[-1])))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     outputs = []
     for a in range(0, L, step):
-        args = (q[:, :, a : a + step], k, v, kb, vb, real, counted, low, high, a + S - L, is_causal, scale, config)
+        args = (q[:, :, a : a + step], k, v, kv, real, counted, low, high, a + S - L, is_causal, scale, config)
         outputs.append(checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
     return torch.cat(outputs, dim=2)
 
@@ -137,7 +140,7 @@ def _bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _chunk(
-    q: Tensor, k: Tensor, v: Tensor, kb: Tensor, vb: Tensor, real: Tensor, counted: Tensor, low: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, kv: tuple[Tensor, Tensor], real: Tensor, counted: Tensor, low: Tensor,
     high: Tensor, first: int, is_causal: bool, scale: float, config: RetrievalConfig,
 ) -> Tensor:  # fmt: skip
     """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks, their
@@ -151,7 +154,7 @@ def _chunk(
     chosen = _chosen(q, low, high, counted, p, is_causal, config)  # each query's far blocks
     keys, values = (torch.cat([x.index_select(2, sink), x[:, :, lo:hi]], dim=2) for x in (k, v))
     seen = torch.cat([_seen(sink, p, real, is_causal, w, s, False), _seen(near, p, real, is_causal, w, s, True)], -1)
-    return _merge(_part(q, keys, values, seen, scale), _far(q, kb, vb, counted, *chosen, scale)).to(q.dtype)
+    return _merge(_part(q, keys, values, seen, scale), _far(q, *kv, counted, *chosen, scale)).to(q.dtype)
 
 
 def _part(q: Tensor, k: Tensor, v: Tensor, seen: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -176,23 +179,24 @@ def _merge(*parts: tuple[Tensor, Tensor, Tensor]) -> Tensor:
     return out / torch.where(total > 0, total, 1.0)
 
 
-def _far(q: Tensor, kb: Tensor, vb: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float):
+def _far(q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float):
     """The far part (``_part``) of each query: its own blocks ``index`` ``(B, H / shared, c,
-    blocks)``, read whole from the key/value heads ``kb``, ``vb`` ``(B, Hkv, n, block, ·)``, so
-    that what one query computes never depends on what the others chose. The heads of a group read
-    one gathered copy where they share a key/value head."""
+    blocks)``, read whole from the key/value heads ``k``, ``v``, so that what one query computes
+    never depends on what the others chose. The heads of a group read one gathered copy where
+    they share a key/value head."""
     B, H, c, D = q.shape
-    groups, per = index.shape[1], H // kb.shape[1]
+    groups, per, size = index.shape[1], H // k.shape[1], counted.shape[-1]
     shared = H // groups
     if per % shared:  # a group spans key/value heads: each head gathers its own
         index, ok, shared = index.repeat_interleave(shared, dim=1), ok.repeat_interleave(shared, dim=1), 1
     units = H // shared
     rows = torch.arange(B, device=q.device).view(B, 1, 1, 1)
     source = (torch.arange(units, device=q.device) * shared // per).view(1, units, 1, 1)
-    keys, values = kb[rows, source, index].flatten(3, 4), vb[rows, source, index].flatten(3, 4)  # (B, U, c, F, ·)
-    seen = (ok[..., None] & counted[rows, index]).flatten(3).unsqueeze(-2)  # (B, U, c, 1, F)
+    at = (index[..., None] * size + torch.arange(size, device=q.device)).flatten(-2)  # (B, U, c, F) positions
+    seen = ok.repeat_interleave(size, dim=-1) & counted.flatten(1)[rows, at]
+    keys, values = (x[rows, source, at.clamp_max(x.shape[2] - 1)] for x in (k, v))  # (B, U, c, F, ·)
     grouped = q.view(B, units, shared, c, D).transpose(2, 3)  # (B, U, c, shared, D)
-    parts = _part(grouped, keys, values, seen, scale)
+    parts = _part(grouped, keys, values, seen.unsqueeze(-2), scale)
     return tuple(x.transpose(2, 3).reshape(B, H, c, -1) for x in parts)
 
 
