@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from subquad.hf import approx as ap
 from subquad.hf import recall
-from subquad.hf.recall import FILLER, INSTRUCTION, NEEDLE, QUESTION, case_key, passkey_case, score
+from subquad.hf.recall import FILLER, INSTRUCTION, MAGIC, NEEDLE, QUESTION, case_key, needle_case, passkey_case, score
 from subquad.hf.report import format_recall_table
 
 from .conftest import VOCAB, word_passages
@@ -74,7 +74,8 @@ def test_the_probe_counts_found_cases_by_length_and_depth(monkeypatch):
     """A model stand-in that answers the key of every other case it is asked."""
     asked = []
 
-    def answer(model, ids):
+    def answer(model, ids, count):
+        assert count == recall.NEW_TOKENS
         key = CharTokenizer().decode(ids[0].tolist()).split("The pass key is ")[1][:5]
         asked.append(key)
         return [ord(c) for c in (f" {key}." if len(asked) % 2 else " 99999.")]
@@ -93,6 +94,45 @@ def test_the_probe_counts_found_cases_by_length_and_depth(monkeypatch):
         == [case_key(7, 1500, depth, sample) for depth in (0.25, 0.75) for sample in range(3)]
     )
     assert first["answers"][1]["answer"] == "99999"
+
+
+HAYSTACK = [f"Passage {i} tells of the town number {i}, its river and its fields." for i in range(40)]
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.4, 1.0])
+def test_a_needle_sits_between_whole_passages_at_its_depth_and_the_question_asks_for_its_word(depth):
+    case = needle_case(CharTokenizer(), HAYSTACK, 1500, depth, "falcon", "4821377")
+    ids = case.ids[0].tolist()
+    text = CharTokenizer().decode(ids, skip_special_tokens=True)
+    needle = " " + MAGIC.format(word="falcon", key="4821377")
+    assert (
+        len(ids) <= 1500
+        and text.count("4821377") == 1
+        and text.endswith("for falcon mentioned in the provided text is")
+    )
+    assert CharTokenizer().decode(ids[case.needle_at : case.needle_at + len(needle)]) == needle
+    body = text[text.index("afterwards.") + len("afterwards.") : text.rindex(" What is")]
+    kept = body.replace(needle, "").split(" Passage ")[1:]  # whole passages, in order
+    assert kept == [p.removeprefix("Passage ") for p in HAYSTACK[: len(kept)]]
+    assert body.index(needle) == len("".join(" " + p for p in HAYSTACK[: round(depth * len(kept))]))
+
+
+def test_the_needle_probe_draws_each_case_from_its_seed_and_reads_more_tokens(monkeypatch):
+    asked = []
+
+    def answer(model, ids, count):
+        text = CharTokenizer().decode(ids[0].tolist())
+        asked.append(text)
+        assert count == recall.NEEDLE_TOKENS
+        return [ord(c) for c in " " + text.split(" is: ")[1][:7]]
+
+    monkeypatch.setattr(recall, "_greedy", answer)
+    result = recall.passkey(torch.nn.Linear(1, 1), CharTokenizer(), [1200], [0.5], 3, seed=2, haystack=HAYSTACK)
+    assert result["1200"]["found"] == 3 and len(set(asked)) == 3  # three words, keys and passage orders
+    again = recall.passkey(torch.nn.Linear(1, 1), CharTokenizer(), [1200], [0.5], 3, seed=2, haystack=HAYSTACK)
+    assert asked[:3] == asked[3:] and again == result
+    with pytest.raises(ValueError, match="a 200-token needle prompt holds 0 whole passage"):
+        needle_case(CharTokenizer(), HAYSTACK, 200, 0.5, "falcon", "4821377")
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +154,12 @@ def test_approx_probes_each_spec_beside_the_original_and_a_rerun_keeps_what_it_h
     for r in rows:
         probe = r["passkey"]["160"]
         assert probe["cases"] == 4 and 0 <= probe["found"] <= 4 and set(probe["by_depth"]) == {"0.2", "0.8"}
-        assert probe["probe"] == {"depths": [0.2, 0.8], "samples": 2, "seed": 0}
+        assert probe["probe"] == {"depths": [0.2, 0.8], "samples": 2, "seed": 0, "kind": "passkey"}
         assert [a["key"] for a in probe["answers"]] == [case_key(0, 160, d, s) for d in (0.2, 0.8) for s in range(2)]
     saved = json.loads((tmp_path / "approx.json").read_text())
     assert saved["rows"][1]["passkey"]["160"]["answers"] == rows[1]["passkey"]["160"]["answers"]
     table = format_recall_table(rows)
-    assert "| local:window=8,sinks=2 | 160 | " in table and "depth 0.2 | depth 0.8" in table
+    assert "| local:window=8,sinks=2 | passkey 160 | " in table and "depth 0.2 | depth 0.8" in table
 
     def fail(*args, **kwargs):
         raise AssertionError("the probe ran again")
@@ -127,9 +167,9 @@ def test_approx_probes_each_spec_beside_the_original_and_a_rerun_keeps_what_it_h
     monkeypatch.setattr(ap, "passkey", fail)
     again = ap.approx(llama / "model", llama / "passages.jsonl", ["local:window=8,sinks=2"], tmp_path, **run)
     assert [r["passkey"] for r in again] == [r["passkey"] for r in rows]
-    with pytest.raises(AssertionError, match="ran again"):  # other samples: measured again
-        ap.approx(llama / "model", llama / "passages.jsonl", ["local:window=8,sinks=2"], tmp_path,
-                  **{**run, "passkey_samples": 3})  # fmt: skip
+    for other in ({"passkey_samples": 3}, {"probe": "needle"}):  # another probe: measured again
+        with pytest.raises(AssertionError, match="ran again"):
+            ap.approx(llama / "model", llama / "passages.jsonl", ["local:window=8,sinks=2"], tmp_path, **{**run, **other})
 
 
 @pytest.mark.parametrize(

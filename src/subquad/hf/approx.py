@@ -162,6 +162,8 @@ class ApproxConfig:
         (0.1, 0.3, 0.5, 0.7, 0.9), "where the key sits in the filler (0-1)", metavar="D"
     )
     passkey_samples: int = setting(4, "passkey cases at each length and depth, each with its own seeded key")
+    probe: str = setting("passkey", "passkey (a key in filler) or needle (a number told in the run's own text, "
+                         "RULER's niah_single_2)", choices=("passkey", "needle"), flag="--recall-probe")  # fmt: skip
     seed: int = setting(0, "window order, probe split and passkey keys")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N; auto: cuda where this torch sees one")
     dtype: str = setting("float32", "the model's dtype; quality is compared in float32", choices=DTYPES)
@@ -190,14 +192,14 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
            speed: bool = True, seed: int = 0, converted: list[str | Path] = (), device: str = "auto",
            dtype: str = "float32", decode: tuple[int, ...] = (), new_tokens: int = 16,
            passkey: tuple[int, ...] = (), passkey_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9),
-           passkey_samples: int = 4) -> list[dict[str, Any]]:  # fmt: skip
+           passkey_samples: int = 4, probe: str = "passkey") -> list[dict[str, Any]]:  # fmt: skip
     """Measure each mechanism spec, and each converted model folder, against the original model;
     returns (and writes) the rows. ``device``: auto, cpu, cuda or cuda:N; ``dtype``: the model's
     (float32, bfloat16, float16); quality is compared in float32 either way. The settings are
     `ApproxConfig`'s."""
     config = ApproxConfig(str(model_path), str(data), str(out), tuple(specs), tuple(map(str, converted)), tokens,
                           samples, batch, context, calibration, speed, tuple(decode), new_tokens, tuple(passkey),
-                          tuple(passkey_depths), passkey_samples, seed, device, dtype)  # fmt: skip
+                          tuple(passkey_depths), passkey_samples, probe, seed, device, dtype)  # fmt: skip
     return run_approx(config)
 
 
@@ -333,15 +335,15 @@ class _Run:
         run with these depths, samples and seed; the file is rewritten after each row."""
         config = self.config
         depths, samples = list(config.passkey_depths), config.passkey_samples
-        probe = {"depths": depths, "samples": samples, "seed": config.seed}
+        probe = {"depths": depths, "samples": samples, "seed": config.seed, "kind": config.probe}
         setups = self.setups(folders)
         for r in rows:
             done = {n: m for n, m in r.get("passkey", {}).items() if m.get("probe") == probe}
             todo = [n for n in config.passkey if str(n) not in done]
             if todo:
                 measure = functools.partial(passkey, tokenizer=self.tokenizer, lengths=todo, depths=depths,
-                                            samples=samples, seed=config.seed,
-                                            progress=_progress(r["spec"]))  # fmt: skip
+                                            samples=samples, seed=config.seed, progress=_progress(r["spec"]),
+                                            haystack=self.texts if config.probe == "needle" else None)  # fmt: skip
                 done.update({n: {**m, "probe": probe} for n, m in each(setups[r["spec"]], measure).items()})
             r["passkey"] = done
             _write(saved, self.settings, rows)

@@ -45,7 +45,8 @@ def format_recall_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         for n, m in sorted(r.get("passkey", {}).items(), key=lambda item: int(item[0])):
             per = [str(m["by_depth"].get(d, "-")) for d in depths]
-            lines.append(f"| {r['spec']} | {n} | {m['found']}/{m['cases']} | " + " | ".join(per) + " |")
+            kind = m.get("probe", {}).get("kind", "passkey")
+            lines.append(f"| {r['spec']} | {kind} {n} | {m['found']}/{m['cases']} | " + " | ".join(per) + " |")
     return "\n".join(lines)
 
 
