@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicLayer  # noqa: E402
 from subquad.hf.cache import DecoderLayer, MixLayer, SubquadCache  # noqa: E402
 from subquad.hf.mixes import HeadShare, LayerMix  # noqa: E402
 
-V = 96
+from .test_hf_cache import V, left_padded, tokens  # noqa: E402
 
 
 def llama(heads=4, kv_heads=2):
@@ -37,17 +37,6 @@ def gpt2():
 
 
 MODELS = {"llama": llama, "gpt2": gpt2}
-
-
-def tokens(B, N, seed=1):
-    return torch.randint(1, V, (B, N), generator=torch.Generator().manual_seed(seed))
-
-
-def left_padded(B, N):
-    mask = torch.ones(B, N, dtype=torch.long)
-    for b in range(B):
-        mask[b, : 3 * b] = 0
-    return mask
 
 
 def oracle(visible):
