@@ -1,7 +1,7 @@
 """Retrieval attention: a window with sinks, and the far key blocks each query's bound ranks highest,
 in one softmax. Ours, composed from StreamingLLM (Xiao et al. 2024: the sinks and the window),
-Quest (Tang et al. 2024: query-aware block selection by an upper bound on q·k) and LoLA (McDermott
-et al. 2025: a few far "hard" keys beside the window restore the recall a window loses).
+Quest (Tang et al. 2024: query-aware block selection by an upper bound on q·k) and LoLA (arXiv
+2505.23666: a few far "hard" keys beside the window restore the recall a window loses).
 
 Query i, at key position p = i + S − L (bottom-right alignment), sees:
 
@@ -20,20 +20,19 @@ Query i, at key position p = i + S − L (bottom-right alignment), sees:
 
 The three parts are disjoint by construction (a far block lies outside the window; sinks are kept
 out of far blocks), so no key is counted twice, and softmax is exact over their union: the output
-equals full attention under the dense mask of the keys each query sees. Under
-causality that mask, the bounds and the ranking read only keys ≤ p: the output at p depends on q_p
-and the keys and values up to p, so ``RetrievalCache`` decodes it exactly. The far keys cost O(blocks ·
-block) per query beside the window's; ranking costs O(S/block) per query, a small quadratic term
-(S/block bounds per query, as in Quest) where full attention pays S dot products.
+equals full attention under the dense mask of the keys each query sees. Under causality that
+mask, the bounds and the ranking read only keys ≤ p: the output at p depends on q_p and the keys
+and values up to p, so ``RetrievalCache`` decodes it exactly. The far keys cost O(blocks · block)
+per query beside the window's; ranking costs O(S/block) per query, a small quadratic term (S/block
+bounds per query, as in Quest) where full attention pays S dot products.
 
-**Computation.** Queries go in chunks (``TUNING.retrieval_gather`` gathered far-key elements at
-a time); each chunk scores its
-sinks and its windows' key range together, and each query its own far blocks (whole blocks,
-gathered per query, so that one query's arithmetic never depends on what others chose: the
-past's output stays bit-identical when the future changes), merged in one softmax. With
-gradients, each chunk is checkpointed (the gathered blocks are recomputed in the backward, not
-kept). Grouped-query keys and values are read in place for the far blocks and repeated to the
-query heads for the window.
+**Computation.** Queries go in chunks (``TUNING.retrieval_gather`` gathered far-key elements at a
+time); each chunk scores its sinks and its windows' key range together, and each query its own
+far blocks (whole blocks, gathered per query, so that one query's arithmetic never depends on what
+others chose: the past's output stays bit-identical when the future changes), merged in one
+softmax. With gradients, each chunk is checkpointed (the gathered blocks are recomputed in the
+backward, not kept). Grouped-query keys and values are read in place for the far blocks and
+repeated to the query heads for the window.
 """
 
 from __future__ import annotations
@@ -54,8 +53,6 @@ from subquad.registry import Config, Mechanism, option
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from subquad.registry import Mechanism
 
 __all__ = ["RetrievalCache", "RetrievalConfig", "retrieval_attention"]
 
@@ -296,8 +293,5 @@ MECHANISM = Mechanism(
     exact_full=lambda config, shape, causal, state, tensors: window_covers(
         config.window, shape.queries, shape.keys, causal
     ),
-    examples=(
-        {"window": 3, "sinks": 1, "blocks": 2, "block": 2},
-        {"window": 4, "sinks": 0, "blocks": 1, "block": 3},
-    ),
+    examples=({"window": 3, "sinks": 1, "blocks": 2, "block": 2},),  # the oracle test covers the others
 )
