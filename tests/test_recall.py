@@ -169,7 +169,8 @@ def test_approx_probes_each_spec_beside_the_original_and_a_rerun_keeps_what_it_h
     assert [r["passkey"] for r in again] == [r["passkey"] for r in rows]
     for other in ({"passkey_samples": 3}, {"probe": "needle"}):  # another probe: measured again
         with pytest.raises(AssertionError, match="ran again"):
-            ap.approx(llama / "model", llama / "passages.jsonl", ["local:window=8,sinks=2"], tmp_path, **{**run, **other})
+            ap.approx(llama / "model", llama / "passages.jsonl", ["local:window=8,sinks=2"], tmp_path,
+                      **{**run, **other})  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,8 @@ def retrieval_attention(
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     real = torch.ones(B, S, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
-    n, size = -(-S // config.block), config.block
+    size = min(config.block, max(S, 1))  # a block past the last key: one block of them all, the same choices
+    n = -(-S // size)
     counted = real.clone()
     counted[:, : config.sinks] = False  # the keys far blocks may hold: real, not sinks
     counted = torch.nn.functional.pad(counted, (0, n * size - S)).view(B, n, size)
@@ -117,7 +118,8 @@ def retrieval_attention(
     kv = k, v  # the far blocks are read from the key/value heads
     if per > 1:
         k, v = (x.repeat_interleave(per, dim=1) for x in (k, v))
-    step = max(1, TUNING.retrieval_gather // (B * H * config.blocks * config.block * max(q.shape[-1], v.shape[-1])))
+    far = min(config.blocks, n) * size
+    step = max(1, TUNING.retrieval_gather // (B * H * far * max(q.shape[-1], v.shape[-1])))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     outputs = []
     for a in range(0, L, step):
@@ -212,7 +214,7 @@ def _chosen(
 ) -> tuple[Tensor, Tensor]:
     """``(B, H, c, blocks)``: each query's far blocks, the eligible ones of highest bound, and
     whether each is one (fewer are eligible than ``blocks``)."""
-    n, size, w = low.shape[2], config.block, config.window
+    n, size, w = low.shape[2], counted.shape[-1], config.window
     start = torch.arange(n, device=q.device) * size
     outside = (start + size - 1)[None] <= p[:, None] - w  # (c, n): the whole block older than the window
     if not is_causal:
@@ -293,5 +295,5 @@ MECHANISM = Mechanism(
     exact_full=lambda config, shape, causal, state, tensors: window_covers(
         config.window, shape.queries, shape.keys, causal
     ),
-    examples=({"window": 3, "sinks": 1, "blocks": 2, "block": 2},),  # the oracle test covers the others
+    examples=({}, {"window": 3, "sinks": 1, "blocks": 2, "block": 2}),
 )
