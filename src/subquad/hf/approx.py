@@ -342,16 +342,16 @@ class _Run:
             todo = [n for n in config.passkey if str(n) not in done]
             if todo:
                 measure = functools.partial(passkey, tokenizer=self.tokenizer, lengths=todo, depths=depths,
-                                            samples=samples, seed=config.seed, progress=_progress(r["spec"]),
+                                            samples=samples, seed=config.seed, progress=_progress(config.probe, r),
                                             haystack=self.texts if config.probe == "needle" else None)  # fmt: skip
                 done.update({n: {**m, "probe": probe} for n, m in each(setups[r["spec"]], measure).items()})
             r["passkey"] = done
             _write(saved, self.settings, rows)
 
 
-def _progress(label: str) -> Any:
+def _progress(probe: str, row: dict[str, Any]) -> Any:
     def show(done: int, total: int) -> None:
-        print(f"\r  passkey {label}: {done}/{total}", end="\n" if done == total else "", flush=True)
+        print(f"\r  {probe} {row['spec']}: {done}/{total}", end="\n" if done == total else "", flush=True)
 
     return show
 
