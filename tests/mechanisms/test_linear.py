@@ -412,6 +412,25 @@ def learned(x, state):
     return learned_features(x, state)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_hedgehog_features_are_both_softmaxes_with_and_without_autograd(grad):
+    """Inference builds the two softmaxes in one buffer; they are the written-out map either way,
+    and a windowed call with sinks (whose key features it zeroes in place) returns what the
+    recorded call returns."""
+    state = _hedgehog_state(3, 4, seed=2)
+    x = torch.randn(2, 3, 7, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    t = torch.einsum("bhnd,hde->bhne", x, state.weight.detach()) + state.bias.detach()[None, :, None]
+    with torch.set_grad_enabled(grad):
+        got = learned(x, state)
+    assert got.requires_grad == grad
+    assert (got - torch.cat([torch.softmax(t, -1), torch.softmax(-t, -1)], -1)).abs().max() <= 1e-14
+    q, k, v = qkv(2, 3, 9, 9, 4, 5, seed=4)
+    config = LinearConfig(feature_map="hedgehog", window=3, sinks=2, chunk=2)
+    recorded = linear_attention(q, k, v, is_causal=True, config=config, state=state)
+    with torch.no_grad():
+        assert (linear_attention(q, k, v, is_causal=True, config=config, state=state) - recorded).abs().max() <= 1e-14
+
+
 def test_a_window_takes_the_softmax_scale_and_without_one_refuses_it():
     q, k, v = qkv(1, 2, 12, 12, 4, 4, seed=2)
     config = LinearConfig(window=3)

@@ -39,7 +39,13 @@ def learned_features(x: Tensor, state: nn.Module) -> Tensor:
     work = work_dtype(x.dtype)
     heads_first = x.to(work).transpose(0, 1).reshape(H, B * N, D)  # one batched product per head
     t = torch.baddbmm(state.bias.to(work)[:, None, :], heads_first, state.weight.to(work))
-    both = torch.softmax(torch.stack([t, -t], dim=2), dim=-1)  # (H, B·N, 2, D)
+    if torch.is_grad_enabled() and t.requires_grad:
+        both = torch.softmax(torch.stack([t, -t], dim=2), dim=-1)  # (H, B·N, 2, D)
+    else:  # inference: the same softmax in one buffer, with no stacked copy beside it
+        both = torch.stack([t, t], dim=2)
+        both[:, :, 1].neg_()
+        both -= both.amax(-1, keepdim=True)
+        both.exp_().div_(both.sum(-1, keepdim=True))
     return both.view(H, B, N, 2 * D).transpose(0, 1)
 
 
@@ -79,8 +85,10 @@ def windowed(
         v1 = torch.cat([v.to(work), v.new_ones(B, H, S, 1, dtype=work)], dim=-1)
     else:
         fq, fk, v1 = features(q, k, v, key_padding_mask, config.feature_map)
-    if s:  # the sinks are in the softmax part for every query that sees them
+    if s and fk.requires_grad:  # the sinks are in the softmax part for every query that sees them
         fk = torch.cat([torch.zeros_like(fk[:, :, :s]), fk[:, :, s:]], dim=2)
+    elif s:  # fk is this call's own tensor, and nothing records it
+        fk[:, :, :s] = 0
     a, b, c = (x.reshape(B * H, x.shape[2], x.shape[3]) for x in (fq, fk, v1))
     far = _shifted_product(a, b, c, S - L - w, initial, config.chunk)  # keys j <= p - w
     if not is_causal:  # keys j >= p + w: the same product over the reversed sequences
@@ -114,7 +122,7 @@ def _shifted_product(a: Tensor, b: Tensor, c: Tensor, shift: int, initial: Tenso
 def _rows(x: Tensor, start: int, count: int) -> Tensor:
     """Rows ``start .. start + count`` of ``x`` ``(R, S, ·)``, zero-filled past its end."""
     part = x[:, start : start + count]
-    return torch.nn.functional.pad(part, (0, 0, 0, count - part.shape[1]))
+    return part if part.shape[1] == count else torch.nn.functional.pad(part, (0, 0, 0, count - part.shape[1]))
 
 
 def _phi(x: Tensor, name: str, learned: nn.Module | None) -> Tensor:
