@@ -31,8 +31,8 @@ time); each chunk scores its sinks and its windows' key range together, and each
 far blocks (whole blocks, gathered per query, so that one query's arithmetic never depends on what
 others chose: the past's output stays bit-identical when the future changes), merged in one
 softmax. With gradients, each chunk is checkpointed (the gathered blocks are recomputed in the
-backward, not kept). Grouped-query keys and values are read in place for the far blocks and
-repeated to the query heads for the window.
+backward, not kept). Grouped-query keys and values are read in place for the far blocks; only a
+chunk's sinks and window range are repeated to the query heads (never the whole sequence).
 """
 
 from __future__ import annotations
@@ -115,15 +115,12 @@ def retrieval_attention(
     if full < n:  # the last block, partly filled
         parts.append(_bounds(keys[:, :, full * size :].unsqueeze(2), counted[:, full:, : S - full * size]))
     low, high = (torch.cat(x, dim=2).repeat_interleave(per, dim=1) for x in zip(*parts))  # (B, H, n, D)
-    kv = k, v  # the far blocks are read from the key/value heads
-    if per > 1:
-        k, v = (x.repeat_interleave(per, dim=1) for x in (k, v))
     far = min(config.blocks, n) * size
     step = max(1, TUNING.retrieval_gather // (B * H * far * max(q.shape[-1], v.shape[-1])))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     outputs = []
     for a in range(0, L, step):
-        args = (q[:, :, a : a + step], k, v, kv, real, counted, low, high, a + S - L, is_causal, scale, config)
+        args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config)
         outputs.append(checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
     return torch.cat(outputs, dim=2)
 
@@ -139,11 +136,13 @@ def _bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _chunk(
-    q: Tensor, k: Tensor, v: Tensor, kv: tuple[Tensor, Tensor], real: Tensor, counted: Tensor, low: Tensor,
-    high: Tensor, first: int, is_causal: bool, scale: float, config: RetrievalConfig,
+    q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
+    is_causal: bool, scale: float, config: RetrievalConfig,
 ) -> Tensor:  # fmt: skip
     """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks, their
-    windows' key range and the union of the far blocks they chose, each query masked to its own."""
+    windows' key range and the union of the far blocks they chose, each query masked to its own.
+    ``k``, ``v``: the key/value heads; only the sinks and the window's range are repeated to the
+    query heads."""
     c, S, w, s = q.shape[2], k.shape[2], config.window, config.sinks
     p = torch.arange(first, first + c, device=q.device)
     lo = min(S, max(0, first - w + 1))
@@ -151,9 +150,11 @@ def _chunk(
     near = torch.arange(lo, hi, device=q.device)
     sink = torch.cat([torch.arange(min(s, lo), device=q.device), torch.arange(hi, min(S, max(s, hi)), device=q.device)])
     chosen = _chosen(q, low, high, counted, p, is_causal, config)  # each query's far blocks
-    keys, values = (torch.cat([x.index_select(2, sink), x[:, :, lo:hi]], dim=2) for x in (k, v))
+    per = q.shape[1] // k.shape[1]
+    keys, values = (torch.cat([x.index_select(2, sink), x[:, :, lo:hi]], dim=2).repeat_interleave(per, dim=1)
+                    for x in (k, v))  # fmt: skip
     seen = torch.cat([_seen(sink, p, real, is_causal, w, s, False), _seen(near, p, real, is_causal, w, s, True)], -1)
-    return _merge(_part(q, keys, values, seen, scale), _far(q, *kv, counted, *chosen, scale)).to(q.dtype)
+    return _merge(_part(q, keys, values, seen, scale), _far(q, k, v, counted, *chosen, scale)).to(q.dtype)
 
 
 def _part(q: Tensor, k: Tensor, v: Tensor, seen: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
