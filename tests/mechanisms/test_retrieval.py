@@ -14,6 +14,7 @@ import subquad
 from subquad.kernels.tuning import TUNING
 from subquad.mechanisms.full import full_attention
 from subquad.mechanisms.retrieval import RetrievalConfig, retrieval_attention
+from subquad.ops.far_blocks import block_bounds
 
 from ..conftest import padding, qkv
 
@@ -117,3 +118,41 @@ def test_retrieval_is_registered_with_its_options():
     assert mech.decoder is not None and mech.sinks == "sinks" and mech.gqa
     with pytest.raises(ValueError, match="blocks"):
         RetrievalConfig(blocks=0)
+
+
+def test_decoding_computes_only_new_blocks_bounds_and_returns_what_a_fresh_call_returns(monkeypatch):
+    """A step reads the bounds of the blocks whole at the last step from the cache and computes
+    only those completed since (and the partial last block): its output is bit-identical to the
+    mechanism called afresh on the row's real keys, a left-padded row included, in steps of 1 and 3."""
+    import subquad.mechanisms.retrieval as retrieval
+
+    config = RetrievalConfig(window=5, sinks=2, blocks=2, block=4)
+    q, k, v = qkv(2, 2, 40, 40, 8, 3, seed=7)
+    kpm = torch.ones(2, 40, dtype=torch.bool)
+    kpm[1, :5] = False  # row 1: five pads before its prompt
+    rows = [(k[b : b + 1, :, kpm[b]], v[b : b + 1, :, kpm[b]]) for b in range(2)]  # each row's real tokens
+    decoder = retrieval.RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
+    decoder.absorb(q[:, :, :17], k[:, :, :17], v[:, :, :17], key_padding_mask=kpm[:, :17])
+    counted, real = [], kpm[:, :17].sum(1).tolist()
+    monkeypatch.setattr(retrieval, "block_bounds", lambda kb, c: counted.append(kb.shape[2]) or block_bounds(kb, c))
+    t = 17
+    for T in (1, 1, 3, 1, 1, 1, 3, 1, 3, 1, 1, 1, 3, 1, 1):
+        counted.clear()
+        before = decoder.known.tolist()  # none at the first step: the prefill computed no bounds
+        out = decoder.step(q[:, :, t : t + T], k[:, :, t : t + T], v[:, :, t : t + T])
+        new = [(n + T) // 4 - w + 1 for n, w in zip(real, before)]  # each row's blocks completed, and its partial one
+        assert sum(counted) <= sum(new), (t, counted, new)
+        for b in range(2):
+            n = real[b] + T
+            keys, values = (x[:, :, :n] for x in rows[b])
+            expected = retrieval_attention(q[b : b + 1, :, t : t + T], keys, values, is_causal=True, config=config)
+            assert torch.equal(out[b : b + 1], expected)
+            real[b] = n
+        t += T
+    assert decoder.known.tolist() == [n // 4 for n in real]
+    for b in range(2):
+        keys = rows[b][0][:, :, : real[b] // 4 * 4]
+        held = torch.arange(keys.shape[2]).view(1, -1, 4) >= config.sinks
+        low, high = block_bounds(keys.view(1, 2, -1, 4, 8), held)
+        assert torch.equal(decoder.low[b : b + 1, :, : real[b] // 4], low)
+        assert torch.equal(decoder.high[b : b + 1, :, : real[b] // 4], high)

@@ -46,9 +46,9 @@ from torch.utils.checkpoint import checkpoint
 
 from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
-from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
 from subquad.masks import window_covers
+from subquad.ops.far_blocks import block_bounds, retrieval_chunk
 from subquad.registry import Config, Mechanism, option
 
 if TYPE_CHECKING:
@@ -96,13 +96,24 @@ def retrieval_attention(
     """
     config = config or RetrievalConfig()
     check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
+    if q.shape[1] % config.shared:
+        raise ValueError(
+            f"retrieval's shared={config.shared} groups query heads that choose blocks together, but there are "
+            f"{q.shape[1]} heads: give a divisor of {q.shape[1]}"
+        )
+    return _attend(q, k, v, key_padding_mask, is_causal, scale, config)[0]
+
+
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool, scale: float | None,
+    config: RetrievalConfig, known: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:  # fmt: skip
+    """``retrieval_attention`` on checked inputs, and the bounds (low, high) of the keys' whole
+    blocks, ``(B, Hk, S // block, D)`` each (None where the keys are fewer than a block), for a
+    decoder to keep. ``known``: those of the first blocks, from an earlier call over the same keys
+    (min and max are exact: the same bounds, read instead of recomputed)."""
     B, H, L, _ = q.shape
     S, per = k.shape[2], H // k.shape[1]  # per: query heads per key/value head
-    if H % config.shared:
-        raise ValueError(
-            f"retrieval's shared={config.shared} groups query heads that choose blocks together, but there are {H} "
-            f"heads: give a divisor of {H}"
-        )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     real = torch.ones(B, S, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
     size = min(config.block, max(S, 1))  # a block past the last key: one block of them all, the same choices
@@ -111,9 +122,14 @@ def retrieval_attention(
     counted[:, : config.sinks] = False  # the keys far blocks may hold: real, not sinks
     counted = torch.nn.functional.pad(counted, (0, n * size - S)).view(B, n, size)
     full, keys = S // size, k.detach()  # the whole blocks are a view of the keys (a step copies nothing)
-    parts = [_bounds(keys[:, :, : full * size].view(*k.shape[:2], full, size, k.shape[-1]), counted[:, :full])]
+    m = 0 if known is None else known[0].shape[2]
+    fresh = keys[:, :, m * size : full * size].view(*k.shape[:2], full - m, size, k.shape[-1])
+    whole = block_bounds(fresh, counted[:, m:full])
+    if known is not None:
+        whole = tuple(torch.cat(pair, dim=2) for pair in zip(known, whole))
+    parts = [whole]
     if full < n:  # the last block, partly filled
-        parts.append(_bounds(keys[:, :, full * size :].unsqueeze(2), counted[:, full:, : S - full * size]))
+        parts.append(block_bounds(keys[:, :, full * size :].unsqueeze(2), counted[:, full:, : S - full * size]))
     low, high = (torch.cat(x, dim=2).repeat_interleave(per, dim=1) for x in zip(*parts))  # (B, H, n, D)
     far = min(config.blocks, n) * size
     step = max(1, TUNING.retrieval_gather // (B * H * far * max(q.shape[-1], v.shape[-1])))
@@ -121,133 +137,36 @@ def retrieval_attention(
     outputs = []
     for a in range(0, L, step):
         args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config)
-        outputs.append(checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
-    return torch.cat(outputs, dim=2)
-
-
-def _bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
-    """Each block's elementwise min and max ``(B, H, n, D)`` over its counted keys (zero for a
-    block without one, which is never eligible)."""
-    held = counted[:, None, :, :, None]
-    low = kb.masked_fill(~held, float("inf")).amin(3)
-    high = kb.masked_fill(~held, float("-inf")).amax(3)
-    empty = ~held.any(3)
-    return low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
-
-
-def _chunk(
-    q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
-    is_causal: bool, scale: float, config: RetrievalConfig,
-) -> Tensor:  # fmt: skip
-    """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks, their
-    windows' key range and the union of the far blocks they chose, each query masked to its own.
-    ``k``, ``v``: the key/value heads; only the sinks and the window's range are repeated to the
-    query heads."""
-    c, S, w, s = q.shape[2], k.shape[2], config.window, config.sinks
-    p = torch.arange(first, first + c, device=q.device)
-    lo = min(S, max(0, first - w + 1))
-    hi = max(lo, min(S, first + c if is_causal else first + c - 1 + w))  # queries may lie before the keys
-    near = torch.arange(lo, hi, device=q.device)
-    sink = torch.cat([torch.arange(min(s, lo), device=q.device), torch.arange(hi, min(S, max(s, hi)), device=q.device)])
-    chosen = _chosen(q, low, high, counted, p, is_causal, config)  # each query's far blocks
-    per = q.shape[1] // k.shape[1]
-    keys, values = (torch.cat([x.index_select(2, sink), x[:, :, lo:hi]], dim=2).repeat_interleave(per, dim=1)
-                    for x in (k, v))  # fmt: skip
-    seen = torch.cat([_seen(sink, p, real, is_causal, w, s, False), _seen(near, p, real, is_causal, w, s, True)], -1)
-    return _merge(_part(q, keys, values, seen, scale), _far(q, k, v, counted, *chosen, scale)).to(q.dtype)
-
-
-def _part(q: Tensor, k: Tensor, v: Tensor, seen: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """One part of a softmax: the largest seen score (-inf: none), the sum of exp(score − it) and
-    the values weighted by those exponentials (no log: a part without keys keeps finite gradients)."""
-    work = work_dtype(q.dtype)
-    if not k.shape[-2]:  # no key in reach (queries before every key)
-        top = q.new_full((*q.shape[:-1], 1), float("-inf"), dtype=work)
-        return top, torch.zeros_like(top), q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=work)
-    scores = torch.matmul(q.to(work) * scale, k.to(work).transpose(-1, -2)).masked_fill(~seen, float("-inf"))
-    top = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - torch.where(torch.isfinite(top), top, 0.0))
-    return top, weights.sum(-1, keepdim=True), weights @ v.to(work)
-
-
-def _merge(*parts: tuple[Tensor, Tensor, Tensor]) -> Tensor:
-    """One softmax over the union of disjoint parts (``_part``), rescaled to their common maximum."""
-    top = torch.stack([t for t, _, _ in parts]).amax(0)
-    top = torch.where(torch.isfinite(top), top, 0.0)
-    total = sum(s * torch.exp(t - top) for t, s, _ in parts)
-    out = sum(o * torch.exp(t - top) for t, _, o in parts)
-    return out / torch.where(total > 0, total, 1.0)
-
-
-def _far(q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float):
-    """The far part (``_part``) of each query: its own blocks ``index`` ``(B, H / shared, c,
-    blocks)``, read whole from the key/value heads ``k``, ``v``, so that what one query computes
-    never depends on what the others chose. The heads of a group read one gathered copy where
-    they share a key/value head."""
-    B, H, c, D = q.shape
-    groups, per, size = index.shape[1], H // k.shape[1], counted.shape[-1]
-    shared = H // groups
-    if per % shared:  # a group spans key/value heads: each head gathers its own
-        index, ok, shared = index.repeat_interleave(shared, dim=1), ok.repeat_interleave(shared, dim=1), 1
-    units = H // shared
-    rows = torch.arange(B, device=q.device).view(B, 1, 1, 1)
-    source = (torch.arange(units, device=q.device) * shared // per).view(1, units, 1, 1)
-    at = (index[..., None] * size + torch.arange(size, device=q.device)).flatten(-2)  # (B, U, c, F) positions
-    seen = ok.repeat_interleave(size, dim=-1) & counted.flatten(1)[rows, at]
-    keys, values = (x[rows, source, at.clamp_max(x.shape[2] - 1)] for x in (k, v))  # (B, U, c, F, ·)
-    grouped = q.view(B, units, shared, c, D).transpose(2, 3)  # (B, U, c, shared, D)
-    parts = _part(grouped, keys, values, seen.unsqueeze(-2), scale)
-    return tuple(x.transpose(2, 3).reshape(B, H, c, -1) for x in parts)
-
-
-def _seen(keys: Tensor, p: Tensor, real: Tensor, is_causal: bool, w: int, s: int, window: bool) -> Tensor:
-    """``(B, 1, c, n)``: which of the positions ``keys`` the queries at ``p`` see as window or sinks."""
-    j, at = keys[None, :], p[:, None]
-    near = (at - j < w) & (j - at < w) if window else torch.zeros_like(j - at, dtype=torch.bool)
-    seen = near | (j < s)
-    if is_causal:
-        seen = seen & (j <= at)
-    return (seen[None] & real[:, None, keys])[:, None]
-
-
-def _chosen(
-    q: Tensor, low: Tensor, high: Tensor, counted: Tensor, p: Tensor, is_causal: bool, config: RetrievalConfig
-) -> tuple[Tensor, Tensor]:
-    """``(B, H, c, blocks)``: each query's far blocks, the eligible ones of highest bound, and
-    whether each is one (fewer are eligible than ``blocks``)."""
-    n, size, w = low.shape[2], counted.shape[-1], config.window
-    start = torch.arange(n, device=q.device) * size
-    outside = (start + size - 1)[None] <= p[:, None] - w  # (c, n): the whole block older than the window
-    if not is_causal:
-        outside = outside | (start[None] >= p[:, None] + w)
-    eligible = outside[None, None] & counted.any(-1)[:, None, None]
-    q = q.detach()
-    bound = q.clamp_min(0) @ high.transpose(-1, -2) - (-q).clamp_min(0) @ low.transpose(-1, -2)
-    if config.shared > 1:  # a group ranks blocks by its heads' bounds summed
-        bound = bound.view(bound.shape[0], -1, config.shared, *bound.shape[2:]).sum(2)
-    top, index = bound.masked_fill(~eligible, float("-inf")).topk(min(config.blocks, n), dim=-1, sorted=False)
-    return index, torch.isfinite(top)
+        outputs.append(checkpoint(retrieval_chunk, *args, use_reentrant=False) if grad else retrieval_chunk(*args))
+    return torch.cat(outputs, dim=2), whole if size == config.block else None
 
 
 class RetrievalCache(Decoder):
     """Decoding cache of each row's keys and values, its real tokens first (a row's sinks are its
-    first real tokens, as in the parallel pass under padding): each step runs the mechanism for
-    the new queries over the row's keys, exactly. It takes over a parallel prefill (``absorb``).
-    Each token costs its window, sinks and far blocks plus the bounds of every block: O(S·D) per
-    head, with a small constant, where exact attention's KV cache pays S dot products and S
-    weighted values."""
+    first real tokens, as in the parallel pass under padding), and the bounds of its whole blocks:
+    each step runs the mechanism for the new queries over the row's keys, exactly, computing the
+    bounds of the blocks completed since the last step only. It takes over a parallel prefill
+    (``absorb``). A token then costs its window, sinks and far blocks plus one bound per block:
+    O(S/block · D) per head, where exact attention's KV cache pays S dot products and S weighted
+    values."""
 
     absorbs = True
-    description = "KV cache of each row's real tokens (the window, sinks and far blocks are chosen from them)"
+    description = (
+        "KV cache of each row's real tokens, and each whole block's bounds (the far blocks are chosen by them)"
+    )
     holds = "keys"
 
     def __init__(self, mechanism: Mechanism, config: RetrievalConfig, state: nn.Module | None) -> None:
         super().__init__(mechanism, config, state)
-        self.keys: Tensor | None = None  # (B, H, capacity, D), each row's real tokens first
+        self.keys: Tensor | None = None  # (B, Hk, capacity, D), each row's real tokens first
         self.values: Tensor | None = None
         self.filled: Tensor | None = None  # (B,): each row's tokens held
+        self.low: Tensor | None = None  # (B, Hk, capacity / block, D): the bounds of each row's whole blocks
+        self.high: Tensor | None = None
+        self.known: Tensor | None = None  # (B,): whole blocks whose bounds are held
 
     def _absorb(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
+        self.known = torch.zeros(k.shape[0], dtype=torch.long, device=k.device)
         if key_padding_mask is None:
             self.keys, self.values = k.clone(), v.clone()
             self.filled = torch.full((k.shape[0],), k.shape[2], device=k.device)
@@ -263,7 +182,7 @@ class RetrievalCache(Decoder):
         B, T = q.shape[0], q.shape[2]
         if self.keys is None:
             self.keys, self.values = k[:, :, :0], v[:, :, :0]
-            self.filled = torch.zeros(B, dtype=torch.long, device=q.device)
+            self.filled = self.known = torch.zeros(B, dtype=torch.long, device=q.device)
         needed = int(self.filled.max()) + T
         if needed > self.keys.shape[2]:
             grow = max(needed, 2 * self.keys.shape[2], 16) - self.keys.shape[2]
@@ -272,14 +191,29 @@ class RetrievalCache(Decoder):
         for held, new in ((self.keys, k), (self.values, v)):
             held.scatter_(2, at[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[-1]), new)
         self.filled = self.filled + T
-
-        def run(b: slice, n: int) -> Tensor:  # row(s) b over their first n keys
-            keys, values = self.keys[b, :, :n], self.values[b, :, :n]
-            return retrieval_attention(q[b], keys, values, is_causal=True, scale=self.scale, config=self.config)
-
         if bool((self.filled == self.filled[0]).all()):
-            return run(slice(None), int(self.filled[0]))
-        return torch.cat([run(slice(b, b + 1), int(self.filled[b])) for b in range(B)])
+            return self._run(q, slice(None), int(self.filled[0]))
+        return torch.cat([self._run(q[b : b + 1], slice(b, b + 1), int(self.filled[b])) for b in range(B)])
+
+    def _run(self, q: Tensor, rows: slice, n: int) -> Tensor:
+        """The new queries of ``rows`` (whose whole blocks known are as many) over their first ``n`` keys;
+        the bounds of their blocks completed since are kept."""
+        m = int(self.known[rows].min())
+        known = None if m == 0 else (self.low[rows, :, :m], self.high[rows, :, :m])
+        keys, values = self.keys[rows, :, :n], self.values[rows, :, :n]
+        out, whole = _attend(q, keys, values, None, True, self.scale, self.config, known)
+        if whole is not None and whole[0].shape[2] > m:
+            count = whole[0].shape[2]
+            if self.low is None or count > self.low.shape[2]:
+                grow = max(count, 2 * (0 if self.low is None else self.low.shape[2]))
+                shape = (self.keys.shape[0], *whole[0].shape[1:2], grow, whole[0].shape[-1])
+                low, high = (whole[0].new_zeros(shape) for _ in range(2))
+                if self.low is not None:
+                    low[:, :, : self.low.shape[2]], high[:, :, : self.high.shape[2]] = self.low, self.high
+                self.low, self.high = low, high
+            self.low[rows, :, m:count], self.high[rows, :, m:count] = whole[0][:, :, m:], whole[1][:, :, m:]
+            self.known[rows] = count
+        return out
 
 
 MECHANISM = Mechanism(
