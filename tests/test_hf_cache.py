@@ -62,6 +62,8 @@ SPECS = {
     "linear-window-sinks": ("linear", {"window": 4, "sinks": 2, "chunk": 4}),
     "hedgehog-window-sinks": ("linear", {"feature_map": "hedgehog", "window": 4, "sinks": 2, "chunk": 4}),
     "agglomerative": ("agglomerative", {}),
+    "retrieval": ("retrieval", {"window": 3, "sinks": 1, "blocks": 2, "block": 2}),
+    "retrieval-shared": ("retrieval", {"window": 3, "sinks": 1, "blocks": 2, "block": 2, "shared": 2}),
 }
 
 
@@ -108,7 +110,7 @@ def test_cached_generation_equals_uncached_over_a_left_padded_batch(name, spec):
     assert torch.equal(cached, uncached)
 
 
-@pytest.mark.parametrize("spec", ["local-sinks", "hedgehog-window-sinks", "agglomerative"])
+@pytest.mark.parametrize("spec", ["local-sinks", "hedgehog-window-sinks", "agglomerative", "retrieval"])
 def test_sampling_and_beam_search_with_the_cache_equal_them_without(spec):
     model = swapped("llama", spec)
     prompt, mask = tokens(2, 9), left_padded(2, 9)
@@ -150,6 +152,21 @@ def test_the_cache_s_layers_follow_the_layers_mechanisms_and_hold_what_the_mecha
     assert cache.layers[0].decoder.kept.keys.shape[2] == 6
     assert (sizes[0][1], sizes[1][1]) == (20, 60)  # the exact layer keeps every key
     assert cache_bytes(cache) == cache.nbytes == sizes[1][0] + 2 * cache.layers[1].keys.nbytes
+
+
+def test_retrieval_s_cache_keeps_grouped_keys_unrepeated_with_an_eighth_of_room():
+    model = hf.use(llama(), "retrieval", window=3, sinks=1, blocks=2, block=4)
+    cache = SubquadCache(model)
+    logits = model(tokens(1, 40), cache=cache).logits
+    model(logits[:, -1:].argmax(-1), cache=cache)  # one step: the cache grows once
+    decoder = cache.layers[0].decoder
+    heads = model.config.num_key_value_heads
+    assert heads < model.config.num_attention_heads
+    assert decoder.keys.shape[:3] == (1, heads, 41 + 16) and decoder.known.tolist() == [10]
+    with pytest.raises(ValueError, match=f"the cache holds keys of {heads} key/value heads, got 4; start a new"):
+        q = torch.zeros(1, 4, 1, decoder.keys.shape[-1])
+        decoder.step(q, q, q)
+    assert decoder.length == 41  # the refused step changed nothing
 
 
 def test_a_forward_with_the_cache_equals_the_parallel_pass_token_by_token():

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from subquad._contain import contained
-from subquad._validate import check_attention_inputs
+from subquad._validate import check_grouped_inputs
 from subquad.ops.kept_window import Kept
 
 if TYPE_CHECKING:
@@ -41,7 +41,8 @@ class Decoder(ABC):
     tensors for them, and returns their outputs ``(B, H, T, Dv)``. It checks, once, here:
 
     - the attention contract (``check_attention_inputs``: 4-D tensors of one dtype on one device),
-      and as many queries as keys, since a step's tokens are both;
+      and as many queries as keys, since a step's tokens are both; a ``grouped`` decoder takes
+      grouped-query keys and values as they are (a divisor of q's heads, as ``enable_gqa``);
     - that B, H, D and Dv (those of them named in ``fixed``), the dtype and the device are those of
       the first step: what the decoder holds was computed for them, so a new batch needs a new
       cache. This is checked before anything is written, so a refused step leaves the cache as it
@@ -60,6 +61,8 @@ class Decoder(ABC):
             it words the error for a step of other sizes.
         fixed: the sizes, of ``("B", "H", "D", "Dv")``, that a later step must repeat.
         absorbs: it implements ``_absorb``, the handover from a parallel prefill.
+        grouped: it holds grouped-query keys and values unrepeated (its ``_step`` and ``_absorb``
+            get k and v with a divisor of q's heads, and keep that count).
         scale: the softmax scale of decoders that have one (None: 1/√D); set it after building.
 
     Args:
@@ -73,6 +76,7 @@ class Decoder(ABC):
     holds: ClassVar[str] = "state"
     fixed: ClassVar[tuple[str, ...]] = _SIZES
     absorbs: ClassVar[bool] = False
+    grouped: ClassVar[bool] = False
     scale: float | None = None
 
     def __init__(self, mechanism: Mechanism, config: Config, state: torch.nn.Module | None) -> None:
@@ -92,7 +96,7 @@ class Decoder(ABC):
         Returns:
             ``(B, H, T, Dv)``.
         """
-        shape = check_attention_inputs(q, k, v, None, True, None)
+        shape = check_grouped_inputs(q, k, v, None, True, None, self.grouped)
         if shape.queries != shape.keys:
             raise ValueError(f"a decoding step takes as many queries as keys, got {shape.queries} and {shape.keys}")
         sizes = (shape.batch, shape.heads, shape.head_dim, shape.value_dim)
@@ -116,7 +120,7 @@ class Decoder(ABC):
             )
         if self.length:
             raise ValueError(f"this decoder has already decoded {self.length} tokens; absorb a prompt into a new one")
-        shape = check_attention_inputs(q, k, v, key_padding_mask, True, None)
+        shape = check_grouped_inputs(q, k, v, key_padding_mask, True, None, self.grouped)
         if shape.queries != shape.keys:
             raise ValueError(f"a prompt has as many queries as keys, got {shape.queries} and {shape.keys}")
         given = _check_tensors(self.mechanism, tensors, q.device)

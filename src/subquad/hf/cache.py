@@ -102,7 +102,8 @@ class DecoderLayer(CacheLayerMixin):
                     f"(it holds {self.spec.mechanism.name if self.spec else 'exact attention'}'s state); start a new "
                     "one: subquad.hf.SubquadCache(model), or generate without passing a cache"
                 )
-            key, value = _heads(key, query.shape[1]), _heads(value, query.shape[1])
+            if not spec.mechanism.decoder.grouped:  # a grouped decoder keeps the key/value heads unrepeated
+                key, value = _heads(key, query.shape[1]), _heads(value, query.shape[1])
             if self.decoder is None:
                 out = parallel()
                 decoder = spec.mechanism.decoder(spec.mechanism, spec.config, state)

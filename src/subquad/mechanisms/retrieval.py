@@ -151,6 +151,7 @@ class RetrievalCache(Decoder):
     values."""
 
     absorbs = True
+    grouped = True  # grouped-query keys and values are kept unrepeated (read in place by the far blocks)
     description = (
         "KV cache of each row's real tokens, and each whole block's bounds (the far blocks are chosen by them)"
     )
@@ -183,9 +184,14 @@ class RetrievalCache(Decoder):
         if self.keys is None:
             self.keys, self.values = k[:, :, :0], v[:, :, :0]
             self.filled = self.known = torch.zeros(B, dtype=torch.long, device=q.device)
+        if k.shape[1] != self.keys.shape[1]:
+            raise ValueError(
+                f"the cache holds keys of {self.keys.shape[1]} key/value heads, got {k.shape[1]}; start a new cache "
+                "for a new batch"
+            )
         needed = int(self.filled.max()) + T
-        if needed > self.keys.shape[2]:
-            grow = max(needed, 2 * self.keys.shape[2], 16) - self.keys.shape[2]
+        if needed > self.keys.shape[2]:  # an eighth more room (a copy per eighth: O(1) per token, amortised)
+            grow = _room(needed) - self.keys.shape[2]
             self.keys, self.values = (torch.nn.functional.pad(x, (0, 0, 0, grow)) for x in (self.keys, self.values))
         at = self.filled[:, None] + torch.arange(T, device=q.device)  # (B, T)
         for held, new in ((self.keys, k), (self.values, v)):
@@ -205,8 +211,7 @@ class RetrievalCache(Decoder):
         if whole is not None and whole[0].shape[2] > m:
             count = whole[0].shape[2]
             if self.low is None or count > self.low.shape[2]:
-                grow = max(count, 2 * (0 if self.low is None else self.low.shape[2]))
-                shape = (self.keys.shape[0], *whole[0].shape[1:2], grow, whole[0].shape[-1])
+                shape = (self.keys.shape[0], *whole[0].shape[1:2], _room(count), whole[0].shape[-1])
                 low, high = (whole[0].new_zeros(shape) for _ in range(2))
                 if self.low is not None:
                     low[:, :, : self.low.shape[2]], high[:, :, : self.high.shape[2]] = self.low, self.high
@@ -214,6 +219,11 @@ class RetrievalCache(Decoder):
             self.low[rows, :, m:count], self.high[rows, :, m:count] = whole[0][:, :, m:], whole[1][:, :, m:]
             self.known[rows] = count
         return out
+
+
+def _room(needed: int) -> int:
+    """The capacity a cache grows to when it needs ``needed`` slots: an eighth more (at least 16)."""
+    return needed + max(needed // 8, 16)
 
 
 MECHANISM = Mechanism(
