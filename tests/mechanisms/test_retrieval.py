@@ -122,8 +122,9 @@ def test_retrieval_is_registered_with_its_options():
 
 def test_decoding_computes_only_new_blocks_bounds_and_returns_what_a_fresh_call_returns(monkeypatch):
     """A step reads the bounds of the blocks whole at the last step from the cache and computes
-    only those completed since (and the partial last block): its output is bit-identical to the
-    mechanism called afresh on the row's real keys, a left-padded row included, in steps of 1 and 3."""
+    only those completed since (and, for several tokens, the partial last block): its output is the
+    mechanism's called afresh on the row's real keys (a step of one token is one sdpa call: the
+    same up to rounding), a left-padded row included, in steps of 1 and 3."""
     import subquad.mechanisms.retrieval as retrieval
 
     config = RetrievalConfig(window=5, sinks=2, blocks=2, block=4)
@@ -146,7 +147,7 @@ def test_decoding_computes_only_new_blocks_bounds_and_returns_what_a_fresh_call_
             n = real[b] + T
             keys, values = (x[:, :, :n] for x in rows[b])
             expected = retrieval_attention(q[b : b + 1, :, t : t + T], keys, values, is_causal=True, config=config)
-            assert torch.equal(out[b : b + 1], expected)
+            torch.testing.assert_close(out[b : b + 1], expected, rtol=0, atol=1e-12)
             real[b] = n
         t += T
     assert decoder.known.tolist() == [n // 4 for n in real]
@@ -156,3 +157,27 @@ def test_decoding_computes_only_new_blocks_bounds_and_returns_what_a_fresh_call_
         low, high = block_bounds(keys.view(1, 2, -1, 4, 8), held)
         assert torch.equal(decoder.low[b : b + 1, :, : real[b] // 4], low)
         assert torch.equal(decoder.high[b : b + 1, :, : real[b] // 4], high)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    S=st.integers(1, 60), window=st.sampled_from([1, 3, 8]), sinks=st.sampled_from([0, 1, 3, 4, 9]),
+    blocks=st.sampled_from([1, 2, 5]), block=st.sampled_from([1, 3, 4]), shared=st.sampled_from([1, 2, 4]),
+    kv=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_a_one_token_step_is_the_parallel_pass_s_last_query(S, window, sinks, blocks, block, shared, kv, seed):
+    """Decoding's single-query path (``one_query``: one sdpa call) against the mechanism's parallel
+    pass, over grouped-query keys kept unrepeated, groups within and across key/value heads, and
+    sinks inside and beyond the first block."""
+    import subquad.mechanisms.retrieval as retrieval
+
+    config = RetrievalConfig(window=window, sinks=sinks, blocks=blocks, block=block, shared=shared)
+    q, k, v = qkv(2, 4, S, S, 6, 3, seed=seed)
+    k, v = k[:, :kv], v[:, :kv]
+    decoder = retrieval.RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
+    if S > 1:
+        decoder.absorb(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1])
+    out = decoder.step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:])
+    expected = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -1:]
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert decoder.keys.shape[1] == kv

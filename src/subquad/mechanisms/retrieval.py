@@ -48,7 +48,7 @@ from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
 from subquad.kernels.tuning import TUNING
 from subquad.masks import window_covers
-from subquad.ops.far_blocks import block_bounds, retrieval_chunk
+from subquad.ops.far_blocks import block_bounds, one_query, retrieval_chunk
 from subquad.registry import Config, Mechanism, option
 
 if TYPE_CHECKING:
@@ -203,22 +203,34 @@ class RetrievalCache(Decoder):
 
     def _run(self, q: Tensor, rows: slice, n: int) -> Tensor:
         """The new queries of ``rows`` (whose whole blocks known are as many) over their first ``n`` keys;
-        the bounds of their blocks completed since are kept."""
-        m = int(self.known[rows].min())
-        known = None if m == 0 else (self.low[rows, :, :m], self.high[rows, :, :m])
+        the bounds of their blocks completed since are kept. One query a row: ``one_query``."""
+        m, size = int(self.known[rows].min()), self.config.block
         keys, values = self.keys[rows, :, :n], self.values[rows, :, :n]
+        if q.shape[2] == 1 and n >= size:
+            count = n // size
+            if count > m:
+                fresh = keys[:, :, m * size : count * size].view(*keys.shape[:2], count - m, size, keys.shape[-1])
+                counted = torch.arange(m * size, count * size, device=q.device).view(1, -1, size) >= self.config.sinks
+                self._keep(rows, m, block_bounds(fresh, counted.expand(keys.shape[0], -1, -1)))
+            return one_query(q, keys, values, self.low[rows, :, :count], self.high[rows, :, :count], self.scale,
+                             self.config)  # fmt: skip
+        known = None if m == 0 else (self.low[rows, :, :m], self.high[rows, :, :m])
         out, whole = _attend(q, keys, values, None, True, self.scale, self.config, known)
         if whole is not None and whole[0].shape[2] > m:
-            count = whole[0].shape[2]
-            if self.low is None or count > self.low.shape[2]:
-                shape = (self.keys.shape[0], *whole[0].shape[1:2], _room(count), whole[0].shape[-1])
-                low, high = (whole[0].new_zeros(shape) for _ in range(2))
-                if self.low is not None:
-                    low[:, :, : self.low.shape[2]], high[:, :, : self.high.shape[2]] = self.low, self.high
-                self.low, self.high = low, high
-            self.low[rows, :, m:count], self.high[rows, :, m:count] = whole[0][:, :, m:], whole[1][:, :, m:]
-            self.known[rows] = count
+            self._keep(rows, m, tuple(x[:, :, m:] for x in whole))
         return out
+
+    def _keep(self, rows: slice, m: int, bounds: tuple[Tensor, Tensor]) -> None:
+        """Hold ``bounds``, those of ``rows``' whole blocks from ``m`` on."""
+        count = m + bounds[0].shape[2]
+        if self.low is None or count > self.low.shape[2]:
+            shape = (self.keys.shape[0], *bounds[0].shape[1:2], _room(count), bounds[0].shape[-1])
+            low, high = (bounds[0].new_zeros(shape) for _ in range(2))
+            if self.low is not None:
+                low[:, :, : self.low.shape[2]], high[:, :, : self.high.shape[2]] = self.low, self.high
+            self.low, self.high = low, high
+        self.low[rows, :, m:count], self.high[rows, :, m:count] = bounds
+        self.known[rows] = count
 
 
 def _room(needed: int) -> int:
