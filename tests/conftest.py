@@ -37,6 +37,23 @@ def _deterministic() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_tuning_profile():
+    """The suite runs on the defaults, whatever profile ``subquad tune`` wrote on this machine
+    (tests/test_tune.py sets its own folder and profiles)."""
+    import os
+
+    from subquad.kernels import profile
+
+    saved = os.environ.get(profile.ENV)
+    os.environ[profile.ENV] = "off"
+    yield
+    if saved is None:
+        os.environ.pop(profile.ENV, None)
+    else:
+        os.environ[profile.ENV] = saved
+
+
 needs_native = pytest.mark.skipif(
     not _native.native_available(), reason=f"the native kernel cannot run here: {_native.native_unavailable_reason()}"
 )

@@ -287,8 +287,10 @@ def test_cli_only_wires_the_commands_each_job_declares():
     from subquad.cli import COMMANDS
 
     names = [c.name for c in COMMANDS]
-    assert names == ["list", "bench", "train", "evaluate", "generate", "upgrade-run", "compare", "approx", "distill"]
+    assert names == ["list", "bench", "tune", "train", "evaluate", "generate", "upgrade-run", "compare", "approx",
+                     "distill"]  # fmt: skip
     modules = {c.name: c.run.__module__ for c in COMMANDS}
+    assert modules["tune"] == "subquad.bench.tune"
     assert modules["bench"] == "subquad.bench.command" and modules["distill"] == "subquad.hf.command"
     assert all(not m.startswith("subquad.cli") for m in modules.values())
 

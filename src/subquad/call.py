@@ -2,6 +2,8 @@
 
 One call runs, in order:
 
+0. **Tuning**: on the CPU, this machine's profile (``subquad tune``, ``kernels.profile``) for the
+   thread count set now, where there is one; only block sizes, never what is computed.
 1. **The causal form**, as SDPA reads it. ``is_causal=True`` aligns the queries to the *first* keys
    (top-left: query ``i`` sees keys ``j <= i``), SDPA's documented default. The end-aligned form
    that decoding and chunked prefill need (query ``i`` sits at key position ``i + S - L``) is asked
@@ -34,6 +36,7 @@ from torch.nn import functional as F
 from subquad._contain import KEY, contained
 from subquad._validate import AttentionShape, check_attention_inputs, check_dtype, check_gqa, check_query_padding_mask
 from subquad.config import Config
+from subquad.kernels.profile import apply_for_threads
 from subquad.kernels.threads import adapted, backward_adapted
 from subquad.registry import Mechanism, default_config, get_mechanism, make_config, mechanism_names, no_causal_form
 
@@ -99,6 +102,8 @@ def call(
     (any mechanism) or a dense mask (mechanisms that take one). With ``enable_gqa``, ``k`` and
     ``v`` may have fewer heads (a divisor of q's): native mechanisms (``gqa``) read them as they
     are; for the others each key/value head is repeated for its query heads first."""
+    if q.device.type == "cpu":
+        apply_for_threads()  # this machine's tuning profile for the thread count set now, if there is one
     is_causal, end_aligned, attn_mask = _causal_form(is_causal, attn_mask, q, k)
     if attn_mask is not None:
         tensors["attn_mask"] = attn_mask

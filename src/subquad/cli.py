@@ -1,8 +1,9 @@
 """The ``subquad`` command: wires each job's commands (``subquad.flags.Command``) into one parser.
 
 Every command declares its own flags and ``run`` where its job lives: ``list`` in ``subquad.listing``;
-``bench`` in ``subquad.bench.command``; ``train``, ``evaluate``, ``generate``, ``upgrade-run`` and
-``compare`` in ``subquad.train.command``; ``approx`` and ``distill`` in ``subquad.hf.command``.
+``bench`` in ``subquad.bench.command``; ``tune`` in ``subquad.bench.tune``; ``train``, ``evaluate``,
+``generate``, ``upgrade-run`` and ``compare`` in ``subquad.train.command``; ``approx`` and ``distill``
+in ``subquad.hf.command``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import sys
 
 from subquad.bench.command import BENCH
+from subquad.bench.tune import TUNE
 from subquad.flags import Command, old_spellings
 from subquad.hf.command import COMMANDS as HF_COMMANDS
 from subquad.listing import LIST
@@ -19,7 +21,7 @@ from subquad.version import __version__
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-COMMANDS: tuple[Command, ...] = (LIST, BENCH, *TRAIN_COMMANDS, *HF_COMMANDS)
+COMMANDS: tuple[Command, ...] = (LIST, BENCH, TUNE, *TRAIN_COMMANDS, *HF_COMMANDS)
 
 
 def main(argv: list[str] | None = None) -> int:

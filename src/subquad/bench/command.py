@@ -21,7 +21,7 @@ from subquad.flags import Command, add_flags, flag_values, option_parser
 from subquad.registry import get_mechanism, make_config, mechanism_names
 from subquad.version import __version__
 
-__all__ = ["BENCH", "settings_from"]
+__all__ = ["BENCH", "Progress", "machine", "settings_from"]
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,10 +126,12 @@ def run(args: argparse.Namespace) -> int:
     title = f"B={settings.batch} H={settings.heads} D={settings.head_dim} {settings.dtype} {settings.device}"
     title += f", {threads} threads"
     cells = settings.cells()
+    tuning = _profile_named(settings, threads)
     print(f"subquad {__version__} bench: {len(cells)} cells, {title}, torch {torch.__version__}", file=sys.stderr)
+    print(f"tuning profile: {tuning}", file=sys.stderr)
     meta = {
         "subquad": __version__, "torch": torch.__version__, "python": platform.python_version(),
-        "machine": machine(), "threads": threads,
+        "machine": machine(), "threads": threads, "tuning_profile": tuning,
         "settings": {k: v for k, v in vars(args).items() if k not in ("run", "out") and not callable(v)},
     }  # fmt: skip
     started = time.time()
@@ -144,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
                           args.out / "results.json")  # fmt: skip
 
     try:
-        with _Progress() as progress:
+        with Progress() as progress:
             rows = run_bench(settings, progress, on_row=save)
     except KeyboardInterrupt:
         print(report.format_table(done) if done else "no cell finished")
@@ -154,6 +156,14 @@ def run(args: argparse.Namespace) -> int:
         return 130
     save(rows)  # also when there was no cell to run
     return _report(rows, settings, args, title, time.time() - started)
+
+
+def _profile_named(settings: Any, threads: int) -> str:
+    """The tuning profile the cells run with (each worker applies it, as any call does): its path and
+    values, or that there is none. Off the CPU the profile's values are not measured for the device."""
+    from subquad.kernels import profile
+
+    return profile.apply_for_threads(threads).describe()
 
 
 def _report(rows: list[dict], settings: Any, args: argparse.Namespace, title: str, elapsed: float) -> int:
@@ -184,17 +194,12 @@ def _report(rows: list[dict], settings: Any, args: argparse.Namespace, title: st
 
 def machine() -> str:
     """The CPU's model name, for the results beside every timing."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from subquad.kernels.profile import cpu_model
+
+    return cpu_model()
 
 
-class _Progress:
+class Progress:
     """A progress bar on a terminal (with rich installed), else one line per cell on stderr."""
 
     def __enter__(self) -> Callable[[int, int, str], None]:
