@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import subquad
-from subquad.kernels.tuning import TUNING
+from subquad.kernels.tuning import TUNING, tuned
 from subquad.mechanisms.full import full_attention
 from subquad.mechanisms.retrieval import RetrievalConfig, retrieval_attention
 from subquad.ops.far_blocks import block_bounds
@@ -93,10 +93,42 @@ def test_chunks_grouped_keys_and_gradients_change_nothing(monkeypatch):
     with pytest.raises(ValueError, match="retrieval's shared=3 groups query heads that choose blocks together, but"):
         retrieval_attention(q, k, v, config=RetrievalConfig(shared=3))
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
-    out = retrieval_attention(q, k, v, is_causal=True, config=config)
+    with tuned(retrieval_gather_grad=TUNING.retrieval_gather * 8):  # float64: the inference call's chunks
+        out = retrieval_attention(q, k, v, is_causal=True, config=config)
     assert torch.equal(out.detach(), whole)  # checkpointed chunks return what an inference call returns
     out.square().sum().backward()
     assert all(torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0 for x in (q, k, v))
+
+
+def test_with_gradients_chunks_gather_retrieval_gather_grad_bytes(monkeypatch):
+    """With gradients, chunks hold ``TUNING.retrieval_gather_grad`` bytes of far keys (large enough
+    that the allocator maps each gather and returns it when freed; smaller ones left the heap holed,
+    1.1 MB per query and layer); without, ``retrieval_gather`` elements. Same outputs and gradients."""
+    from subquad.mechanisms import retrieval
+
+    calls = []
+    run = retrieval.retrieval_chunk
+    monkeypatch.setattr(retrieval, "retrieval_chunk", lambda q, *a: calls.append(q.shape[2]) or run(q, *a))
+    q, k, v = qkv(1, 4, 60, 60, 8, 8, seed=5)
+    config = RetrievalConfig(window=6, sinks=2, blocks=2, block=4)  # 8 far keys: 4 · 8 · 8 elements a query
+    assert TUNING.retrieval_gather_grad >= 33 << 20  # above glibc's largest mmap threshold, 32 MiB
+    monkeypatch.setattr(TUNING, "retrieval_gather", 256 * 3)
+    monkeypatch.setattr(TUNING, "retrieval_gather_grad", 256 * 5 * 8)  # bytes in float64: 5 queries
+    whole = retrieval_attention(q, k, v, is_causal=True, config=config)
+    assert calls == [3] * 20
+    calls.clear()
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out = retrieval_attention(q, k, v, is_causal=True, config=config)
+    assert calls == [5] * 12  # other chunks: the same up to rounding (each chunk's window range differs)
+    torch.testing.assert_close(out.detach(), whole, rtol=0, atol=1e-12)
+    out.square().sum().backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    monkeypatch.setattr(TUNING, "retrieval_gather_grad", 1 << 30)  # one chunk
+    for x in (q, k, v):
+        x.grad = None
+    retrieval_attention(q, k, v, is_causal=True, config=config).square().sum().backward()
+    for x, g in zip((q, k, v), grads):
+        torch.testing.assert_close(x.grad, g, rtol=0, atol=1e-12)
 
 
 def test_a_far_key_that_matches_the_query_is_found_where_a_window_misses_it():

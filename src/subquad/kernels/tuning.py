@@ -102,6 +102,12 @@ class Tuning:
     tiles_chunks: int = _knob(32, "window attention: the most chunks of about tiles_group, larger ones past it")
     tiles_min_block: int = _knob(16, "the narrowest query block run: narrower ones cost more per query than they save")
     retrieval_gather: int = _knob(1 << 21, "retrieval: far-key elements (queries × far keys × D) gathered at once")
+    retrieval_gather_grad: int = _knob(
+        40 << 20,
+        "retrieval with gradients: bytes of far keys gathered per checkpointed chunk, above glibc's largest mmap "
+        "threshold (32 MiB) so each gather is mapped and returned when freed; smaller ones, freed under the small "
+        "tensors each chunk leaves to autograd, left the heap holed: 1.1 MB held per query and layer",
+    )
     routing_query_block: int = _knob(64, "causal routing: queries sharing a window, computed together")
     routing_assign: int = _knob(1 << 19, "position × centroid scores held at once while routing")
     # clustered

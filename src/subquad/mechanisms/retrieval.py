@@ -27,12 +27,13 @@ per query beside the window's; ranking costs O(S/block) per query, a small quadr
 bounds per query, as in Quest) where full attention pays S dot products.
 
 **Computation.** Queries go in chunks (``TUNING.retrieval_gather`` gathered far-key elements at a
-time); each chunk scores its sinks and its windows' key range together, and each query its own
-far blocks (whole blocks, gathered per query, so that one query's arithmetic never depends on what
-others chose: the past's output stays bit-identical when the future changes), merged in one
-softmax. With gradients, each chunk is checkpointed (the gathered blocks are recomputed in the
-backward, not kept). Grouped-query keys and values are read in place for the far blocks; only a
-chunk's sinks and window range are repeated to the query heads (never the whole sequence).
+time; with gradients ``TUNING.retrieval_gather_grad`` bytes, see there); each chunk scores its
+sinks and its windows' key range together, and each query its own far blocks (whole blocks,
+gathered per query, so that one query's arithmetic never depends on what others chose: the past's
+output stays bit-identical when the future changes), merged in one softmax. With gradients, each
+chunk is checkpointed (the gathered blocks are recomputed in the backward, not kept). Grouped-query
+keys and values are read in place for the far blocks; only a chunk's sinks and window range are
+repeated to the query heads (never the whole sequence).
 """
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ def _attend(
         parts.append(block_bounds(keys[:, :, full * size :].unsqueeze(2), counted[:, full:, : S - full * size]))
     low, high = (torch.cat(x, dim=2).repeat_interleave(per, dim=1) for x in zip(*parts))  # (B, H, n, D)
     far = min(config.blocks, n) * size
-    step = max(1, TUNING.retrieval_gather // (B * H * far * max(q.shape[-1], v.shape[-1])))
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    gather = TUNING.retrieval_gather_grad // q.element_size() if grad else TUNING.retrieval_gather
+    step = max(1, gather // (B * H * far * max(q.shape[-1], v.shape[-1])))
     outputs = []
     for a in range(0, L, step):
         args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config)
