@@ -47,7 +47,6 @@ class Profile:
 
     values: dict[str, int] = field(default_factory=dict)
     path: Path | None = None
-    key: str = ""
 
     def describe(self) -> str:
         if self.path is None:
@@ -162,7 +161,7 @@ def _find(setting: str, threads: int) -> Profile:
     if not setting and not path.is_file():
         return Profile()
     try:
-        return Profile(read_profile(path), path, profile_key(threads))
+        return Profile(read_profile(path), path)
     except ValueError as error:
         warnings.warn(f"{error}; using the default tuning", RuntimeWarning, stacklevel=4)
         return Profile()
