@@ -100,20 +100,40 @@ def test_chunks_grouped_keys_and_gradients_change_nothing(monkeypatch):
     assert all(torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0 for x in (q, k, v))
 
 
+@pytest.mark.parametrize("rows, window_block", [(1, 1), (3, 5), (64, 7), (1000, 1000)])
+def test_segment_rows_and_window_blocks_change_only_rounding(rows, window_block):
+    """The far part's segments (a block's queries, ``retrieval_rows`` at a time: one per segment,
+    several segments per block, or all in one) and the window part's query blocks: the outputs and
+    gradients the oracle's mask gives, whatever their sizes."""
+    q, k, v = (x.requires_grad_() for x in qkv(2, 4, 45, 45, 6, 5, seed=11))
+    kpm = padding(2, 45, 11)
+    config = RetrievalConfig(window=5, sinks=3, blocks=3, block=4, shared=2)
+    with tuned(retrieval_rows=rows, retrieval_window_block=window_block):
+        out = retrieval_attention(q, k[:, :2], v[:, :2], key_padding_mask=kpm, is_causal=True, config=config,
+                                  enable_gqa=True)  # fmt: skip
+    repeated = [x[:, :2].repeat_interleave(2, dim=1) for x in (k, v)]
+    mask = visible(q.detach(), repeated[0].detach(), kpm, True, config)
+    expected = full_attention(q, *repeated, attn_mask=mask).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    weight = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    grads = [torch.autograd.grad((x * weight).sum(), (q, k, v)) for x in (out, expected)]
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
 def test_with_gradients_chunks_gather_retrieval_gather_grad_bytes(monkeypatch):
-    """With gradients, chunks hold ``TUNING.retrieval_gather_grad`` bytes of far keys (large enough
-    that the allocator maps each gather and returns it when freed; smaller ones left the heap holed,
-    1.1 MB per query and layer); without, ``retrieval_gather`` elements. Same outputs and gradients."""
+    """A chunk's far part holds queries × blocks × (block + D + Dv) elements (each query's row, scores
+    and output per chosen block): with gradients ``TUNING.retrieval_gather_grad`` bytes of them,
+    without ``retrieval_gather`` elements. Same outputs and gradients."""
     from subquad.mechanisms import retrieval
 
     calls = []
     run = retrieval.retrieval_chunk
     monkeypatch.setattr(retrieval, "retrieval_chunk", lambda q, *a: calls.append(q.shape[2]) or run(q, *a))
     q, k, v = qkv(1, 4, 60, 60, 8, 8, seed=5)
-    config = RetrievalConfig(window=6, sinks=2, blocks=2, block=4)  # 8 far keys: 4 · 8 · 8 elements a query
-    assert TUNING.retrieval_gather_grad >= 33 << 20  # above glibc's largest mmap threshold, 32 MiB
-    monkeypatch.setattr(TUNING, "retrieval_gather", 256 * 3)
-    monkeypatch.setattr(TUNING, "retrieval_gather_grad", 256 * 5 * 8)  # bytes in float64: 5 queries
+    config = RetrievalConfig(window=6, sinks=2, blocks=2, block=4)  # 4 heads · 2 blocks · (4 + 8 + 8) a query
+    monkeypatch.setattr(TUNING, "retrieval_gather", 160 * 3)
+    monkeypatch.setattr(TUNING, "retrieval_gather_grad", 160 * 5 * 8)  # bytes in float64: 5 queries
     whole = retrieval_attention(q, k, v, is_causal=True, config=config)
     assert calls == [3] * 20
     calls.clear()

@@ -101,12 +101,16 @@ class Tuning:
     tiles_group: int = _knob(1 << 18, "score entries computed at once, about 1 MB in fp32: within one core's L2")
     tiles_chunks: int = _knob(32, "window attention: the most chunks of about tiles_group, larger ones past it")
     tiles_min_block: int = _knob(16, "the narrowest query block run: narrower ones cost more per query than they save")
-    retrieval_gather: int = _knob(1 << 21, "retrieval: far-key elements (queries × far keys × D) gathered at once")
+    retrieval_gather: int = _knob(
+        1 << 23, "retrieval: elements of a chunk's far part, queries × blocks × (block + D + Dv): rows, scores, outputs"
+    )
+    retrieval_rows: int = _knob(32, "retrieval: queries scored together against one far block (a segment)")
+    retrieval_window_block: int = _knob(64, "retrieval: queries scored together against their sinks and window range")
     retrieval_gather_grad: int = _knob(
         40 << 20,
-        "retrieval with gradients: bytes of far keys gathered per checkpointed chunk, above glibc's largest mmap "
-        "threshold (32 MiB) so each gather is mapped and returned when freed; smaller ones, freed under the small "
-        "tensors each chunk leaves to autograd, left the heap holed: 1.1 MB held per query and layer",
+        "retrieval with gradients: bytes of a checkpointed chunk's far part (as retrieval_gather counts it); "
+        "chunks of per-query gathers far smaller than glibc's largest mmap threshold (32 MiB), freed under the "
+        "small tensors each chunk leaves to autograd, once left the heap holed (1.1 MB per query and layer)",
     )
     routing_query_block: int = _knob(64, "causal routing: queries sharing a window, computed together")
     routing_assign: int = _knob(1 << 19, "position × centroid scores held at once while routing")

@@ -26,14 +26,17 @@ and values up to p, so ``RetrievalCache`` decodes it exactly. The far keys cost 
 per query beside the window's; ranking costs O(S/block) per query, a small quadratic term (S/block
 bounds per query, as in Quest) where full attention pays S dot products.
 
-**Computation.** Queries go in chunks (``TUNING.retrieval_gather`` gathered far-key elements at a
-time; with gradients ``TUNING.retrieval_gather_grad`` bytes, see there); each chunk scores its
-sinks and its windows' key range together, and each query its own far blocks (whole blocks,
-gathered per query, so that one query's arithmetic never depends on what others chose: the past's
-output stays bit-identical when the future changes), merged in one softmax. With gradients, each
-chunk is checkpointed (the gathered blocks are recomputed in the backward, not kept). Grouped-query
-keys and values are read in place for the far blocks; only a chunk's sinks and window range are
-repeated to the query heads (never the whole sequence).
+**Computation.** Queries go in chunks (``TUNING.retrieval_gather`` elements of far-part work at a
+time; with gradients ``TUNING.retrieval_gather_grad`` bytes, see there). A chunk's sinks and
+window part is scored in blocks of ``TUNING.retrieval_window_block`` queries, each against its
+sinks and its window's key range. Its far part goes block by block: the queries that chose a
+block are gathered into segments of ``TUNING.retrieval_rows`` (a block's queries in position
+order), each segment scored against its block in one batched product, and each query's partials
+merged by its far maximum; a row reads only its own query and block, and a query keeps its place
+in its block's order whatever later queries chose, so the past's output stays bit-identical when
+the future changes. The parts merge in one softmax. With gradients, each chunk is checkpointed
+(recomputed in the backward, not kept). Grouped-query keys and values are read in place for the
+far blocks; only a window block's sinks and range are repeated to the query heads.
 """
 
 from __future__ import annotations
@@ -132,13 +135,12 @@ def _attend(
     if full < n:  # the last block, partly filled
         parts.append(block_bounds(keys[:, :, full * size :].unsqueeze(2), counted[:, full:, : S - full * size]))
     low, high = (torch.cat(x, dim=2).repeat_interleave(per, dim=1) for x in zip(*parts))  # (B, H, n, D)
-    far = min(config.blocks, n) * size
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     gather = TUNING.retrieval_gather_grad // q.element_size() if grad else TUNING.retrieval_gather
-    step = max(1, gather // (B * H * far * max(q.shape[-1], v.shape[-1])))
-    outputs = []
+    step = max(1, gather // (B * H * min(config.blocks, n) * (size + q.shape[-1] + v.shape[-1])))
+    outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
     for a in range(0, L, step):
-        args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config)
+        args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, sizes)
         outputs.append(checkpoint(retrieval_chunk, *args, use_reentrant=False) if grad else retrieval_chunk(*args))
     return torch.cat(outputs, dim=2), whole if size == config.block else None
 

@@ -2,10 +2,10 @@
 output of a chunk of queries over their sinks, window and own far blocks in one softmax.
 
 ``block_bounds``: the elementwise min and max of each block's counted keys (real, not sinks), from
-which Quest's bound ranks the blocks. ``retrieval_chunk``: a chunk of queries' sinks and windows'
-key range scored together, each query's far blocks gathered whole and scored on their own (so one
-query's arithmetic never depends on what the others chose), the parts merged in one softmax.
-``one_query``: decoding's step for one new query per row, the same choice and softmax in one call.
+which Quest's bound ranks the blocks. ``retrieval_chunk``: a chunk of queries' sinks and windows
+(``_near``) and far blocks (``_far``: the queries that chose a block scored together against it,
+each row reading only its own query and block), merged in one softmax. ``one_query``: decoding's
+step for one new query per row, the same choice and softmax in one call.
 """
 
 from __future__ import annotations
@@ -31,24 +31,42 @@ def block_bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
 
 def retrieval_chunk(
     q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
-    is_causal: bool, scale: float, config: Config,
+    is_causal: bool, scale: float, config: Config, sizes: tuple[int, int],
 ) -> Tensor:  # fmt: skip
-    """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks, their
-    windows' key range and the union of the far blocks they chose, each query masked to its own.
-    ``k``, ``v``: the key/value heads; only the sinks and the window's range are repeated to the
-    query heads."""
-    c, S, w, s = q.shape[2], k.shape[2], config.window, config.sinks
-    p = torch.arange(first, first + c, device=q.device)
-    lo = min(S, max(0, first - w + 1))
-    hi = max(lo, min(S, first + c if is_causal else first + c - 1 + w))  # queries may lie before the keys
-    near = torch.arange(lo, hi, device=q.device)
-    sink = torch.cat([torch.arange(min(s, lo), device=q.device), torch.arange(hi, min(S, max(s, hi)), device=q.device)])
+    """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks and
+    windows (``_near``) and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``:
+    the key/value heads. ``sizes``: ``TUNING.retrieval_window_block`` and ``retrieval_rows`` as the
+    forward read them (a checkpoint's recomputation must repeat the forward's work)."""
+    p = torch.arange(first, first + q.shape[2], device=q.device)
     chosen = _chosen(q, low, high, counted, p, is_causal, config)  # each query's far blocks
-    per = q.shape[1] // k.shape[1]
-    keys, values = (torch.cat([x.index_select(2, sink), x[:, :, lo:hi]], dim=2).repeat_interleave(per, dim=1)
-                    for x in (k, v))  # fmt: skip
-    seen = torch.cat([_seen(sink, p, real, is_causal, w, s, False), _seen(near, p, real, is_causal, w, s, True)], -1)
-    return _merge(_part(q, keys, values, seen, scale), _far(q, k, v, counted, *chosen, scale)).to(q.dtype)
+    near = _near(q, k, v, real, first, is_causal, scale, config, sizes[0])
+    return _merge(near, _far(q, k, v, counted, *chosen, scale, sizes[1])).to(q.dtype)
+
+
+def _near(
+    q: Tensor, k: Tensor, v: Tensor, real: Tensor, first: int, is_causal: bool, scale: float, config: Config,
+    block: int,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The sinks and window part (``_part``) of queries at key positions ``first …``, in blocks of
+    ``block`` queries, each scored against its sinks and its window's key range;
+    only those keys are repeated to the query heads."""
+    S, w, s, per = k.shape[2], config.window, config.sinks, q.shape[1] // k.shape[1]
+    parts = []
+    for a in range(0, q.shape[2], block):
+        some = q[:, :, a : a + block]
+        at, c = first + a, some.shape[2]
+        p = torch.arange(at, at + c, device=q.device)
+        lo = min(S, max(0, at - w + 1))
+        hi = max(lo, min(S, at + c if is_causal else at + c - 1 + w))  # queries may lie before the keys
+        near = torch.arange(lo, hi, device=q.device)
+        sink = torch.cat([torch.arange(min(s, lo), device=q.device), torch.arange(hi, min(S, max(s, hi)),
+                                                                                    device=q.device)])  # fmt: skip
+        keys, values = (torch.cat([x.index_select(2, sink), x[:, :, lo:hi]], dim=2).repeat_interleave(per, dim=1)
+                        for x in (k, v))  # fmt: skip
+        seen = torch.cat([_seen(sink, p, real, is_causal, w, s, False), _seen(near, p, real, is_causal, w, s, True)],
+                         -1)  # fmt: skip
+        parts.append(_part(some, keys, values, seen, scale))
+    return tuple(torch.cat(x, dim=2) for x in zip(*parts))
 
 
 def _part(q: Tensor, k: Tensor, v: Tensor, seen: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -73,25 +91,74 @@ def _merge(*parts: tuple[Tensor, Tensor, Tensor]) -> Tensor:
     return out / torch.where(total > 0, total, 1.0)
 
 
-def _far(q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float):
-    """The far part (``_part``) of each query: its own blocks ``index`` ``(B, H / shared, c,
-    blocks)``, read whole from the key/value heads ``k``, ``v``, so that what one query computes
-    never depends on what the others chose. The heads of a group read one gathered copy where
-    they share a key/value head."""
+def _far(q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float, rows: int):
+    """The far part (``_part``) of each query over its own blocks ``index`` ``(B, H / shared, c,
+    blocks)`` (``ok``: the block was eligible). The queries that chose a block are gathered into
+    segments of ``rows`` (``_segments``), each segment scored against its
+    block in one batched product, and each query's partials summed under its largest far score:
+    a row reads only its own query and block, and adds into its query in block order. The heads of
+    a group share their rows' block where they share a key/value head."""
     B, H, c, D = q.shape
-    groups, per, size = index.shape[1], H // k.shape[1], counted.shape[-1]
+    groups, per, n = index.shape[1], H // k.shape[1], counted.shape[1]
     shared = H // groups
-    if per % shared:  # a group spans key/value heads: each head gathers its own
+    if per % shared:  # a group spans key/value heads: each head chooses on its own
         index, ok, shared = index.repeat_interleave(shared, dim=1), ok.repeat_interleave(shared, dim=1), 1
-    units = H // shared
-    rows = torch.arange(B, device=q.device).view(B, 1, 1, 1)
-    source = (torch.arange(units, device=q.device) * shared // per).view(1, units, 1, 1)
-    at = (index[..., None] * size + torch.arange(size, device=q.device)).flatten(-2)  # (B, U, c, F) positions
-    seen = ok.repeat_interleave(size, dim=-1) & counted.flatten(1)[rows, at]
-    keys, values = (x[rows, source, at.clamp_max(x.shape[2] - 1)] for x in (k, v))  # (B, U, c, F, ·)
-    grouped = q.view(B, units, shared, c, D).transpose(2, 3)  # (B, U, c, shared, D)
-    parts = _part(grouped, keys, values, seen.unsqueeze(-2), scale)
-    return tuple(x.transpose(2, 3).reshape(B, H, c, -1) for x in parts)
+    units, work = H // shared, work_dtype(q.dtype)
+    asks, count = B * units * c, B * units * n  # the (row, unit, query) rows, and the blocks of all units
+    streams = torch.arange(B * units, device=q.device).view(B, units, 1, 1) * n
+    asker, owner = _segments(torch.where(ok, streams + index, count), count, rows)
+    if not owner.numel():  # no query in the chunk has a far block
+        top = q.new_full((B, H, c, 1), float("-inf"), dtype=work)
+        return top, torch.zeros_like(top), q.new_zeros((B, H, c, v.shape[-1]), dtype=work)
+    mine = q.to(work).view(B, units, shared, c, D).transpose(2, 3).reshape(asks, shared * D)  # gradients sum in work
+    queries = mine.index_select(0, asker.clamp_max(asks - 1)).view(owner.numel(), -1, D)  # an empty slot: any row
+    keys, values, bias = _blocks(k, v, counted, owner, units, shared, work)
+    scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)  # (T, rows · shared, block)
+    top = torch.full((asks + 1, shared), float("-inf"), dtype=work, device=q.device)
+    top.scatter_reduce_(0, asker[:, None].expand(-1, shared), scores.detach().amax(-1).view(-1, shared), "amax")
+    safe = torch.where(torch.isfinite(top), top, 0.0)  # the largest far score of each query (a constant shift)
+    weights = scores.sub_(safe.index_select(0, asker).view(scores.shape[0], -1, 1)).exp_()
+    total = weights.new_zeros(asks + 1, shared).index_add_(0, asker, weights.sum(-1).view(-1, shared))
+    out = torch.bmm(weights, values).view(asker.numel(), shared, -1)
+    out = out.new_zeros(asks + 1, *out.shape[1:]).index_add_(0, asker, out)
+    parts = (top[:asks, :, None], total[:asks, :, None], out[:asks])
+    return tuple(x.view(B, units, c, shared, -1).transpose(2, 3).reshape(B, H, c, -1) for x in parts)
+
+
+def _blocks(k: Tensor, v: Tensor, counted: Tensor, owner: Tensor, units: int, shared: int, work: torch.dtype):
+    """The keys and values ``(T, block, ·)`` of each segment's block (``owner``: of the blocks of all
+    rows and units), read from the key/value heads, and the additive mask ``(T, 1, block)`` of
+    its keys that count (sinks and padding: −inf)."""
+    Hk, S = k.shape[1:3]
+    n, size = counted.shape[1:]
+    b, block = owner // (units * n), owner % n
+    source = (b * Hk + owner // n % units * shared // (units * shared // Hk)) * n + block
+    if n * size > S:  # the last block partly filled (it is chosen only without causality)
+        k, v = (torch.nn.functional.pad(x, (0, 0, 0, n * size - S)) for x in (k, v))
+    keys, values = (x.to(work).reshape(-1, size, x.shape[-1]).index_select(0, source) for x in (k, v))
+    bias = torch.zeros(owner.shape[0], 1, size, dtype=work, device=k.device)
+    return keys, values, bias.masked_fill_(~counted[b, block][:, None], float("-inf"))
+
+
+def _segments(ids: Tensor, count: int, rows: int) -> tuple[Tensor, Tensor]:
+    """Segments of ``rows`` slots for the pairs ``ids`` ``(..., blocks)`` (each query's chosen
+    blocks, numbered below ``count``; ``count``: none), a block's pairs in their order and its
+    segments consecutive. Returns each slot's query (the index of ``ids[..., 0]``'s entry; that
+    count for an empty slot) and each segment's block."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    ranked = flat[order]
+    counts = torch.bincount(flat, minlength=count + 1)[:count]
+    spans = (counts + rows - 1).div(rows, rounding_mode="floor")
+    ends = spans.cumsum(0)
+    segments = int(ends[-1])
+    at = ranked.clamp_max(count - 1)
+    place = (ends - spans)[at] * rows + torch.arange(flat.numel(), device=ids.device) - (counts.cumsum(0) - counts)[at]
+    asks = flat.numel() // max(ids.shape[-1], 1)
+    asker = torch.full((segments * rows + 1,), asks, dtype=torch.long, device=ids.device)
+    asker[torch.where(ranked < count, place, segments * rows)] = order // ids.shape[-1]
+    owner = torch.repeat_interleave(torch.arange(count, device=ids.device), spans, output_size=segments)
+    return asker[:-1], owner
 
 
 def _seen(keys: Tensor, p: Tensor, real: Tensor, is_causal: bool, w: int, s: int, window: bool) -> Tensor:
