@@ -121,6 +121,35 @@ def test_segment_rows_and_window_blocks_change_only_rounding(rows, window_block)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
 
+def test_a_non_finite_query_reaches_no_other_row_s_gradients():
+    """A segment's empty slots are scored with zeros, never another query: a NaN query of batch row
+    1 (the mechanism called directly, past the containment of ``subquad.attention``) leaves row 0's
+    output and the gradients it sends bit-identical."""
+    q, k, v = (x.requires_grad_() for x in qkv(2, 2, 40, 40, 8, 8, seed=9))
+    config = RetrievalConfig(window=4, sinks=1, blocks=3, block=4)
+    results = []
+    for fill in (None, float("nan")):
+        query = q if fill is None else torch.cat([q[:1], torch.full_like(q[1:], fill)])
+        out = retrieval_attention(query, k, v, config=config)[0]
+        results.append((out.detach(), *torch.autograd.grad(out.sum(), (k, v))))
+    for clean, poisoned in zip(*results):
+        assert torch.equal(clean[0], poisoned[0])
+
+
+def test_each_query_sums_its_slots_by_index_add_or_by_its_own_slots():
+    """Off the CPU (where index_add adds with atomics, in any order) each query sums its own slots
+    gathered; both ways give each query its slots' sum, an empty slot and an unchosen pair nothing."""
+    from subquad.ops.far_blocks import _per_query, _segments
+
+    ids = torch.tensor([[0, 2], [2, 5], [5, 0], [1, 5]])  # 4 queries, 2 pairs each; 5: no block
+    asker, owner, slot = _segments(ids, 5, 2)
+    assert owner.tolist() == [0, 1, 2] and asker.tolist() == [0, 2, 3, 4, 0, 1]  # 4: an empty slot
+    assert slot.tolist() == [0, 4, 5, 6, 6, 1, 2, 6]  # 6: past the last slot (no block)
+    x = torch.arange(6.0).view(6, 1, 1) + 1
+    for ordered in (True, False):
+        assert _per_query(x, asker, slot, 4, ordered).flatten().tolist() == [1 + 5, 6, 2, 3]  # slots 0 + 4; 5; 1; 2
+
+
 def test_with_gradients_chunks_gather_retrieval_gather_grad_bytes(monkeypatch):
     """A chunk's far part holds queries × blocks × (block + D + Dv) elements (each query's row, scores
     and output per chosen block): with gradients ``TUNING.retrieval_gather_grad`` bytes of them,

@@ -96,8 +96,8 @@ def _far(q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Te
     blocks)`` (``ok``: the block was eligible). The queries that chose a block are gathered into
     segments of ``rows`` (``_segments``), each segment scored against its
     block in one batched product, and each query's partials summed under its largest far score:
-    a row reads only its own query and block, and adds into its query in block order. The heads of
-    a group share their rows' block where they share a key/value head."""
+    a row reads only its own query and block, and its query sums its partials in block order. The
+    heads of a group share their rows' block where they share a key/value head."""
     B, H, c, D = q.shape
     groups, per, n = index.shape[1], H // k.shape[1], counted.shape[1]
     shared = H // groups
@@ -106,23 +106,34 @@ def _far(q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Te
     units, work = H // shared, work_dtype(q.dtype)
     asks, count = B * units * c, B * units * n  # the (row, unit, query) rows, and the blocks of all units
     streams = torch.arange(B * units, device=q.device).view(B, units, 1, 1) * n
-    asker, owner = _segments(torch.where(ok, streams + index, count), count, rows)
+    asker, owner, slot = _segments(torch.where(ok, streams + index, count), count, rows)
     if not owner.numel():  # no query in the chunk has a far block
         top = q.new_full((B, H, c, 1), float("-inf"), dtype=work)
         return top, torch.zeros_like(top), q.new_zeros((B, H, c, v.shape[-1]), dtype=work)
     mine = q.to(work).view(B, units, shared, c, D).transpose(2, 3).reshape(asks, shared * D)  # gradients sum in work
-    queries = mine.index_select(0, asker.clamp_max(asks - 1)).view(owner.numel(), -1, D)  # an empty slot: any row
+    mine = torch.cat([mine, mine.new_zeros(1, shared * D)])  # an empty slot's row: zeros, whatever q holds
+    queries = mine.index_select(0, asker).view(owner.numel(), -1, D)
     keys, values, bias = _blocks(k, v, counted, owner, units, shared, work)
     scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)  # (T, rows · shared, block)
     top = torch.full((asks + 1, shared), float("-inf"), dtype=work, device=q.device)
     top.scatter_reduce_(0, asker[:, None].expand(-1, shared), scores.detach().amax(-1).view(-1, shared), "amax")
     safe = torch.where(torch.isfinite(top), top, 0.0)  # the largest far score of each query (a constant shift)
     weights = scores.sub_(safe.index_select(0, asker).view(scores.shape[0], -1, 1)).exp_()
-    total = weights.new_zeros(asks + 1, shared).index_add_(0, asker, weights.sum(-1).view(-1, shared))
-    out = torch.bmm(weights, values).view(asker.numel(), shared, -1)
-    out = out.new_zeros(asks + 1, *out.shape[1:]).index_add_(0, asker, out)
-    parts = (top[:asks, :, None], total[:asks, :, None], out[:asks])
+    total = _per_query(weights.sum(-1).view(-1, shared, 1), asker, slot, asks)
+    out = _per_query(torch.bmm(weights, values).view(asker.numel(), shared, -1), asker, slot, asks)
+    parts = (top[:asks, :, None], total, out)
     return tuple(x.view(B, units, c, shared, -1).transpose(2, 3).reshape(B, H, c, -1) for x in parts)
+
+
+def _per_query(x: Tensor, asker: Tensor, slot: Tensor, asks: int, ordered: bool | None = None) -> Tensor:
+    """Each query's sum ``(asks, ·)`` of its slots' rows of ``x``, added in slot order: on the CPU by
+    ``index_add`` (which adds in index order there), elsewhere, where it adds with atomics in any
+    order, as a sum over each query's own slots (``slot``: each pair's, past the last: none).
+    ``ordered``: whether ``index_add`` adds in order (default: on the CPU)."""
+    if x.device.type == "cpu" if ordered is None else ordered:
+        return x.new_zeros(asks + 1, *x.shape[1:]).index_add_(0, asker, x)[:asks]
+    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    return padded[slot].view(asks, -1, *x.shape[1:]).sum(1)
 
 
 def _blocks(k: Tensor, v: Tensor, counted: Tensor, owner: Tensor, units: int, shared: int, work: torch.dtype):
@@ -132,19 +143,21 @@ def _blocks(k: Tensor, v: Tensor, counted: Tensor, owner: Tensor, units: int, sh
     Hk, S = k.shape[1:3]
     n, size = counted.shape[1:]
     b, block = owner // (units * n), owner % n
-    source = (b * Hk + owner // n % units * shared // (units * shared // Hk)) * n + block
-    if n * size > S:  # the last block partly filled (it is chosen only without causality)
+    if n * size > S and bool((block == n - 1).any()):  # the last block, partly filled, chosen (not causal)
         k, v = (torch.nn.functional.pad(x, (0, 0, 0, n * size - S)) for x in (k, v))
-    keys, values = (x.to(work).reshape(-1, size, x.shape[-1]).index_select(0, source) for x in (k, v))
+    elif n * size > S:  # the whole blocks, a view
+        k, v = (x[:, :, : (n - 1) * size] for x in (k, v))
+    head = owner // n % units * shared // (units * shared // Hk)  # the key/value head of the segment's unit
+    keys, values = (x.to(work).view(*x.shape[:2], -1, size, x.shape[-1])[b, head, block] for x in (k, v))
     bias = torch.zeros(owner.shape[0], 1, size, dtype=work, device=k.device)
     return keys, values, bias.masked_fill_(~counted[b, block][:, None], float("-inf"))
 
 
-def _segments(ids: Tensor, count: int, rows: int) -> tuple[Tensor, Tensor]:
+def _segments(ids: Tensor, count: int, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     """Segments of ``rows`` slots for the pairs ``ids`` ``(..., blocks)`` (each query's chosen
     blocks, numbered below ``count``; ``count``: none), a block's pairs in their order and its
-    segments consecutive. Returns each slot's query (the index of ``ids[..., 0]``'s entry; that
-    count for an empty slot) and each segment's block."""
+    segments consecutive. Returns each slot's query (the index of ``ids[..., 0]``'s entry; their
+    number for an empty slot), each segment's block, and each pair's slot (past the last: none)."""
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
     ranked = flat[order]
@@ -154,11 +167,12 @@ def _segments(ids: Tensor, count: int, rows: int) -> tuple[Tensor, Tensor]:
     segments = int(ends[-1])
     at = ranked.clamp_max(count - 1)
     place = (ends - spans)[at] * rows + torch.arange(flat.numel(), device=ids.device) - (counts.cumsum(0) - counts)[at]
-    asks = flat.numel() // max(ids.shape[-1], 1)
-    asker = torch.full((segments * rows + 1,), asks, dtype=torch.long, device=ids.device)
-    asker[torch.where(ranked < count, place, segments * rows)] = order // ids.shape[-1]
+    slot = torch.empty_like(flat)
+    slot[order] = torch.where(ranked < count, place, segments * rows)
+    asker = torch.full((segments * rows + 1,), flat.numel() // ids.shape[-1], dtype=torch.long, device=ids.device)
+    asker[slot] = torch.arange(flat.numel(), device=ids.device) // ids.shape[-1]
     owner = torch.repeat_interleave(torch.arange(count, device=ids.device), spans, output_size=segments)
-    return asker[:-1], owner
+    return asker[:-1], owner, slot
 
 
 def _seen(keys: Tensor, p: Tensor, real: Tensor, is_causal: bool, w: int, s: int, window: bool) -> Tensor:
