@@ -55,9 +55,13 @@ def test_an_encoder_s_full_attention_reproduces_it_and_others_are_scored(data, t
     assert saved["settings"]["samples"] == 20 and not saved["settings"]["decoder"]
 
 
-def test_a_decoder_s_perplexity_and_agreement_and_the_speed_columns(data, tmp_path):
+def test_a_decoder_s_perplexity_and_agreement_and_the_speed_columns(data, tmp_path, capsys):
     rows = ap.approx(data / "decoder", data / "passages.jsonl", ["full", "local:window=3"], tmp_path, tokens=32,
                      samples=8, batch=4, context=32)  # fmt: skip
+    shown = capsys.readouterr().out  # each model's pass over the windows shows its progress
+    assert all(
+        f"\r  windows {label}: {n}/8" in shown for label in ("original", "full", "local:window=3") for n in (0, 4, 8)
+    )
     by = {r["spec"]: r for r in rows}
     assert by["full"]["perplexity"] == pytest.approx(by["original"]["perplexity"], rel=1e-5)
     assert by["full"]["top1_agreement"] == 1.0 and by["original"]["top1_agreement"] == 1.0

@@ -56,11 +56,12 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 @torch.no_grad()
-def _outputs(model: nn.Module, windows: Windows, batch: int, decoder: bool) -> dict[str, Tensor]:
+def _outputs(model: nn.Module, windows: Windows, batch: int, decoder: bool, show: Any) -> dict[str, Tensor]:
     """Encoders: unit mean-pooled embeddings ``(n, E)``. Decoders: next-token log-losses ``(n, T-1)``
-    and predictions ``(n, T-1)``."""
+    and predictions ``(n, T-1)``. ``show(done, total)``: the windows' progress."""
     parts: dict[str, list[Tensor]] = {}
     for start in range(0, len(windows.ids), batch):
+        show(start, len(windows.ids))
         ids = windows.ids[start : start + batch]
         if decoder:
             logits = model(input_ids=ids).logits[:, :-1].float()
@@ -70,6 +71,7 @@ def _outputs(model: nn.Module, windows: Windows, batch: int, decoder: bool) -> d
         else:
             hidden = model(input_ids=ids).last_hidden_state.float().mean(1)
             parts.setdefault("embedding", []).append(nn.functional.normalize(hidden, dim=-1))
+    show(len(windows.ids), len(windows.ids))
     return {k: torch.cat(v).cpu() for k, v in parts.items()}
 
 
@@ -273,8 +275,10 @@ class _Run:
         the others measured, the file rewritten after each."""
         from subquad import hf
 
-        outputs = lambda model: _outputs(model, self.windows, self.config.batch, self.decoder)  # noqa: E731
-        original = outputs(self.model)
+        outputs = lambda model, label: _outputs(  # noqa: E731
+            model, self.windows, self.config.batch, self.decoder, _progress("windows", {"spec": label})
+        )
+        original = outputs(self.model, "original")
         rows = [done.get("original") or {"spec": "original", **_quality(original, original, self.windows.labels)}]
         for label in [*self.config.mechanisms, *folders]:
             if label in done:
@@ -285,7 +289,7 @@ class _Run:
             else:
                 swapped = hf.use(self.model, label)
                 self.calibrate(label)
-            rows.append({"spec": label, **_quality(original, outputs(swapped), self.windows.labels)})
+            rows.append({"spec": label, **_quality(original, outputs(swapped, label), self.windows.labels)})
             if label not in folders:
                 hf.restore(self.model)
             _write(saved, self.settings, rows)
