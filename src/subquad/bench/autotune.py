@@ -83,6 +83,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("multires_causal_chunk", _cells("multires", (1024, 4096), (True,), _BOTH), (0.5, 2.0)),
     Knob("multires_query_block", _cells("multires", (1024, 4096), (False,), (False,))),
     Knob("agglomerative_chunk", _cells("agglomerative", (1024, 4096), (True,), _BOTH), (0.5, 2.0)),
+    Knob("retrieval_gather", _cells("retrieval", (1024, 4096), _BOTH, (False,))),
+    Knob("retrieval_rows", _cells("retrieval", (1024, 4096), (True,), (False,)), (0.5, 2.0)),
 )
 
 
