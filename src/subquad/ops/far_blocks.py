@@ -94,8 +94,8 @@ def _merge(*parts: tuple[Tensor, Tensor, Tensor]) -> Tensor:
 def _far(q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float, rows: int):
     """The far part (``_part``) of each query over its own blocks ``index`` ``(B, H / shared, c,
     blocks)`` (``ok``: the block was eligible). The queries that chose a block are gathered into
-    segments of ``rows`` (``_segments``), each segment scored against its
-    block in one batched product, and each query's partials summed under its largest far score:
+    segments of ``rows`` (``_segments``), each segment scored against its block in one batched
+    product, and each query's partials summed under its largest far score:
     a row reads only its own query and block, and its query sums its partials in block order. The
     heads of a group share their rows' block where they share a key/value head."""
     B, H, c, D = q.shape
@@ -130,7 +130,7 @@ def _per_query(x: Tensor, asker: Tensor, slot: Tensor, asks: int, ordered: bool 
     ``index_add`` (which adds in index order there), elsewhere, where it adds with atomics in any
     order, as a sum over each query's own slots (``slot``: each pair's, past the last: none).
     ``ordered``: whether ``index_add`` adds in order (default: on the CPU)."""
-    if x.device.type == "cpu" if ordered is None else ordered:
+    if (x.device.type == "cpu" and ordered is None) or ordered:
         return x.new_zeros(asks + 1, *x.shape[1:]).index_add_(0, asker, x)[:asks]
     padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
     return padded[slot].view(asks, -1, *x.shape[1:]).sum(1)
