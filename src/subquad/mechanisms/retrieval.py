@@ -50,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 
 from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
+from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
 from subquad.masks import window_covers
 from subquad.ops.far_blocks import block_bounds, one_query, retrieval_chunk
@@ -139,6 +140,7 @@ def _attend(
     gather = TUNING.retrieval_gather_grad // q.element_size() if grad else TUNING.retrieval_gather
     step = max(1, gather // (B * H * min(config.blocks, n) * (size + q.shape[-1] + v.shape[-1])))
     outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
+    k, v = (x.to(work_dtype(q.dtype)) for x in (k, v))  # half inputs: once per call, not per chunk
     for a in range(0, L, step):
         args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, sizes)
         outputs.append(checkpoint(retrieval_chunk, *args, use_reentrant=False) if grad else retrieval_chunk(*args))
