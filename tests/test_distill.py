@@ -30,6 +30,7 @@ CONVERSIONS = [
     ("agglomerative", {}, 2 * (32 * 4 + 4) + 4),
     ("multires", {"rates": (0.5, 0.25)}, 32 * 2),
     ("routing", {"clusters": 2}, 0),
+    ("retrieval", {"window": 3, "sinks": 1, "blocks": 1, "block": 2, "feature_map": "hedgehog"}, 4 * 8 * 8 + 4 * 8),
 ]
 
 
@@ -169,12 +170,13 @@ def test_a_damaged_converted_folder_is_named(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{"feature_map": "hedgehog"}, {"feature_map": "hedgehog", "window": 4},
-     {"feature_map": "hedgehog", "window": 3, "sinks": 2}],
+    "name, options",
+    [("linear", {"feature_map": "hedgehog"}), ("linear", {"feature_map": "hedgehog", "window": 4}),
+     ("linear", {"feature_map": "hedgehog", "window": 3, "sinks": 2}),
+     ("retrieval", {"window": 3, "sinks": 1, "blocks": 1, "block": 2, "feature_map": "hedgehog"})],
 )  # fmt: skip
-def test_a_converted_decoder_generates_the_same_tokens_with_and_without_the_cache(options):
-    model = converted(llama, "linear", options)
+def test_a_converted_decoder_generates_the_same_tokens_with_and_without_the_cache(name, options):
+    model = converted(llama, name, options)
     prompt = ids(1, 6)
     cached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True)
     uncached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False)

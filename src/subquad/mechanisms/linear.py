@@ -76,10 +76,10 @@ from subquad.ops.causal_blocks import in_query_blocks
 from subquad.ops.kept_window import Kept, kept_from_prompt, pieces
 from subquad.ops.linear_blocks import Causal, NonCausal, features, normalise
 from subquad.ops.scan import causal_dot_forward
-from subquad.ops.windowed_linear import far_sums, learned_features, windowed, windowed_step
+from subquad.ops.windowed_linear import LinearState, far_sums, learned_features, learned_state, windowed, windowed_step
 from subquad.registry import Config, Mechanism, option
 
-__all__ = ["LinearConfig", "LinearDecoder", "LinearState", "learned_features", "linear_attention"]
+__all__ = ["LinearConfig", "LinearDecoder", "LinearState", "learned_features", "learned_state", "linear_attention"]
 
 
 @dataclass(frozen=True)
@@ -106,48 +106,6 @@ class LinearConfig(Config):
                 f"linear option sinks={self.sinks} joins the first keys to the softmax window, but window is 0; "
                 "set window=w > 0 as well, or leave sinks=0"
             )
-
-
-class LinearState(nn.Module):
-    """The learned feature maps of ``feature_map="hedgehog"``: per head, ``weight`` ``(H, D, D)``
-    (initially the identity) and ``bias`` ``(H, D)`` (initially 0). Other feature maps learn
-    nothing and the state holds no tensor.
-
-    Args:
-        config: a ``LinearConfig``.
-        num_heads: H; every head has its own map.
-        head_dim: D, the query and key width.
-        seed: unused (the initial map is the identity); taken for the state signature.
-    """
-
-    def __init__(self, config: LinearConfig, num_heads: int, head_dim: int, seed: int = 0) -> None:
-        super().__init__()
-        self.learned = config.feature_map == "hedgehog"
-        if self.learned:
-            self.weight = nn.Parameter(torch.eye(head_dim).repeat(num_heads, 1, 1))
-            self.bias = nn.Parameter(torch.zeros(num_heads, head_dim))
-
-    def extra_repr(self) -> str:
-        if not self.learned:
-            return "no learned feature map"
-        heads, dim, _ = self.weight.shape
-        return f"hedgehog, heads={heads}, head_dim={dim}"
-
-
-def _resolve_state(state: nn.Module | None, config: LinearConfig, heads: int, dim: int, device) -> LinearState | None:
-    if config.feature_map != "hedgehog":
-        return None
-    if state is None:
-        return LinearState(config, heads, dim).to(device)
-    if not isinstance(state, LinearState) or not state.learned:
-        got = "one built for another feature map" if isinstance(state, LinearState) else type(state).__name__
-        raise ValueError(f"linear with feature_map=hedgehog needs a LinearState built with that config, got {got}")
-    if tuple(state.weight.shape) != (heads, dim, dim):
-        raise ValueError(
-            f"the linear state's maps are (heads, head_dim, head_dim) = {tuple(state.weight.shape)} but this call "
-            f"needs {(heads, dim, dim)}; build it as LinearState(config, {heads}, {dim})"
-        )
-    return state
 
 
 def linear_attention(
@@ -179,7 +137,7 @@ def linear_attention(
         raise ValueError(f"linear attention has no softmax scale; leave scale=None (got {scale})")
     B, H, L, S, Dv = shape.batch, shape.heads, shape.queries, shape.keys, shape.value_dim
     name, dtype = config.feature_map, q.dtype
-    learned = _resolve_state(state, config, H, shape.head_dim, q.device)
+    learned = learned_state(state, config, H, shape.head_dim, q.device)
     if config.window:
         return _windowed(q, k, v, key_padding_mask, is_causal, scale, config, learned).to(dtype)
     if learned is not None:  # φ in autograd; the kernels' ReLU passes positive features through
@@ -236,7 +194,7 @@ class LinearDecoder(Decoder):
 
     @torch.no_grad()
     def _absorb(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
-        learned = _resolve_state(self.state, self.config, q.shape[1], q.shape[-1], q.device)
+        learned = learned_state(self.state, self.config, q.shape[1], q.shape[-1], q.device)
         far = key_padding_mask
         if self.config.window:
             self.kept, far = kept_from_prompt(k, v, key_padding_mask, self.config.sinks, self.config.window)
@@ -246,7 +204,7 @@ class LinearDecoder(Decoder):
     def _step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the prefix and the new keys."""
         B, H, T, D = q.shape
-        learned = _resolve_state(self.state, self.config, H, D, q.device)
+        learned = learned_state(self.state, self.config, H, D, q.device)
         if self.config.window:
             if self.kept is None:
                 self._absorb(q[:, :, :0], k[:, :, :0], v[:, :, :0], None)

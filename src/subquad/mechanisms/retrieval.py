@@ -26,17 +26,18 @@ and values up to p, so ``RetrievalCache`` decodes it exactly. The far keys cost 
 per query beside the window's; ranking costs O(S/block) per query, a small quadratic term (S/block
 bounds per query, as in Quest) where full attention pays S dot products.
 
-**Computation.** Queries go in chunks (``TUNING.retrieval_gather`` elements of far-part work at a
-time; with gradients ``TUNING.retrieval_gather_grad`` bytes, see there). A chunk's sinks and
-window part is scored in blocks of ``TUNING.retrieval_window_block`` queries, each against its
-sinks and its window's key range. Its far part goes block by block: the queries that chose a
-block are gathered into segments of ``TUNING.retrieval_rows`` (a block's queries in position
-order), each segment scored against its block in one batched product, and each query's partials
-merged by its far maximum; a row reads only its own query and block, and a query keeps its place
-in its block's order whatever later queries chose, so the past's output stays bit-identical when
-the future changes. The parts merge in one softmax. With gradients, each chunk is checkpointed
-(recomputed in the backward, not kept). Grouped-query keys and values are read in place for the
-far blocks; only a window block's sinks and range are repeated to the query heads.
+**A kernel part (``feature_map``: LoLA's linear state beside the hard keys).** The far keys no chosen
+block holds (real, not sinks) enter by kernel attention, ``(m·o + Σ φ(q)·φ(k) v) / (m + Σ φ(q)·φ(k))``
+(``linear``'s window formula; o the softmax above, m = 1 where it holds a real key): the sums over
+every key beyond the window less the chosen blocks' share, so no key counts twice. φ: elu, relu or
+hedgehog (``LinearState``, trained by ``convert`` + ``distill``); the cache keeps the sums.
+
+**Computation** (``ops.far_blocks``). Queries go in chunks (``TUNING.retrieval_gather`` elements
+of far-part work; with gradients ``retrieval_gather_grad`` bytes), each checkpointed under
+autograd. A chunk's sinks and window are scored in blocks of ``TUNING.retrieval_window_block``
+queries; its far part block by block, the queries that chose a block in segments of
+``TUNING.retrieval_rows`` in position order, so a query's output does not depend on later
+queries' choices (the past stays bit-identical). Grouped-query keys are read in place.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from subquad.decoding import Decoder
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
 from subquad.masks import window_covers
-from subquad.ops.far_blocks import block_bounds, one_query, retrieval_chunk
+from subquad.ops.far_blocks import block_bounds, kernel_inputs, one_query, retrieval_chunk
+from subquad.ops.windowed_linear import LinearState, far_sums, learned_state, phi
 from subquad.registry import Config, Mechanism, option
 
 if TYPE_CHECKING:
@@ -71,6 +73,12 @@ class RetrievalConfig(Config):
     block: int = option(32, "keys per far block (by position)", ge=1)
     shared: int = option(
         1, "consecutive query heads that choose their far blocks together (bounds summed; NSA's group selection)", ge=1
+    )
+    feature_map: str = option(
+        "none",
+        "the far keys no chosen block holds: none (not seen), or kernel attention with φ = elu, relu or hedgehog "
+        "(learned, LinearState), under one normaliser with the softmax part (LoLA's linear state)",
+        choices=("none", "elu", "relu", "hedgehog"),
     )
 
 
@@ -94,6 +102,7 @@ def retrieval_attention(
         is_causal: query i (at key position p = i + S − L) sees keys ≤ p only.
         scale: softmax scale, default ``D ** -0.5``.
         config: ``RetrievalConfig``.
+        state: a ``LinearState`` (feature_map=hedgehog: the learned maps; default the initial ones).
         enable_gqa: k and v may have a divisor of q's heads (grouped-query).
 
     Returns:
@@ -106,17 +115,19 @@ def retrieval_attention(
             f"retrieval's shared={config.shared} groups query heads that choose blocks together, but there are "
             f"{q.shape[1]} heads: give a divisor of {q.shape[1]}"
         )
-    return _attend(q, k, v, key_padding_mask, is_causal, scale, config)[0]
+    learned = learned_state(state, config, q.shape[1], q.shape[-1], q.device)
+    return _attend(q, k, v, key_padding_mask, is_causal, scale, config, learned)[0]
 
 
 def _attend(
     q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool, scale: float | None,
-    config: RetrievalConfig, known: tuple[Tensor, Tensor] | None = None,
+    config: RetrievalConfig, learned: nn.Module | None, known: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:  # fmt: skip
-    """``retrieval_attention`` on checked inputs, and the bounds (low, high) of the keys' whole
-    blocks, ``(B, Hk, S // block, D)`` each (None where the keys are fewer than a block), for a
-    decoder to keep. ``known``: those of the first blocks, from an earlier call over the same keys
-    (min and max are exact: the same bounds, read instead of recomputed)."""
+    """``retrieval_attention`` on checked inputs (``learned``: hedgehog's ``LinearState``), and the
+    bounds (low, high) of the keys' whole blocks, ``(B, Hk, S // block, D)`` each (None where the
+    keys are fewer than a block), for a decoder to keep. ``known``: those of the first blocks, from
+    an earlier call over the same keys (min and max are exact: the same bounds, read instead of
+    recomputed)."""
     B, H, L, _ = q.shape
     S, per = k.shape[2], H // k.shape[1]  # per: query heads per key/value head
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -140,9 +151,12 @@ def _attend(
     gather = TUNING.retrieval_gather_grad // q.element_size() if grad else TUNING.retrieval_gather
     step = max(1, gather // (B * H * min(config.blocks, n) * (size + q.shape[-1] + v.shape[-1])))
     outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
+    kernel = None if config.feature_map == "none" else kernel_inputs(q, k, v, real, is_causal, config, learned)
     k, v = (x.to(work_dtype(q.dtype)) for x in (k, v))  # half inputs: once per call, not per chunk
     for a in range(0, L, step):
         args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, sizes)
+        if kernel is not None:
+            args += ((kernel[0][:, :, a : a + step], kernel[1], kernel[2][:, :, a : a + step]),)
         outputs.append(checkpoint(retrieval_chunk, *args, use_reentrant=False) if grad else retrieval_chunk(*args))
     return torch.cat(outputs, dim=2), whole if size == config.block else None
 
@@ -159,7 +173,8 @@ class RetrievalCache(Decoder):
     absorbs = True
     grouped = True  # grouped-query keys and values are kept unrepeated (read in place by the far blocks)
     description = (
-        "KV cache of each row's real tokens, and each whole block's bounds (the far blocks are chosen by them)"
+        "KV cache of each row's real tokens, each whole block's bounds (the far blocks are chosen by them) and, with a "
+        "feature_map, the kernel sums of the keys beyond the window"
     )
     holds = "keys"
 
@@ -171,6 +186,7 @@ class RetrievalCache(Decoder):
         self.low: Tensor | None = None  # (B, Hk, capacity / block, D): the bounds of each row's whole blocks
         self.high: Tensor | None = None
         self.known: Tensor | None = None  # (B,): whole blocks whose bounds are held
+        self.sums = self.summed = None  # a kernel part's Σ φ(k) [v, 1]ᵀ (B, H, F, Dv + 1) over keys [sinks, summed)
 
     def _absorb(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
         self.known = torch.zeros(k.shape[0], dtype=torch.long, device=k.device)
@@ -212,19 +228,34 @@ class RetrievalCache(Decoder):
         the bounds of their blocks completed since are kept. One query a row: ``one_query``."""
         m, size = int(self.known[rows].min()), self.config.block
         keys, values = self.keys[rows, :, :n], self.values[rows, :, :n]
+        learned = learned_state(self.state, self.config, q.shape[1], q.shape[-1], q.device)
         if q.shape[2] == 1 and n >= size:
             count = n // size
             if count > m:
                 fresh = keys[:, :, m * size : count * size].view(*keys.shape[:2], count - m, size, keys.shape[-1])
                 counted = torch.arange(m * size, count * size, device=q.device).view(1, -1, size) >= self.config.sinks
                 self._keep(rows, m, block_bounds(fresh, counted.expand(keys.shape[0], -1, -1)))
+            sums = None if self.config.feature_map == "none" else self._sums(rows, q, keys, values, learned)
             return one_query(q, keys, values, self.low[rows, :, :count], self.high[rows, :, :count], self.scale,
-                             self.config)  # fmt: skip
+                             self.config, None if sums is None else (learned, sums))  # fmt: skip
         known = None if m == 0 else (self.low[rows, :, :m], self.high[rows, :, :m])
-        out, whole = _attend(q, keys, values, None, True, self.scale, self.config, known)
+        out, whole = _attend(q, keys, values, None, True, self.scale, self.config, learned, known)
         if whole is not None and whole[0].shape[2] > m:
             self._keep(rows, m, tuple(x[:, :, m:] for x in whole))
         return out
+
+    def _sums(self, rows: slice, q: Tensor, keys: Tensor, values: Tensor, learned: nn.Module | None) -> Tensor:
+        """The kernel sums of ``rows`` over the keys beyond the new (last) key's window, less sinks."""
+        if self.sums is None:
+            F = phi(q[:1, :, :0], self.config.feature_map, learned).shape[-1]
+            self.sums = q.new_zeros(self.keys.shape[0], q.shape[1], F, values.shape[-1] + 1, dtype=work_dtype(q.dtype))
+            self.summed = torch.full_like(self.filled, self.config.sinks)
+        start, end = int(self.summed[rows].min()), keys.shape[2] - self.config.window
+        if end > start:  # rows stepped together hold as many keys, so they have summed as many
+            part = (x[:, :, start:end].repeat_interleave(q.shape[1] // keys.shape[1], dim=1) for x in (keys, values))
+            self.sums[rows] += far_sums(*part, None, self.config.feature_map, learned)
+            self.summed[rows] = end
+        return self.sums[rows]
 
     def _keep(self, rows: slice, m: int, bounds: tuple[Tensor, Tensor]) -> None:
         """Hold ``bounds``, those of ``rows``' whole blocks from ``m`` on."""
@@ -250,7 +281,8 @@ MECHANISM = Mechanism(
     fn=retrieval_attention,
     config=RetrievalConfig,
     summary="window + sinks + each query's top far key blocks by Quest's bound, one softmax; cache of every key",
-    paper="ours: StreamingLLM's sinks and window (Xiao et al. 2024) with Quest's block selection (Tang et al. 2024)",
+    paper="ours: StreamingLLM's sinks and window (Xiao et al. 2024) with Quest's block selection (Tang et al. 2024); "
+    "optionally LoLA's linear state for the rest (arXiv 2505.23666)",
     causal=True,
     cross=True,
     decoder=RetrievalCache,  # exact: the output at p reads q_p and keys <= p only
@@ -258,5 +290,10 @@ MECHANISM = Mechanism(
     exact_full=lambda config, shape, causal, state, tensors: window_covers(
         config.window, shape.queries, shape.keys, causal
     ),
-    examples=({}, {"window": 3, "sinks": 1, "blocks": 2, "block": 2}),
+    state=LinearState,  # hedgehog's learned maps; other feature maps hold no tensor
+    examples=(
+        {},
+        {"window": 3, "sinks": 1, "blocks": 2, "block": 2},
+        {"window": 3, "sinks": 1, "blocks": 1, "block": 2, "feature_map": "hedgehog"},
+    ),
 )

@@ -10,13 +10,21 @@ step for one new query per row, the same choice and softmax in one call.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from subquad.kernels.softmax import work_dtype
+from subquad.ops.windowed_linear import beyond_window, phi, with_ones
 from subquad.registry import Config
 
-__all__ = ["block_bounds", "one_query", "retrieval_chunk"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["block_bounds", "kernel_inputs", "lola", "one_query", "retrieval_chunk"]
+
+_CHUNK = 64  # positions per chunk of the kernel part's causal product (linear's default)
 
 
 def block_bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
@@ -32,15 +40,55 @@ def block_bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
 def retrieval_chunk(
     q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
     is_causal: bool, scale: float, config: Config, sizes: tuple[int, int],
+    kernel: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks and
     windows (``_near``) and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``:
     the key/value heads. ``sizes``: ``TUNING.retrieval_window_block`` and ``retrieval_rows`` as the
-    forward read them (a checkpoint's recomputation must repeat the forward's work)."""
+    forward read them (a checkpoint's recomputation must repeat the forward's work).
+
+    ``kernel`` (a feature map): the queries' features ``(B, H, c, F)``, the keys' ``(B, H, S, F)``
+    (zero for sinks and padding) and the queries' kernel sums over every key beyond their windows
+    ``(B, H, c, Dv + 1)`` (``windowed_linear.beyond_window``); the chosen blocks' share of those
+    sums is taken out and the rest joins the softmax part under one normaliser (``lola``)."""
     p = torch.arange(first, first + q.shape[2], device=q.device)
     chosen = _chosen(q, low, high, counted, p, is_causal, config)  # each query's far blocks
     near = _near(q, k, v, real, first, is_causal, scale, config, sizes[0])
-    return _merge(near, _far(q, k, v, counted, *chosen, scale, sizes[1])).to(q.dtype)
+    features = None if kernel is None else kernel[:2]
+    far = _far(q, k, v, counted, *chosen, scale, sizes[1], features)
+    if kernel is None:
+        return _merge(near, far).to(q.dtype)
+    return lola(*_merge(near, far[:3], mass=True), kernel[2], *far[3:]).to(q.dtype)
+
+
+def lola(out: Tensor, mass: Tensor, beyond: Tensor, taken: Tensor, taken_total: Tensor) -> Tensor:
+    """Softmax output ``out`` of a query's exact keys (``mass``: 1 where they hold a real key, else 0)
+    with kernel attention over its far keys no block brought, under one normaliser (``linear``'s
+    window formula, LoLCATs): ``beyond`` ``(…, Dv + 1)`` the kernel sums ``Σ φ(q)·φ(k) [v, 1]`` over
+    every key beyond the window, ``taken`` and ``taken_total`` those over the chosen blocks' keys,
+    which the softmax part already holds: ``(m·o + N − N_T) / (m + Z − Z_T)``, zero for a query
+    that sees no key. No ε: where the far keys are all chosen (or none exist) it is the softmax
+    exactly; m = 0 only where no block was eligible, so Z − Z_T is then Z alone, not a difference."""
+    Dv = out.shape[-1]
+    total = mass + (beyond[..., Dv:] - taken_total).clamp_min(0)  # Z − Z_T ≥ 0, whatever the rounding
+    return (mass * out + beyond[..., :Dv] - taken) / torch.where(total > 0, total, 1.0)
+
+
+def kernel_inputs(
+    q: Tensor, k: Tensor, v: Tensor, real: Tensor, is_causal: bool, config: Config, learned: nn.Module | None
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The kernel part's inputs: the queries' features ``(B, H, L, F)``, the keys' ``(B, H, S, F)``
+    (zero for sinks and padding: those are never in it) and each query's kernel sums over every key
+    beyond its window ``(B, H, L, Dv + 1)``; grouped keys and values repeated to the query heads (a
+    learned map is per query head)."""
+    per = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(per, dim=1) for x in (k, v))
+    fq, fk = phi(q, config.feature_map, learned), phi(k, config.feature_map, learned)
+    keep = real.clone()
+    keep[:, : config.sinks] = False
+    fk = fk * keep[:, None, :, None].to(fk.dtype)
+    beyond = beyond_window(fq, fk, with_ones(v, fk.dtype), config.window, is_causal, _CHUNK)
+    return fq, fk, beyond
 
 
 def _near(
@@ -82,22 +130,29 @@ def _part(q: Tensor, k: Tensor, v: Tensor, seen: Tensor, scale: float) -> tuple[
     return top, weights.sum(-1, keepdim=True), weights @ v.to(work)
 
 
-def _merge(*parts: tuple[Tensor, Tensor, Tensor]) -> Tensor:
-    """One softmax over the union of disjoint parts (``_part``), rescaled to their common maximum."""
+def _merge(*parts: tuple[Tensor, Tensor, Tensor], mass: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """One softmax over the union of disjoint parts (``_part``), rescaled to their common maximum;
+    with ``mass``, also whether it holds a real key (1 or 0)."""
     top = torch.stack([t for t, _, _ in parts]).amax(0)
     top = torch.where(torch.isfinite(top), top, 0.0)
     total = sum(s * torch.exp(t - top) for t, s, _ in parts)
     out = sum(o * torch.exp(t - top) for t, _, o in parts)
-    return out / torch.where(total > 0, total, 1.0)
+    out = out / torch.where(total > 0, total, 1.0)
+    return (out, (total > 0).to(out.dtype)) if mass else out
 
 
-def _far(q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float, rows: int):
+def _far(
+    q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float, rows: int,
+    features: tuple[Tensor, Tensor] | None = None,
+):  # fmt: skip
     """The far part (``_part``) of each query over its own blocks ``index`` ``(B, H / shared, c,
     blocks)`` (``ok``: the block was eligible). The queries that chose a block are gathered into
     segments of ``rows`` (``_segments``), each segment scored against its block in one batched
     product, and each query's partials summed under its largest far score:
     a row reads only its own query and block, and its query sums its partials in block order. The
-    heads of a group share their rows' block where they share a key/value head."""
+    heads of a group share their rows' block where they share a key/value head. With ``features``
+    (the queries' and the keys' of a kernel part), also the kernel sums over the chosen blocks'
+    keys (``_taken``)."""
     B, H, c, D = q.shape
     groups, per, n = index.shape[1], H // k.shape[1], counted.shape[1]
     shared = H // groups
@@ -109,7 +164,8 @@ def _far(q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Te
     asker, owner, slot = _segments(torch.where(ok, streams + index, count), count, rows)
     if not owner.numel():  # no query in the chunk has a far block
         top = q.new_full((B, H, c, 1), float("-inf"), dtype=work)
-        return top, torch.zeros_like(top), q.new_zeros((B, H, c, v.shape[-1]), dtype=work)
+        none = (top, torch.zeros_like(top), q.new_zeros((B, H, c, v.shape[-1]), dtype=work))
+        return none if features is None else (*none, none[2], none[1])
     mine = q.to(work).view(B, units, shared, c, D).transpose(2, 3).reshape(asks, shared * D)  # gradients sum in work
     mine = torch.cat([mine, mine.new_zeros(1, shared * D)])  # an empty slot's row: zeros, whatever q holds
     queries = mine.index_select(0, asker).view(owner.numel(), -1, D)
@@ -122,7 +178,36 @@ def _far(q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Te
     total = _per_query(weights.sum(-1).view(-1, shared, 1), asker, slot, asks)
     out = _per_query(torch.bmm(weights, values).view(asker.numel(), shared, -1), asker, slot, asks)
     parts = (top[:asks, :, None], total, out)
+    if features is not None:
+        parts += _taken(*features, values, owner, asker, slot, (units, shared), counted.shape[1:])
     return tuple(x.view(B, units, c, shared, -1).transpose(2, 3).reshape(B, H, c, -1) for x in parts)
+
+
+def _taken(
+    fq: Tensor, fk: Tensor, values: Tensor, owner: Tensor, asker: Tensor, slot: Tensor, heads: tuple[int, int],
+    blocks: tuple[int, int],
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Each query's kernel sums over its chosen blocks' keys, ``Σ φ(q)·φ(k) v`` ``(asks, shared, Dv)``
+    and ``Σ φ(q)·φ(k)`` ``(asks, shared, 1)``, in ``_far``'s segments (``values``: each segment's
+    block's, ``(T, block, Dv)``): the features ``fq`` ``(B, H, c, F)`` of the slots' queries against
+    their segment's block of ``fk`` ``(B, H, S, F)``, each head its own (a learned map is per head)."""
+    B, H, c, F = fq.shape
+    (units, shared), (n, size) = heads, blocks
+    asks, S = B * units * c, fk.shape[2]
+    mine = fq.view(B, units, shared, c, F).transpose(2, 3).reshape(asks, shared, F)
+    mine = torch.cat([mine, mine.new_zeros(1, shared, F)])  # an empty slot: zero features
+    queries = mine.index_select(0, asker).view(owner.numel(), -1, shared, F).transpose(1, 2)  # (T, shared, rows, F)
+    b, block = owner // (units * n), owner % n
+    if n * size > S and bool((block == n - 1).any()):  # the last block, partly filled, chosen (not causal)
+        fk = torch.nn.functional.pad(fk, (0, 0, 0, n * size - S))
+    elif n * size > S:
+        fk = fk[:, :, : (n - 1) * size]
+    head = (owner // n % units * shared)[:, None] + torch.arange(shared, device=fk.device)  # (T, shared)
+    keys = fk.reshape(B, H, -1, size, F)[b[:, None], head, block[:, None]]  # (T, shared, block, F)
+    weights = torch.matmul(queries, keys.transpose(-1, -2))  # (T, shared, rows, block): sinks, padding 0
+    taken = torch.matmul(weights, values[:, None]).transpose(1, 2).reshape(-1, shared, values.shape[-1])
+    total = weights.sum(-1).transpose(1, 2).reshape(-1, shared, 1)
+    return _per_query(taken, asker, slot, asks), _per_query(total, asker, slot, asks)
 
 
 def _per_query(x: Tensor, asker: Tensor, slot: Tensor, asks: int, ordered: bool | None = None) -> Tensor:
@@ -205,20 +290,23 @@ def _chosen(
 
 
 def one_query(
-    q: Tensor, k: Tensor, v: Tensor, low: Tensor, high: Tensor, scale: float | None, config: Config
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, low: Tensor, high: Tensor, scale: float | None, config: Config,
+    kernel: tuple[nn.Module | None, Tensor] | None = None,
+) -> Tensor:  # fmt: skip
     """Decoding's step: the output ``(B, H, 1, Dv)`` of each row's last query (at p = S − 1) over its
     keys ``k``, ``v`` ``(B, Hk, S, ·)`` (no padding), given the bounds ``low``, ``high`` ``(B, Hk,
     S // block, D)`` of its whole blocks: ``retrieval_chunk``'s choice of blocks (the eligible ones
     of highest bound) and its softmax over the sinks, the window and those blocks, as one sdpa call
-    on a few dozen operations where the general chunk takes about eighty."""
+    on a few dozen operations where the general chunk takes about eighty. ``kernel`` (a feature
+    map): hedgehog's state or None, and the sums ``Σ φ(k) [v, 1]ᵀ`` ``(B, H, F, Dv + 1)`` over the
+    keys beyond the window, less sinks; the chosen blocks' share is taken out (``lola``)."""
     B, H = q.shape[:2]
     Hk, S = k.shape[1], k.shape[2]
     per, size, w, s, work = H // Hk, config.block, config.window, config.sinks, work_dtype(q.dtype)
     lo = max(0, S - w)  # the window: keys lo … S − 1; the sinks before it
     keys, values = ([torch.cat([x[:, :, : min(s, lo)], x[:, :, lo:]], dim=2).repeat_interleave(per, dim=1)]
                     for x in (k, v))  # fmt: skip
-    mask = None
+    mask, chosen = None, None
     e, first = max(0, S - w) // size, s // size  # blocks [first, e): wholly before the window, not sinks only
     if e > first:
         high, low = (x[:, :, first:e].repeat_interleave(per, dim=1) for x in (high, low))
@@ -237,10 +325,31 @@ def one_query(
                 rows, source, index
             ]  # (B, U, chosen, size, ·)
             parts.append(blocks.flatten(2, 3).repeat_interleave(shared, dim=1))
+        chosen = keys[-1], values[-1], None
         if s % size:  # the first block holds sinks, which the window part has counted
             at = (index[..., None] * size + torch.arange(size, device=q.device)).flatten(2) >= s
             near = torch.ones(B, H, keys[0].shape[2], dtype=torch.bool, device=q.device)
-            mask = torch.cat([near, at.repeat_interleave(shared, dim=1)], dim=2)[:, :, None]
+            chosen = (*chosen[:2], at.repeat_interleave(shared, dim=1))
+            mask = torch.cat([near, chosen[2]], dim=2)[:, :, None]
     keys, values = (torch.cat(parts, dim=2).to(work) for parts in (keys, values))
     out = torch.nn.functional.scaled_dot_product_attention(q.to(work), keys, values, attn_mask=mask, scale=scale)
+    if kernel is not None:
+        out = _one_query_kernel(q, out, chosen, config.feature_map, *kernel)
     return out.to(q.dtype)
+
+
+def _one_query_kernel(
+    q: Tensor, out: Tensor, chosen: tuple[Tensor, Tensor, Tensor | None] | None, name: str, learned, sums: Tensor
+) -> Tensor:  # fmt: skip
+    """``one_query``'s output with the kernel part: the sums over the keys beyond the window, less
+    the chosen blocks' keys ``chosen`` (keys, values ``(B, H, n, ·)``, and which count: not sinks)."""
+    fq = phi(q, name, learned)  # (B, H, 1, F)
+    beyond = torch.matmul(fq, sums)
+    taken, total = torch.zeros_like(out), torch.zeros_like(out[..., :1])
+    if chosen is not None:
+        fk = phi(chosen[0], name, learned)
+        if chosen[2] is not None:
+            fk = fk * chosen[2][..., None].to(fk.dtype)
+        weights = torch.matmul(fq, fk.transpose(-1, -2))
+        taken, total = torch.matmul(weights, chosen[1].to(weights.dtype)), weights.sum(-1, keepdim=True)
+    return lola(out, torch.ones_like(total), beyond, taken, total)

@@ -27,9 +27,65 @@ from subquad.ops.linear_blocks import features
 from subquad.ops.scan import causal_dot
 from subquad.registry import Config
 
-__all__ = ["far_sums", "learned_features", "windowed", "windowed_step"]
+__all__ = [
+    "LinearState",
+    "beyond_window",
+    "far_sums",
+    "learned_features",
+    "learned_state",
+    "phi",
+    "windowed",
+    "windowed_step",
+    "with_ones",
+]
 
 _BLOCK = 4096  # keys per block of far_sums: the features of one block exist at a time
+
+
+class LinearState(nn.Module):
+    """The learned feature maps of ``feature_map="hedgehog"``: per head, ``weight`` ``(H, D, D)``
+    (initially the identity) and ``bias`` ``(H, D)`` (initially 0). Other feature maps learn
+    nothing and the state holds no tensor.
+
+    Args:
+        config: a config with ``feature_map`` (``LinearConfig``, ``RetrievalConfig``).
+        num_heads: H; every head has its own map.
+        head_dim: D, the query and key width.
+        seed: unused (the initial map is the identity); taken for the state signature.
+    """
+
+    def __init__(self, config: Config, num_heads: int, head_dim: int, seed: int = 0) -> None:
+        super().__init__()
+        self.learned = config.feature_map == "hedgehog"
+        if self.learned:
+            self.weight = nn.Parameter(torch.eye(head_dim).repeat(num_heads, 1, 1))
+            self.bias = nn.Parameter(torch.zeros(num_heads, head_dim))
+
+    def extra_repr(self) -> str:
+        if not self.learned:
+            return "no learned feature map"
+        heads, dim, _ = self.weight.shape
+        return f"hedgehog, heads={heads}, head_dim={dim}"
+
+
+def learned_state(state: nn.Module | None, config: Config, heads: int, dim: int, device) -> LinearState | None:
+    """The ``LinearState`` whose maps a call with ``config.feature_map`` uses: None unless hedgehog;
+    ``state`` checked, or a new one at the initial map (W = I) when it is None."""
+    if config.feature_map != "hedgehog":
+        return None
+    if state is None:
+        return LinearState(config, heads, dim).to(device)
+    if not isinstance(state, LinearState) or not state.learned:
+        got = "one built for another feature map" if isinstance(state, LinearState) else type(state).__name__
+        raise ValueError(
+            f"{config.mechanism} with feature_map=hedgehog needs a LinearState built with that config, got {got}"
+        )
+    if tuple(state.weight.shape) != (heads, dim, dim):
+        raise ValueError(
+            f"the {config.mechanism} state's maps are (heads, head_dim, head_dim) = {tuple(state.weight.shape)} but "
+            f"this call needs {(heads, dim, dim)}; build it as LinearState(config, {heads}, {dim})"
+        )
+    return state
 
 
 def learned_features(x: Tensor, state: nn.Module) -> Tensor:
@@ -89,13 +145,25 @@ def windowed(
         fk = torch.cat([torch.zeros_like(fk[:, :, :s]), fk[:, :, s:]], dim=2)
     elif s:  # fk is this call's own tensor, and nothing records it
         fk[:, :, :s] = 0
+    far = beyond_window(fq, fk, v1, w, is_causal, config.chunk, initial)
+    return (mass * near + far[..., :Dv]) / (mass + far[..., Dv:] + config.eps)
+
+
+def beyond_window(
+    fq: Tensor, fk: Tensor, v1: Tensor, w: int, is_causal: bool, chunk: int, initial: Tensor | None = None
+) -> Tensor:
+    """``Σ_j φ(q_i)·φ(k_j) [v_j, 1]`` ``(B, H, L, Dv + 1)`` over the keys j outside query i's window of
+    ``w`` (causal: ``j ≤ p − w``; non-causal also ``j ≥ p + w``; p = i + S − L), from the features
+    ``fq`` ``(B, H, L, F)``, ``fk`` ``(B, H, S, F)`` (a key to leave out: zero features) and ``v1``
+    ``(B, H, S, Dv + 1)``. ``initial`` ``(B·H, F, Dv + 1)`` (causal only): sums every query adds."""
+    B, H, L, _ = fq.shape
+    S = fk.shape[2]
     a, b, c = (x.reshape(B * H, x.shape[2], x.shape[3]) for x in (fq, fk, v1))
-    far = _shifted_product(a, b, c, S - L - w, initial, config.chunk)  # keys j <= p - w
+    far = _shifted_product(a, b, c, S - L - w, initial, chunk)  # keys j <= p - w
     if not is_causal:  # keys j >= p + w: the same product over the reversed sequences
         flip = lambda x: x.flip(1)  # noqa: E731
-        far = far + flip(_shifted_product(flip(a), flip(b), flip(c), -w, None, config.chunk))
-    far = far.view(B, H, L, Dv + 1)
-    return (mass * near + far[..., :Dv]) / (mass + far[..., Dv:] + config.eps)
+        far = far + flip(_shifted_product(flip(a), flip(b), flip(c), -w, None, chunk))
+    return far.view(B, H, L, -1)
 
 
 def _shifted_product(a: Tensor, b: Tensor, c: Tensor, shift: int, initial: Tensor | None, chunk: int) -> Tensor:
@@ -125,12 +193,12 @@ def _rows(x: Tensor, start: int, count: int) -> Tensor:
     return part if part.shape[1] == count else torch.nn.functional.pad(part, (0, 0, 0, count - part.shape[1]))
 
 
-def _phi(x: Tensor, name: str, learned: nn.Module | None) -> Tensor:
+def phi(x: Tensor, name: str, learned: nn.Module | None) -> Tensor:
     """φ(x) ``(B, H, N, F)`` in fp32+: the learned map if there is one, else the named one."""
     return learned_features(x, learned) if learned is not None else feature_map(x.to(work_dtype(x.dtype)), name)
 
 
-def _with_ones(v: Tensor, dtype: torch.dtype) -> Tensor:
+def with_ones(v: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.cat([v.to(dtype), v.new_ones(*v.shape[:-1], 1, dtype=dtype)], dim=-1)
 
 
@@ -139,10 +207,10 @@ def far_sums(k: Tensor, v: Tensor, mask: Tensor | None, name: str, learned: nn.M
     ``(B, S)`` names (None: all), ``_BLOCK`` keys at a time."""
     total = None
     for start in range(0, max(k.shape[2], 1), _BLOCK):
-        fk = _phi(k[:, :, start : start + _BLOCK], name, learned)
+        fk = phi(k[:, :, start : start + _BLOCK], name, learned)
         if mask is not None:
             fk = fk * mask[:, None, start : start + _BLOCK, None].to(fk.dtype)
-        part = torch.matmul(fk.transpose(2, 3), _with_ones(v[:, :, start : start + _BLOCK], fk.dtype))
+        part = torch.matmul(fk.transpose(2, 3), with_ones(v[:, :, start : start + _BLOCK], fk.dtype))
         total = part if total is None else total + part
     return total
 
@@ -157,7 +225,7 @@ def windowed_step(
     s, w, Dv = config.sinks, config.window, v.shape[-1]
     if q.shape[2] == 1:  # generation's step: the key leaving the window joins the sums first
         old_k, old_v, left, filled = one_step(kept, k, v, s)
-        fq, fk = _phi(torch.cat([q, old_k], dim=2), config.feature_map, learned).unbind(2)  # one call for both
+        fq, fk = phi(torch.cat([q, old_k], dim=2), config.feature_map, learned).unbind(2)  # one call for both
         if left is not None:
             fk = fk * left[:, None, None]  # an empty slot adds nothing
         v1 = torch.nn.functional.pad(old_v.to(fk.dtype), (0, 1), value=1.0)  # [v, 1]
@@ -168,8 +236,8 @@ def windowed_step(
     keys, values, positions, new = extend(kept, k, v)
     near_mask, far_mask = reach(positions, new, s, w)
     near = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=near_mask[:, None], scale=scale)
-    fq, fk = _phi(q, config.feature_map, learned), _phi(keys, config.feature_map, learned)
-    v1 = _with_ones(values, fk.dtype)
+    fq, fk = phi(q, config.feature_map, learned), phi(keys, config.feature_map, learned)
+    v1 = with_ones(values, fk.dtype)
     far = torch.matmul(fq, sums) + torch.matmul(torch.matmul(fq, fk.transpose(2, 3)) * far_mask[:, None], v1)
     out = (near.to(far.dtype) + far[..., :Dv]) / (1 + far[..., Dv:] + config.eps)
     kept, leaving = trim(keys, values, positions, new[:, -1] + 1, s, w)
