@@ -118,7 +118,7 @@ def test_hedgehog_needs_its_state_of_the_call_s_shape():
 @given(
     S=st.integers(2, 50), window=st.sampled_from([1, 3, 8]), sinks=st.sampled_from([0, 1, 3, 5]),
     blocks=st.sampled_from([1, 2]), block=st.sampled_from([1, 3, 4]), shared=st.sampled_from([1, 2, 4]),
-    kv=st.sampled_from([1, 2, 4]), feature=st.sampled_from(["elu", "hedgehog"]), seed=st.integers(0, 2**16),
+    kv=st.sampled_from([1, 2, 4]), feature=st.sampled_from(["elu", "relu", "hedgehog"]), seed=st.integers(0, 2**16),
 )  # fmt: skip
 def test_decoding_steps_keep_the_kernel_sums_and_equal_the_parallel_pass(
     S, window, sinks, blocks, block, shared, kv, feature, seed
@@ -147,3 +147,39 @@ def test_decoding_steps_keep_the_kernel_sums_and_equal_the_parallel_pass(
             )
             torch.testing.assert_close(out[b : b + 1], expected, rtol=0, atol=1e-12)
         t += T
+
+
+@pytest.mark.parametrize("feature", ["elu", "hedgehog"])
+def test_where_every_far_key_was_chosen_the_output_is_the_softmax_s_exactly_in_fp32(feature):
+    """Counted, not inferred from the sums' differences (whose fp32 rounding, ε·Σ φ(q)·φ(k), would
+    remain against the softmax's mass of 1): the rows whose far keys the chosen blocks hold all, and
+    those with no far key, equal the mechanism without a kernel part bit for bit."""
+    q, k, v = (x.float() for x in qkv(1, 2, 12, 12, 64, 64, seed=2))
+    options = dict(window=4, sinks=0, blocks=2, block=4)
+    plain = retrieval_attention(q, k, v, is_causal=True, config=RetrievalConfig(**options))
+    mixed = retrieval_attention(q, k, v, is_causal=True, config=RetrievalConfig(**options, feature_map=feature))
+    far = [max(0, p - 3) for p in range(12)]  # keys j <= p - 4; whole blocks of 4 among them: far // 4, 2 chosen
+    nothing_left = torch.tensor([n == 4 * min(2, n // 4) for n in far])
+    assert nothing_left.tolist() == [True] * 4 + [False] * 3 + [True] + [False] * 3 + [True]
+    assert torch.equal(mixed[:, :, nothing_left], plain[:, :, nothing_left])
+    assert not torch.allclose(mixed[:, :, ~nothing_left], plain[:, :, ~nothing_left])
+
+
+def test_the_learned_maps_train_when_only_they_need_gradients_and_chunks_are_checkpointed(monkeypatch):
+    """Distillation's case: frozen projections (q, k, v need no gradient), the maps do; each chunk
+    is then checkpointed as with gradients to the inputs, and the maps' gradients are the oracle's."""
+    import subquad.mechanisms.retrieval as retrieval
+
+    calls = []
+    original = retrieval.checkpoint
+    monkeypatch.setattr(retrieval, "checkpoint", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    q, k, v = qkv(1, 2, 30, 30, 4, 3, seed=4)
+    config = RetrievalConfig(window=3, sinks=1, blocks=1, block=3, feature_map="hedgehog")
+    state = random_state(2, 4, 4)
+    weights = torch.linspace(-1, 1, q.shape[2] * 3 * 2).view(1, 2, q.shape[2], 3)
+    out = retrieval_attention(q, k, v, is_causal=True, config=config, state=state)
+    got = torch.autograd.grad((out * weights).sum(), list(state.parameters()))
+    assert calls
+    want = torch.autograd.grad((oracle(q, k, v, None, True, config, state) * weights).sum(), list(state.parameters()))
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-10

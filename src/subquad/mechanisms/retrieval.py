@@ -147,7 +147,8 @@ def _attend(
     if full < n:  # the last block, partly filled
         parts.append(block_bounds(keys[:, :, full * size :].unsqueeze(2), counted[:, full:, : S - full * size]))
     low, high = (torch.cat(x, dim=2).repeat_interleave(per, dim=1) for x in zip(*parts))  # (B, H, n, D)
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    trained = () if learned is None else tuple(learned.parameters())  # only the maps may need gradients (distill)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *trained))
     gather = TUNING.retrieval_gather_grad // q.element_size() if grad else TUNING.retrieval_gather
     step = max(1, gather // (B * H * min(config.blocks, n) * (size + q.shape[-1] + v.shape[-1])))
     outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
@@ -156,7 +157,7 @@ def _attend(
     for a in range(0, L, step):
         args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, sizes)
         if kernel is not None:
-            args += ((kernel[0][:, :, a : a + step], kernel[1], kernel[2][:, :, a : a + step]),)
+            args += ((kernel[0], *(x[:, :, a : a + step] for x in kernel[1:])),)  # the keys' features whole
         outputs.append(checkpoint(retrieval_chunk, *args, use_reentrant=False) if grad else retrieval_chunk(*args))
     return torch.cat(outputs, dim=2), whole if size == config.block else None
 

@@ -40,55 +40,63 @@ def block_bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
 def retrieval_chunk(
     q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
     is_causal: bool, scale: float, config: Config, sizes: tuple[int, int],
-    kernel: tuple[Tensor, Tensor, Tensor] | None = None,
+    kernel: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks and
     windows (``_near``) and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``:
     the key/value heads. ``sizes``: ``TUNING.retrieval_window_block`` and ``retrieval_rows`` as the
     forward read them (a checkpoint's recomputation must repeat the forward's work).
 
-    ``kernel`` (a feature map): the queries' features ``(B, H, c, F)``, the keys' ``(B, H, S, F)``
-    (zero for sinks and padding) and the queries' kernel sums over every key beyond their windows
-    ``(B, H, c, Dv + 1)`` (``windowed_linear.beyond_window``); the chosen blocks' share of those
-    sums is taken out and the rest joins the softmax part under one normaliser (``lola``)."""
+    ``kernel`` (a feature map): ``kernel_inputs``' for these queries (the keys' features whole): the
+    chosen blocks' share of the kernel sums is taken out and the rest joins the softmax part under
+    one normaliser (``lola``)."""
     p = torch.arange(first, first + q.shape[2], device=q.device)
     chosen = _chosen(q, low, high, counted, p, is_causal, config)  # each query's far blocks
     near = _near(q, k, v, real, first, is_causal, scale, config, sizes[0])
-    features = None if kernel is None else kernel[:2]
-    far = _far(q, k, v, counted, *chosen, scale, sizes[1], features)
+    far = _far(q, k, v, counted, *chosen, scale, sizes[1], None if kernel is None else (kernel[1], kernel[0]))
     if kernel is None:
         return _merge(near, far).to(q.dtype)
-    return lola(*_merge(near, far[:3], mass=True), kernel[2], *far[3:]).to(q.dtype)
+    index, ok = chosen
+    held = counted.sum(-1).gather(1, index.flatten(1)).view(index.shape) * ok  # counted keys of each chosen block
+    held = held.sum(-1, keepdim=True).repeat_interleave(q.shape[1] // index.shape[1], dim=1)
+    return lola(*_merge(near, far[:3], mass=True), kernel[2], *far[3:], kernel[3] > held).to(q.dtype)
 
 
-def lola(out: Tensor, mass: Tensor, beyond: Tensor, taken: Tensor, taken_total: Tensor) -> Tensor:
+def lola(out: Tensor, mass: Tensor, beyond: Tensor, taken: Tensor, taken_total: Tensor, left: Tensor) -> Tensor:
     """Softmax output ``out`` of a query's exact keys (``mass``: 1 where they hold a real key, else 0)
     with kernel attention over its far keys no block brought, under one normaliser (``linear``'s
     window formula, LoLCATs): ``beyond`` ``(…, Dv + 1)`` the kernel sums ``Σ φ(q)·φ(k) [v, 1]`` over
     every key beyond the window, ``taken`` and ``taken_total`` those over the chosen blocks' keys,
     which the softmax part already holds: ``(m·o + N − N_T) / (m + Z − Z_T)``, zero for a query
-    that sees no key. No ε: where the far keys are all chosen (or none exist) it is the softmax
-    exactly; m = 0 only where no block was eligible, so Z − Z_T is then Z alone, not a difference."""
+    that sees no key. ``left`` ``(…, 1)``: whether any far key is left (counted, not inferred from the
+    differences, whose rounding would otherwise remain where nothing is): where none is, the output
+    is the softmax's exactly. Elsewhere the differences carry fp32 rounding of order ε·Z."""
     Dv = out.shape[-1]
-    total = mass + (beyond[..., Dv:] - taken_total).clamp_min(0)  # Z − Z_T ≥ 0, whatever the rounding
-    return (mass * out + beyond[..., :Dv] - taken) / torch.where(total > 0, total, 1.0)
+    rest = torch.where(left, (beyond[..., Dv:] - taken_total).clamp_min(0), 0.0)  # Z − Z_T ≥ 0
+    total = mass + rest
+    return (mass * out + torch.where(left, beyond[..., :Dv] - taken, 0.0)) / torch.where(total > 0, total, 1.0)
 
 
 def kernel_inputs(
     q: Tensor, k: Tensor, v: Tensor, real: Tensor, is_causal: bool, config: Config, learned: nn.Module | None
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The kernel part's inputs: the queries' features ``(B, H, L, F)``, the keys' ``(B, H, S, F)``
-    (zero for sinks and padding: those are never in it) and each query's kernel sums over every key
-    beyond its window ``(B, H, L, Dv + 1)``; grouped keys and values repeated to the query heads (a
-    learned map is per query head)."""
-    per = q.shape[1] // k.shape[1]
+    """The kernel part's inputs: the keys' features ``(B, H, S, F)`` (zero for sinks and padding:
+    those are never in it), the queries' ``(B, H, L, F)``, each query's kernel sums over every key
+    beyond its window ``(B, H, L, Dv + 1)`` and how many keys those are ``(B, 1, L, 1)``; grouped keys
+    and values repeated to the query heads (a learned map is per query head)."""
+    (L, S), w, per = (q.shape[2], k.shape[2]), config.window, q.shape[1] // k.shape[1]
     k, v = (x.repeat_interleave(per, dim=1) for x in (k, v))
     fq, fk = phi(q, config.feature_map, learned), phi(k, config.feature_map, learned)
     keep = real.clone()
     keep[:, : config.sinks] = False
     fk = fk * keep[:, None, :, None].to(fk.dtype)
-    beyond = beyond_window(fq, fk, with_ones(v, fk.dtype), config.window, is_causal, _CHUNK)
-    return fq, fk, beyond
+    beyond = beyond_window(fq, fk, with_ones(v, fk.dtype), w, is_causal, _CHUNK)
+    before = torch.nn.functional.pad(keep.cumsum(1), (1, 0))  # (B, S + 1): kept keys before each position
+    p = torch.arange(L, device=q.device) + S - L
+    count = before[:, (p - w + 1).clamp(0, S)]  # keys j <= p - w
+    if not is_causal:  # and j >= p + w
+        count = count + before[:, S:] - before[:, (p + w).clamp(0, S)]
+    return fk, fq, beyond, count[:, None, :, None]
 
 
 def _near(
@@ -334,22 +342,26 @@ def one_query(
     keys, values = (torch.cat(parts, dim=2).to(work) for parts in (keys, values))
     out = torch.nn.functional.scaled_dot_product_attention(q.to(work), keys, values, attn_mask=mask, scale=scale)
     if kernel is not None:
-        out = _one_query_kernel(q, out, chosen, config.feature_map, *kernel)
+        out = _one_query_kernel(q, out, chosen, config.feature_map, *kernel, max(0, S - w - s))
     return out.to(q.dtype)
 
 
 def _one_query_kernel(
-    q: Tensor, out: Tensor, chosen: tuple[Tensor, Tensor, Tensor | None] | None, name: str, learned, sums: Tensor
+    q: Tensor, out: Tensor, chosen: tuple[Tensor, Tensor, Tensor | None] | None, name: str, learned, sums: Tensor,
+    far: int,
 ) -> Tensor:  # fmt: skip
-    """``one_query``'s output with the kernel part: the sums over the keys beyond the window, less
-    the chosen blocks' keys ``chosen`` (keys, values ``(B, H, n, ·)``, and which count: not sinks)."""
+    """``one_query``'s output with the kernel part: the sums over the ``far`` keys beyond the window,
+    less the chosen blocks' keys ``chosen`` (keys, values ``(B, H, n, ·)``, and which count: not sinks)."""
     fq = phi(q, name, learned)  # (B, H, 1, F)
     beyond = torch.matmul(fq, sums)
-    taken, total = torch.zeros_like(out), torch.zeros_like(out[..., :1])
+    taken, total, held = torch.zeros_like(out), torch.zeros_like(out[..., :1]), 0
     if chosen is not None:
         fk = phi(chosen[0], name, learned)
+        held = chosen[0].shape[2]
         if chosen[2] is not None:
             fk = fk * chosen[2][..., None].to(fk.dtype)
+            held = chosen[2].sum(-1)[..., None, None]
         weights = torch.matmul(fq, fk.transpose(-1, -2))
         taken, total = torch.matmul(weights, chosen[1].to(weights.dtype)), weights.sum(-1, keepdim=True)
-    return lola(out, torch.ones_like(total), beyond, taken, total)
+    left = torch.as_tensor(far, device=q.device) > torch.as_tensor(held, device=q.device)
+    return lola(out, torch.ones_like(total), beyond, taken, total, left.expand_as(total))
