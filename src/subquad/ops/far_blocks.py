@@ -79,7 +79,7 @@ def lola(out: Tensor, mass: Tensor, beyond: Tensor, taken: Tensor, taken_total: 
 
 def kernel_inputs(
     q: Tensor, k: Tensor, v: Tensor, real: Tensor, is_causal: bool, config: Config, learned: nn.Module | None
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The kernel part's inputs: the keys' features ``(B, H, S, F)`` (zero for sinks and padding:
     those are never in it), the queries' ``(B, H, L, F)``, each query's kernel sums over every key
     beyond its window ``(B, H, L, Dv + 1)`` and how many keys those are ``(B, 1, L, 1)``; grouped keys
