@@ -28,7 +28,7 @@ from subquad.ops.kept_window import Kept
 if TYPE_CHECKING:
     from subquad.registry import Config, Mechanism
 
-__all__ = ["Decoder", "KVCache"]
+__all__ = ["Decoder", "KVCache", "room_for"]
 
 _SIZES = ("B", "H", "D", "Dv")  # the sizes of a step, in the order of ``Decoder.shape``
 
@@ -253,3 +253,9 @@ def _append(buffer: Tensor | None, length: int, x: Tensor) -> Tensor:
         buffer = grown
     buffer[:, :, length:needed] = x
     return buffer
+
+
+def room_for(needed: int) -> int:
+    """The capacity a decoder's buffer grows to when it needs ``needed`` slots: an eighth more (at
+    least 16), so that growing copies O(1) per token, amortised."""
+    return needed + max(needed // 8, 16)

@@ -319,7 +319,10 @@ def test_hedgehog_starts_at_the_identity_map_and_a_missing_state_is_that_map():
     assert torch.equal(state.weight, torch.eye(4, dtype=torch.float64).expand(3, 4, 4))
     assert torch.equal(state.bias, torch.zeros(3, 4, dtype=torch.float64))
     q, k, v = qkv(1, 3, 10, 10, 4, 4, seed=1)
-    assert torch.equal(linear_attention(q, k, v, config=config, state=state), linear_attention(q, k, v, config=config))
+    with torch.no_grad():  # the same path for both (a missing state's map is frozen: nothing would train it)
+        given, missing = (linear_attention(q, k, v, config=config, state=x) for x in (state, None))
+        assert torch.equal(given, missing)
+    assert not linear_attention(q, k, v, config=config).requires_grad
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

@@ -95,9 +95,42 @@ def test_chunks_grouped_keys_and_gradients_change_nothing(monkeypatch):
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     with tuned(retrieval_gather_grad=TUNING.retrieval_gather * 8):  # float64: the inference call's chunks
         out = retrieval_attention(q, k, v, is_causal=True, config=config)
-    assert torch.equal(out.detach(), whole)  # checkpointed chunks return what an inference call returns
+    # checkpointed chunks return what an inference call returns (whose window part runs on the block
+    # engine, without autograd: the same up to rounding)
+    torch.testing.assert_close(out.detach(), whole, rtol=0, atol=1e-12)
     out.square().sum().backward()
     assert all(torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0 for x in (q, k, v))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dims", [(8, 8), (4, 3)])  # torch's flash kernel (Dv = D), else the eager one
+def test_without_gradients_the_window_runs_on_the_block_engine_and_equals_the_oracle(monkeypatch, is_causal, dims):
+    """An inference call computes every query's sinks and window at once (``window_softmax``) and
+    joins its far blocks by the window's log-sum-exp. Row 1's sinks and keys 20-27 are padding, so
+    queries 23-27 (window 4) see far blocks only: the window's part must carry no mass there (the
+    flash kernel reports lse = 0 for a row without keys); queries whose far blocks are all padding
+    too see nothing (zeros). With gradients the call does not use it."""
+    import subquad.mechanisms.retrieval as retrieval
+
+    calls = []
+    original = retrieval.window_softmax
+    monkeypatch.setattr(retrieval, "window_softmax", lambda *a: calls.append(1) or original(*a))
+    L, S = (37, 37) if is_causal else (29, 41)
+    q, k, v = qkv(2, 2, L, S, *dims, seed=11)
+    kpm = torch.ones(2, S, dtype=torch.bool)
+    kpm[1, :2] = kpm[1, 20:28] = False
+    config = RetrievalConfig(window=4, sinks=2, blocks=2, block=4)
+    with torch.no_grad():
+        out = retrieval_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config)
+    assert calls == [1]
+    mask = visible(q, k, kpm, is_causal, config)
+    offset = S - L
+    window_empty = [i for i in range(L) if not mask[1, 0, i, max(0, i + offset - 3) : i + offset + 4].any()]
+    assert window_empty and mask[1, :, window_empty].any()  # the case the test is for: far blocks only
+    expected = full_attention(q, k, v, attn_mask=mask).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    retrieval_attention(q.requires_grad_(), k, v, key_padding_mask=kpm, is_causal=is_causal, config=config)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("rows, window_block", [(1, 1), (3, 5), (64, 7), (1000, 1000)])

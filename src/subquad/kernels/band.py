@@ -14,10 +14,12 @@ from torch import Tensor
 from subquad._validate import check_grouped_inputs
 from subquad.kernels import native as _native
 from subquad.kernels.blocksparse import band_blocks, block_sparse_attention
+from subquad.kernels.blocksparse_forward import block_sparse_forward
 from subquad.kernels.layouts import Group, band_groups, sink_groups, sink_mask
+from subquad.kernels.softmax import fused_available
 from subquad.masks import MaskMod
 
-__all__ = ["window_attention", "window_layout", "window_mask"]
+__all__ = ["window_attention", "window_layout", "window_mask", "window_softmax"]
 
 
 def window_mask(window: int, is_causal: bool, offset: int) -> MaskMod:
@@ -51,6 +53,25 @@ def window_attention(
     elif blocks.backward is not None:
         backward = layout(min(blocks.backward, L))
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, kernel, backward)
+
+
+@torch.no_grad()
+def window_softmax(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool, scale: float, window: int,
+    sinks: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``window_attention``'s output ``(B, H, L, Dv)`` and log-sum-exp ``(B, H, L, 1)`` (−inf where
+    the window holds no real key), in the work dtype and without autograd, for a mechanism that
+    joins the window's softmax with parts of its own (``retrieval``'s far blocks). Grouped-query
+    keys are read in place; the kernel is the fused one where it runs, else eager."""
+    L, S = q.shape[2], k.shape[2]
+    w = min(window, L + S)
+    fused = fused_available(q.device, q.shape[-1], v.shape[-1])
+    kernel = "fused" if fused else "eager"
+    blocks = band_blocks(q, k, v, kernel, False, w if is_causal else 2 * w - 1)
+    parts = window_layout(L, S - L, w, is_causal, min(sinks, S), min(blocks.forward, L), q.device)
+    out, lse = block_sparse_forward(q, k, v, key_padding_mask, parts, scale, kernel, fused)
+    return out, lse[..., None]
 
 
 def window_layout(

@@ -34,10 +34,11 @@ hedgehog (``LinearState``, trained by ``convert`` + ``distill``); the cache keep
 
 **Computation** (``ops.far_blocks``). Queries go in chunks (``TUNING.retrieval_gather`` elements
 of far-part work; with gradients ``retrieval_gather_grad`` bytes), each checkpointed under
-autograd. A chunk's sinks and window are scored in blocks of ``TUNING.retrieval_window_block``
-queries; its far part block by block, the queries that chose a block in segments of
-``TUNING.retrieval_rows`` in position order, so a query's output does not depend on later
-queries' choices (the past stays bit-identical). Grouped-query keys are read in place.
+autograd. The sinks and window: without gradients, all queries at once on the block engine
+(``kernels.band.window_softmax``, as ``local``), joined by their log-sum-exp; with them, per chunk in
+blocks of ``TUNING.retrieval_window_block`` queries. The far part block by block, the queries that
+chose a block in segments of ``TUNING.retrieval_rows`` in position order, so a query's output does
+not depend on later queries' choices. Grouped-query keys are read in place.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from subquad._validate import check_grouped_inputs
-from subquad.decoding import Decoder
+from subquad.decoding import Decoder, room_for
+from subquad.kernels.band import window_softmax
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
 from subquad.masks import window_covers
@@ -153,11 +155,13 @@ def _attend(
     step = max(1, gather // (B * H * min(config.blocks, n) * (size + q.shape[-1] + v.shape[-1])))
     outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
     kernel = None if config.feature_map == "none" else kernel_inputs(q, k, v, real, is_causal, config, learned)
+    near = None if grad or not (L and S) else window_softmax(q, k, v, key_padding_mask, is_causal, scale,
+                                                              config.window, config.sinks)  # fmt: skip
     k, v = (x.to(work_dtype(q.dtype)) for x in (k, v))  # half inputs: once per call, not per chunk
     for a in range(0, L, step):
         args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, sizes)
-        if kernel is not None:
-            args += ((kernel[0], *(x[:, :, a : a + step] for x in kernel[1:])),)  # the keys' features whole
+        args += (None if kernel is None else (kernel[0], *(x[:, :, a : a + step] for x in kernel[1:])),  # keys whole
+                 None if near is None else tuple(x[:, :, a : a + step] for x in near))  # fmt: skip
         outputs.append(checkpoint(retrieval_chunk, *args, use_reentrant=False) if grad else retrieval_chunk(*args))
     return torch.cat(outputs, dim=2), whole if size == config.block else None
 
@@ -214,7 +218,7 @@ class RetrievalCache(Decoder):
             )
         needed = int(self.filled.max()) + T
         if needed > self.keys.shape[2]:  # an eighth more room (a copy per eighth: O(1) per token, amortised)
-            grow = _room(needed) - self.keys.shape[2]
+            grow = room_for(needed) - self.keys.shape[2]
             self.keys, self.values = (torch.nn.functional.pad(x, (0, 0, 0, grow)) for x in (self.keys, self.values))
         at = self.filled[:, None] + torch.arange(T, device=q.device)  # (B, T)
         for held, new in ((self.keys, k), (self.values, v)):
@@ -262,18 +266,13 @@ class RetrievalCache(Decoder):
         """Hold ``bounds``, those of ``rows``' whole blocks from ``m`` on."""
         count = m + bounds[0].shape[2]
         if self.low is None or count > self.low.shape[2]:
-            shape = (self.keys.shape[0], *bounds[0].shape[1:2], _room(count), bounds[0].shape[-1])
+            shape = (self.keys.shape[0], *bounds[0].shape[1:2], room_for(count), bounds[0].shape[-1])
             low, high = (bounds[0].new_zeros(shape) for _ in range(2))
             if self.low is not None:
                 low[:, :, : self.low.shape[2]], high[:, :, : self.high.shape[2]] = self.low, self.high
             self.low, self.high = low, high
         self.low[rows, :, m:count], self.high[rows, :, m:count] = bounds
         self.known[rows] = count
-
-
-def _room(needed: int) -> int:
-    """The capacity a cache grows to when it needs ``needed`` slots: an eighth more (at least 16)."""
-    return needed + max(needed // 8, 16)
 
 
 MECHANISM = Mechanism(

@@ -40,7 +40,7 @@ def block_bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
 def retrieval_chunk(
     q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
     is_causal: bool, scale: float, config: Config, sizes: tuple[int, int],
-    kernel: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+    kernel: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, near: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks and
     windows (``_near``) and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``:
@@ -49,10 +49,15 @@ def retrieval_chunk(
 
     ``kernel`` (a feature map): ``kernel_inputs``' for these queries (the keys' features whole): the
     chosen blocks' share of the kernel sums is taken out and the rest joins the softmax part under
-    one normaliser (``lola``)."""
+    one normaliser (``lola``). ``near``: these queries' sinks-and-window softmax, output and
+    log-sum-exp (``kernels.band.window_softmax``, without autograd), where it was computed for
+    every query at once; else it is computed here (``_near``)."""
     p = torch.arange(first, first + q.shape[2], device=q.device)
     chosen = _chosen(q, low, high, counted, p, is_causal, config)  # each query's far blocks
-    near = _near(q, k, v, real, first, is_causal, scale, config, sizes[0])
+    if near is None:
+        near = _near(q, k, v, real, first, is_causal, scale, config, sizes[0])
+    else:  # a normalised part: its log-sum-exp as the shift, a sum of 1 (0 where it sees no key)
+        near = (near[1], torch.isfinite(near[1]).to(near[0].dtype), near[0])
     far = _far(q, k, v, counted, *chosen, scale, sizes[1], None if kernel is None else (kernel[1], kernel[0]))
     if kernel is None:
         return _merge(near, far).to(q.dtype)

@@ -16,6 +16,8 @@ same formula as ``windowed``, and moves the keys that leave the window into the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -70,11 +72,11 @@ class LinearState(nn.Module):
 
 def learned_state(state: nn.Module | None, config: Config, heads: int, dim: int, device) -> LinearState | None:
     """The ``LinearState`` whose maps a call with ``config.feature_map`` uses: None unless hedgehog;
-    ``state`` checked, or a new one at the initial map (W = I) when it is None."""
+    ``state`` checked, or the initial map (W = I, frozen: nothing would train it) when it is None."""
     if config.feature_map != "hedgehog":
         return None
     if state is None:
-        return LinearState(config, heads, dim).to(device)
+        return _initial(heads, dim, torch.device(device))
     if not isinstance(state, LinearState) or not state.learned:
         got = "one built for another feature map" if isinstance(state, LinearState) else type(state).__name__
         raise ValueError(
@@ -86,6 +88,18 @@ def learned_state(state: nn.Module | None, config: Config, heads: int, dim: int,
             f"this call needs {(heads, dim, dim)}; build it as LinearState(config, {heads}, {dim})"
         )
     return state
+
+
+@functools.lru_cache(maxsize=16)
+def _initial(heads: int, dim: int, device: torch.device) -> LinearState:
+    """The initial hedgehog maps of a call without a state, built once per shape and device (they
+    were built afresh at every call and decoder step) and frozen: a call whose inputs need no
+    gradient then runs as inference does."""
+    return LinearState(_Hedgehog(), heads, dim).to(device).requires_grad_(False)
+
+
+class _Hedgehog:
+    feature_map = "hedgehog"  # what LinearState reads of a config
 
 
 def learned_features(x: Tensor, state: nn.Module) -> Tensor:
