@@ -183,6 +183,28 @@ def test_each_query_sums_its_slots_by_index_add_or_by_its_own_slots():
         assert _per_query(x, asker, slot, 4, ordered).flatten().tolist() == [1 + 5, 6, 2, 3]  # slots 0 + 4; 5; 1; 2
 
 
+@pytest.mark.parametrize("feature_map", ["none", "elu"])
+def test_query_heads_of_one_key_value_head_fill_its_blocks_segments_together(monkeypatch, feature_map):
+    """Without a kernel part, a far block's segments are its key/value head's: the query heads that
+    share it (grouped-query) put their rows in the same segments, each block's keys gathered once
+    for them; with one (a feature map per query head), each query head has its own."""
+    import subquad.ops.far_blocks as far_blocks
+
+    owners = []
+    original = far_blocks._segments
+    monkeypatch.setattr(far_blocks, "_segments", lambda *a: owners.append(original(*a)[1]) or original(*a))
+    q, k, v = qkv(1, 4, 40, 40, 8, 8, seed=5)
+    config = RetrievalConfig(window=4, sinks=0, blocks=2, block=4, feature_map=feature_map)
+    with tuned(retrieval_rows=1000), torch.no_grad():  # one segment per block that some row chose
+        out = retrieval_attention(q, k[:, :1], v[:, :1], is_causal=True, config=config, enable_gqa=True)
+    n = 10  # blocks of 4 among 40 keys
+    (owner,) = owners
+    assert owner.unique().numel() == owner.numel()  # one segment per chosen block
+    assert int(owner.max()) < (n if feature_map == "none" else 4 * n) and (feature_map == "none" or owner.max() >= n)
+    expected = retrieval_attention(q, *(x[:, :1].expand(-1, 4, -1, -1) for x in (k, v)), is_causal=True, config=config)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+
+
 def test_with_gradients_chunks_gather_retrieval_gather_grad_bytes(monkeypatch):
     """A chunk's far part holds queries × blocks × (block + D + Dv) elements (each query's row, scores
     and output per chosen block): with gradients ``TUNING.retrieval_gather_grad`` bytes of them,

@@ -22,7 +22,7 @@ from subquad.registry import Config
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["block_bounds", "kernel_inputs", "lola", "one_query", "retrieval_chunk"]
+__all__ = ["block_bounds", "kernel_inputs", "lola", "one_query", "quest_bound", "retrieval_chunk"]
 
 _CHUNK = 64  # positions per chunk of the kernel part's causal product (linear's default)
 
@@ -171,10 +171,16 @@ def _far(
     shared = H // groups
     if per % shared:  # a group spans key/value heads: each head chooses on its own
         index, ok, shared = index.repeat_interleave(shared, dim=1), ok.repeat_interleave(shared, dim=1), 1
-    units, work = H // shared, work_dtype(q.dtype)
-    asks, count = B * units * c, B * units * n  # the (row, unit, query) rows, and the blocks of all units
-    streams = torch.arange(B * units, device=q.device).view(B, units, 1, 1) * n
-    asker, owner, slot = _segments(torch.where(ok, streams + index, count), count, rows)
+    units, work, Hk = H // shared, work_dtype(q.dtype), k.shape[1]
+    asks = B * units * c  # the (row, unit, query) rows
+    # a segment's block: of its key/value head, so the units sharing one fill its segments together;
+    # with features (a map per query head), of its unit
+    owners = (B, units) if features is not None else (B, Hk)
+    streams = torch.arange(B * units, device=q.device).view(B, units, 1, 1)
+    if features is None:
+        streams = streams // units * Hk + streams % units * shared // per
+    count = owners[0] * owners[1] * n
+    asker, owner, slot = _segments(torch.where(ok, streams * n + index, count), count, rows)
     if not owner.numel():  # no query in the chunk has a far block
         top = q.new_full((B, H, c, 1), float("-inf"), dtype=work)
         none = (top, torch.zeros_like(top), q.new_zeros((B, H, c, v.shape[-1]), dtype=work))
@@ -182,7 +188,7 @@ def _far(
     mine = q.to(work).view(B, units, shared, c, D).transpose(2, 3).reshape(asks, shared * D)  # gradients sum in work
     mine = torch.cat([mine, mine.new_zeros(1, shared * D)])  # an empty slot's row: zeros, whatever q holds
     queries = mine.index_select(0, asker).view(owner.numel(), -1, D)
-    keys, values, bias = _blocks(k, v, counted, owner, units, shared, work)
+    keys, values, bias = _blocks(k, v, counted, owner, *((units, shared) if features is not None else (Hk, 1)), work)
     scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)  # (T, rows · shared, block)
     top = torch.full((asks + 1, shared), float("-inf"), dtype=work, device=q.device)
     top.scatter_reduce_(0, asker[:, None].expand(-1, shared), scores.detach().amax(-1).view(-1, shared), "amax")
@@ -289,17 +295,26 @@ def _chosen(
     """``(B, H, c, blocks)``: each query's far blocks, the eligible ones of highest bound, and
     whether each is one (fewer are eligible than ``blocks``)."""
     n, size, w = low.shape[2], counted.shape[-1], config.window
+    if is_causal:  # the blocks some query of the chunk may take, and as many as it chooses: no bound past them
+        n = max(min(n, max(int(p[-1]) - w + 1, 0) // size), min(config.blocks, n))
+        low, high, counted = low[:, :, :n], high[:, :, :n], counted[:, :n]
     start = torch.arange(n, device=q.device) * size
     outside = (start + size - 1)[None] <= p[:, None] - w  # (c, n): the whole block older than the window
     if not is_causal:
         outside = outside | (start[None] >= p[:, None] + w)
     eligible = outside[None, None] & counted.any(-1)[:, None, None]
-    q = q.detach()
-    bound = q.clamp_min(0) @ high.transpose(-1, -2) - (-q).clamp_min(0) @ low.transpose(-1, -2)
+    bound = quest_bound(q.detach(), low, high)
     if config.shared > 1:  # a group ranks blocks by its heads' bounds summed
         bound = bound.view(bound.shape[0], -1, config.shared, *bound.shape[2:]).sum(2)
     top, index = bound.masked_fill(~eligible, float("-inf")).topk(min(config.blocks, n), dim=-1, sorted=False)
     return index, torch.isfinite(top)
+
+
+def quest_bound(q: Tensor, low: Tensor, high: Tensor) -> Tensor:
+    """Quest's bound ``Σ_d max(q_d·min_d, q_d·max_d)`` of queries ``(…, c, D)`` on blocks ``(…, n, D)``,
+    ``(…, c, n)``: relu(q)·max − relu(−q)·min as one product, ``[q⁺, q⁻]·[max, min]`` (the parallel
+    pass and decoding's step compute it alike)."""
+    return torch.cat([q.clamp_min(0), q.clamp_max(0)], -1) @ torch.cat([high, low], -1).transpose(-1, -2)
 
 
 def one_query(
@@ -323,7 +338,7 @@ def one_query(
     e, first = max(0, S - w) // size, s // size  # blocks [first, e): wholly before the window, not sinks only
     if e > first:
         high, low = (x[:, :, first:e].repeat_interleave(per, dim=1) for x in (high, low))
-        bound = q.clamp_min(0) @ high.transpose(-1, -2) - (-q).clamp_min(0) @ low.transpose(-1, -2)  # (B, H, 1, n)
+        bound = quest_bound(q, low, high)  # (B, H, 1, n)
         shared = config.shared if per % config.shared == 0 else 1  # a group within one key/value head, or heads alone
         if config.shared > 1:
             bound = bound.view(B, H // config.shared, config.shared, -1).sum(2)
