@@ -104,8 +104,10 @@ class Tuning:
     retrieval_gather: int = _knob(
         1 << 23, "retrieval: elements of a chunk's far part, queries × blocks × (block + D + Dv): rows, scores, outputs"
     )
-    retrieval_rows: int = _knob(32, "retrieval: queries scored together against one far block (a segment)")
-    retrieval_window_block: int = _knob(64, "retrieval: queries scored together against their sinks and window range")
+    retrieval_rows: int = _knob(64, "retrieval: query rows scored together against one far block (a segment)")
+    retrieval_window_block: int = _knob(
+        64, "retrieval with gradients: queries scored together against their sinks and window range"
+    )
     retrieval_gather_grad: int = _knob(
         40 << 20,
         "retrieval with gradients: bytes of a checkpointed chunk's far part (as retrieval_gather counts it); "
