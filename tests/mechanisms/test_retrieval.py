@@ -299,13 +299,18 @@ def test_decoding_computes_only_new_blocks_bounds_and_returns_what_a_fresh_call_
 @given(
     S=st.integers(1, 60), window=st.sampled_from([1, 3, 8]), sinks=st.sampled_from([0, 1, 3, 4, 9]),
     blocks=st.sampled_from([1, 2, 5]), block=st.sampled_from([1, 3, 4]), shared=st.sampled_from([1, 2, 4]),
-    kv=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16),
+    kv=st.sampled_from([1, 2, 4]), dense=st.sampled_from([0, 1000]), seed=st.integers(0, 2**16),
 )  # fmt: skip
-def test_a_one_token_step_is_the_parallel_pass_s_last_query(S, window, sinks, blocks, block, shared, kv, seed):
-    """Decoding's single-query path (``one_query``: one sdpa call) against the mechanism's parallel
-    pass, over grouped-query keys kept unrepeated, groups within and across key/value heads, and
-    sinks inside and beyond the first block."""
+def test_a_one_token_step_is_the_parallel_pass_s_last_query(S, window, sinks, blocks, block, shared, kv, dense, seed):
+    """Decoding's single-query path (``one_query``) against the mechanism's parallel pass, over
+    grouped-query keys kept unrepeated, groups within and across key/value heads, and sinks inside
+    and beyond the first block; the chosen blocks gathered (``retrieval_step_dense`` 0, below the
+    knob's range: always) or every key read under a mask (a large value)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
     import subquad.mechanisms.retrieval as retrieval
+    import subquad.ops.far_step as far_step
 
     config = RetrievalConfig(window=window, sinks=sinks, blocks=blocks, block=block, shared=shared)
     q, k, v = qkv(2, 4, S, S, 6, 3, seed=seed)
@@ -313,7 +318,8 @@ def test_a_one_token_step_is_the_parallel_pass_s_last_query(S, window, sinks, bl
     decoder = retrieval.RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
     if S > 1:
         decoder.absorb(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1])
-    out = decoder.step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:])
+    with mock.patch.object(far_step, "TUNING", SimpleNamespace(retrieval_step_dense=dense)):
+        out = decoder.step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:])
     expected = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -1:]
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     assert decoder.keys.shape[1] == kv

@@ -108,6 +108,12 @@ class Tuning:
     retrieval_window_block: int = _knob(
         64, "retrieval with gradients: queries scored together against their sinks and window range"
     )
+    retrieval_step_dense: int = _knob(
+        2,
+        "retrieval's one-token decoding step reads every key in place under a mask (one sdpa call) where the keys "
+        "of all key/value heads number at most this many times the chosen blocks' keys of all units; else it "
+        "gathers the blocks",
+    )
     retrieval_gather_grad: int = _knob(
         40 << 20,
         "retrieval with gradients: bytes of a checkpointed chunk's far part (as retrieval_gather counts it); "

@@ -56,7 +56,8 @@ from subquad.kernels.band import window_softmax
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
 from subquad.masks import window_covers
-from subquad.ops.far_blocks import block_bounds, kernel_inputs, one_query, retrieval_chunk
+from subquad.ops.far_blocks import block_bounds, kernel_inputs, retrieval_chunk
+from subquad.ops.far_step import one_query
 from subquad.ops.windowed_linear import LinearState, far_sums, learned_state, phi
 from subquad.registry import Config, Mechanism, option
 

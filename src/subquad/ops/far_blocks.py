@@ -4,8 +4,8 @@ output of a chunk of queries over their sinks, window and own far blocks in one 
 ``block_bounds``: the elementwise min and max of each block's counted keys (real, not sinks), from
 which Quest's bound ranks the blocks. ``retrieval_chunk``: a chunk of queries' sinks and windows
 (``_near``) and far blocks (``_far``: the queries that chose a block scored together against it,
-each row reading only its own query and block), merged in one softmax. ``one_query``: decoding's
-step for one new query per row, the same choice and softmax in one call.
+each row reading only its own query and block), merged in one softmax. ``quest_bound``: the bound,
+shared with decoding's step (``ops.far_step``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from subquad.registry import Config
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["block_bounds", "kernel_inputs", "lola", "one_query", "quest_bound", "retrieval_chunk"]
+__all__ = ["block_bounds", "kernel_inputs", "lola", "quest_bound", "retrieval_chunk"]
 
 _CHUNK = 64  # positions per chunk of the kernel part's causal product (linear's default)
 
@@ -315,73 +315,3 @@ def quest_bound(q: Tensor, low: Tensor, high: Tensor) -> Tensor:
     ``(…, c, n)``: relu(q)·max − relu(−q)·min as one product, ``[q⁺, q⁻]·[max, min]`` (the parallel
     pass and decoding's step compute it alike)."""
     return torch.cat([q.clamp_min(0), q.clamp_max(0)], -1) @ torch.cat([high, low], -1).transpose(-1, -2)
-
-
-def one_query(
-    q: Tensor, k: Tensor, v: Tensor, low: Tensor, high: Tensor, scale: float | None, config: Config,
-    kernel: tuple[nn.Module | None, Tensor] | None = None,
-) -> Tensor:  # fmt: skip
-    """Decoding's step: the output ``(B, H, 1, Dv)`` of each row's last query (at p = S − 1) over its
-    keys ``k``, ``v`` ``(B, Hk, S, ·)`` (no padding), given the bounds ``low``, ``high`` ``(B, Hk,
-    S // block, D)`` of its whole blocks: ``retrieval_chunk``'s choice of blocks (the eligible ones
-    of highest bound) and its softmax over the sinks, the window and those blocks, as one sdpa call
-    on a few dozen operations where the general chunk takes about eighty. ``kernel`` (a feature
-    map): hedgehog's state or None, and the sums ``Σ φ(k) [v, 1]ᵀ`` ``(B, H, F, Dv + 1)`` over the
-    keys beyond the window, less sinks; the chosen blocks' share is taken out (``lola``)."""
-    B, H = q.shape[:2]
-    Hk, S = k.shape[1], k.shape[2]
-    per, size, w, s, work = H // Hk, config.block, config.window, config.sinks, work_dtype(q.dtype)
-    lo = max(0, S - w)  # the window: keys lo … S − 1; the sinks before it
-    keys, values = ([torch.cat([x[:, :, : min(s, lo)], x[:, :, lo:]], dim=2).repeat_interleave(per, dim=1)]
-                    for x in (k, v))  # fmt: skip
-    mask, chosen = None, None
-    e, first = max(0, S - w) // size, s // size  # blocks [first, e): wholly before the window, not sinks only
-    if e > first:
-        high, low = (x[:, :, first:e].repeat_interleave(per, dim=1) for x in (high, low))
-        bound = quest_bound(q, low, high)  # (B, H, 1, n)
-        shared = config.shared if per % config.shared == 0 else 1  # a group within one key/value head, or heads alone
-        if config.shared > 1:
-            bound = bound.view(B, H // config.shared, config.shared, -1).sum(2)
-            bound = bound.repeat_interleave(config.shared // shared, dim=1)
-        index = bound.view(B, H // shared, -1).topk(min(config.blocks, e - first), dim=-1, sorted=False).indices
-        index = index + first  # (B, U, chosen)
-        units = H // shared
-        rows = torch.arange(B, device=q.device).view(B, 1, 1)
-        source = (torch.arange(units, device=q.device) * shared // per).view(1, units, 1)
-        for parts, x in ((keys, k), (values, v)):
-            blocks = x[:, :, : e * size].view(B, Hk, e, size, x.shape[-1])[
-                rows, source, index
-            ]  # (B, U, chosen, size, ·)
-            parts.append(blocks.flatten(2, 3).repeat_interleave(shared, dim=1))
-        chosen = keys[-1], values[-1], None
-        if s % size:  # the first block holds sinks, which the window part has counted
-            at = (index[..., None] * size + torch.arange(size, device=q.device)).flatten(2) >= s
-            near = torch.ones(B, H, keys[0].shape[2], dtype=torch.bool, device=q.device)
-            chosen = (*chosen[:2], at.repeat_interleave(shared, dim=1))
-            mask = torch.cat([near, chosen[2]], dim=2)[:, :, None]
-    keys, values = (torch.cat(parts, dim=2).to(work) for parts in (keys, values))
-    out = torch.nn.functional.scaled_dot_product_attention(q.to(work), keys, values, attn_mask=mask, scale=scale)
-    if kernel is not None:
-        out = _one_query_kernel(q, out, chosen, config.feature_map, *kernel, max(0, S - w - s))
-    return out.to(q.dtype)
-
-
-def _one_query_kernel(
-    q: Tensor, out: Tensor, chosen: tuple[Tensor, Tensor, Tensor | None] | None, name: str, learned, sums: Tensor,
-    far: int,
-) -> Tensor:  # fmt: skip
-    """``one_query``'s output with the kernel part: the sums over the ``far`` keys beyond the window,
-    less the chosen blocks' keys ``chosen`` (keys, values ``(B, H, n, ·)``, and which count: not sinks)."""
-    fq = phi(q, name, learned)  # (B, H, 1, F)
-    beyond = torch.matmul(fq, sums)
-    taken, total, held = torch.zeros_like(out), torch.zeros_like(out[..., :1]), 0
-    if chosen is not None:
-        fk = phi(chosen[0], name, learned)
-        held = chosen[0].shape[2]
-        if chosen[2] is not None:
-            fk = fk * chosen[2][..., None].to(fk.dtype)
-            held = chosen[2].sum(-1)[..., None, None]
-        weights = torch.matmul(fq, fk.transpose(-1, -2))
-        taken, total = torch.matmul(weights, chosen[1].to(weights.dtype)), weights.sum(-1, keepdim=True)
-    left = torch.as_tensor(far, device=q.device) > torch.as_tensor(held, device=q.device)
-    return lola(out, torch.ones_like(total), beyond, taken, total, left.expand_as(total))

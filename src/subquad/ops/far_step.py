@@ -1,0 +1,131 @@
+"""Decoding's step for ``retrieval`` (``mechanisms.retrieval``'s ``RetrievalCache``): one new query
+per row over its cached keys, the same choice of far blocks and the same softmax as the parallel
+pass (``ops.far_blocks``), on a few dozen operations. Where the cache is short, every key is read
+in place under the mask of those the query sees (one sdpa call); else the chosen blocks are
+gathered, whole rows of each key/value head's keys.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from subquad.kernels.softmax import work_dtype
+from subquad.kernels.tuning import TUNING
+from subquad.ops.far_blocks import lola, quest_bound
+from subquad.ops.windowed_linear import phi
+from subquad.registry import Config
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["one_query"]
+
+
+def one_query(
+    q: Tensor, k: Tensor, v: Tensor, low: Tensor, high: Tensor, scale: float | None, config: Config,
+    kernel: tuple[nn.Module | None, Tensor] | None = None,
+) -> Tensor:  # fmt: skip
+    """Decoding's step: the output ``(B, H, 1, Dv)`` of each row's last query (at p = S − 1) over its
+    keys ``k``, ``v`` ``(B, Hk, S, ·)`` (no padding), given the bounds ``low``, ``high`` ``(B, Hk,
+    S // block, D)`` of its whole blocks: ``retrieval_chunk``'s choice of blocks (the eligible ones
+    of highest bound) and its softmax over the sinks, the window and those blocks. The window's keys
+    are read by each key/value head's query heads together and the chosen blocks' once per unit, in
+    one softmax over both parts' scores: nothing is repeated to the query heads or concatenated but
+    the scores. ``kernel`` (a feature map): hedgehog's state or None, and the sums ``Σ φ(k) [v, 1]ᵀ``
+    ``(B, H, F, Dv + 1)`` over the keys beyond the window, less sinks; the chosen blocks' share is
+    taken out (``lola``)."""
+    B, H, _, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    per, size, w, s, work = H // Hk, config.block, config.window, config.sinks, work_dtype(q.dtype)
+    lo = max(0, S - w)  # the window: keys lo … S − 1; the sinks before it
+    picked = _step_blocks(q, low, high, config, lo // size)
+    if picked is not None and kernel is None and Hk * S <= TUNING.retrieval_step_dense * picked[0][0].numel() * size:
+        return _one_query_dense(q, k, v, *picked, scale, (w, s, size)).to(q.dtype)
+    mine = q.to(work) * (D**-0.5 if scale is None else scale)
+    near = [torch.cat([x[:, :, : min(s, lo)], x[:, :, lo:]], dim=2).to(work) for x in (k, v)]  # (B, Hk, m, ·)
+    scores = [torch.matmul(mine.view(B, Hk, per, D), near[0].transpose(-1, -2)).view(B, H, 1, -1)]
+    far, chosen, shared = None, None, 1
+    if picked is not None:
+        (index, shared), e = picked, lo // size
+        units, g = H // shared, per // shared  # g: units per key/value head
+        # (B, U, chosen · size, ·): each unit's chosen blocks, read as whole rows of its head's blocks
+        far = [torch.stack([x[b, h, : e * size].reshape(e, -1).index_select(0, index[b, h * g : h * g + g].flatten())
+                            for b in range(B) for h in range(Hk)]).view(B, units, -1, x.shape[-1]).to(work)
+               for x in (k, v)]  # fmt: skip
+        scores.append(torch.matmul(mine.view(B, units, shared, D), far[0].transpose(-1, -2)).view(B, H, 1, -1))
+        sinks = None
+        if s % size:  # the first block holds sinks, which the window part has counted
+            sinks = (index[..., None] * size + torch.arange(size, device=q.device)).flatten(2) < s  # (B, U, n)
+            scores[1] = scores[1].masked_fill(sinks.repeat_interleave(shared, dim=1)[:, :, None], float("-inf"))
+        if kernel is not None:  # the chosen keys and values by query head, and which count (not sinks)
+            counted = None if sinks is None else ~sinks
+            chosen = tuple(None if x is None else x.repeat_interleave(shared, dim=1) for x in (*far, counted))
+    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)  # (B, H, 1, m + chosen · size)
+    m = near[0].shape[2]
+    out = torch.matmul(weights[..., :m].reshape(B, Hk, per, m), near[1]).view(B, H, 1, -1)
+    if far is not None:
+        out = out + torch.matmul(weights[..., m:].reshape(B, H // shared, shared, -1), far[1]).view(B, H, 1, -1)
+    if kernel is not None:
+        out = _one_query_kernel(q, out, chosen, config.feature_map, *kernel, max(0, S - w - s))
+    return out.to(q.dtype)
+
+
+def _step_blocks(q: Tensor, low: Tensor, high: Tensor, config: Config, e: int) -> tuple[Tensor, int] | None:
+    """``one_query``'s choice: the blocks ``(B, U, chosen)`` of highest bound among ``[first, e)``
+    (wholly before the window, not sinks only) for each unit of ``shared`` query heads (a group
+    within one key/value head; else each head alone), or None where no block is eligible."""
+    (B, H, _, D), Hk = q.shape, low.shape[1]
+    per, first = H // Hk, config.sinks // config.block
+    if e <= first:
+        return None
+    bound = quest_bound(q.view(B, Hk, per, D), low[:, :, first:e], high[:, :, first:e]).view(B, H, 1, -1)
+    shared = config.shared if per % config.shared == 0 else 1
+    if config.shared > 1:
+        bound = bound.view(B, H // config.shared, config.shared, -1).sum(2)
+        bound = bound.repeat_interleave(config.shared // shared, dim=1)
+    index = bound.view(B, H // shared, -1).topk(min(config.blocks, e - first), dim=-1, sorted=False).indices
+    return index + first, shared
+
+
+def _one_query_dense(
+    q: Tensor, k: Tensor, v: Tensor, index: Tensor, shared: int, scale: float | None, sizes: tuple[int, int, int]
+) -> Tensor:
+    """``one_query``'s softmax as one sdpa call over all of each row's keys under the mask of those
+    it sees (the sinks, the window, each unit's chosen blocks ``index`` ``(B, U, chosen)``): where the
+    keys are few, reading them all in place costs less than gathering the chosen blocks."""
+    (B, H), S = q.shape[:2], k.shape[2]
+    w, s, size = sizes
+    seen = torch.zeros(B, H // shared, S, dtype=torch.bool, device=q.device)
+    seen[:, :, : min(s, S)] = True
+    seen[:, :, max(0, S - w) :] = True
+    seen.scatter_(2, (index[..., None] * size + torch.arange(size, device=q.device)).flatten(2), True)
+    mask = seen.repeat_interleave(shared, dim=1)[:, :, None]
+    work = work_dtype(q.dtype)
+    k, v = (x.to(work) for x in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.to(work), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+
+
+def _one_query_kernel(
+    q: Tensor, out: Tensor, chosen: tuple[Tensor, Tensor, Tensor | None] | None, name: str, learned, sums: Tensor,
+    far: int,
+) -> Tensor:  # fmt: skip
+    """``one_query``'s output with the kernel part: the sums over the ``far`` keys beyond the window,
+    less the chosen blocks' keys ``chosen`` (keys, values ``(B, H, n, ·)``, and which count: not sinks)."""
+    fq = phi(q, name, learned)  # (B, H, 1, F)
+    beyond = torch.matmul(fq, sums)
+    taken, total, held = torch.zeros_like(out), torch.zeros_like(out[..., :1]), 0
+    if chosen is not None:
+        fk = phi(chosen[0], name, learned)
+        held = chosen[0].shape[2]
+        if chosen[2] is not None:
+            fk = fk * chosen[2][..., None].to(fk.dtype)
+            held = chosen[2].sum(-1)[..., None, None]
+        weights = torch.matmul(fq, fk.transpose(-1, -2))
+        taken, total = torch.matmul(weights, chosen[1].to(weights.dtype)), weights.sum(-1, keepdim=True)
+    left = torch.as_tensor(far, device=q.device) > torch.as_tensor(held, device=q.device)
+    return lola(out, torch.ones_like(total), beyond, taken, total, left.expand_as(total))
