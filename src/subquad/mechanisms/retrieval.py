@@ -186,11 +186,9 @@ class RetrievalCache(Decoder):
 
     def __init__(self, mechanism: Mechanism, config: RetrievalConfig, state: nn.Module | None) -> None:
         super().__init__(mechanism, config, state)
-        self.keys: Tensor | None = None  # (B, Hk, capacity, D), each row's real tokens first
-        self.values: Tensor | None = None
+        self.keys = self.values = None  # (B, Hk, capacity, ·), each row's real tokens first
         self.filled: Tensor | None = None  # (B,): each row's tokens held
-        self.low: Tensor | None = None  # (B, Hk, capacity / block, D): the bounds of each row's whole blocks
-        self.high: Tensor | None = None
+        self.low = self.high = None  # (B, Hk, capacity / block, D): the bounds of each row's whole blocks
         self.known: Tensor | None = None  # (B,): whole blocks whose bounds are held
         self.sums = self.summed = None  # a kernel part's Σ φ(k) [v, 1]ᵀ (B, H, F, Dv + 1) over keys [sinks, summed)
 
@@ -213,20 +211,22 @@ class RetrievalCache(Decoder):
             self.keys, self.values = k[:, :, :0], v[:, :, :0]
             self.filled = self.known = torch.zeros(B, dtype=torch.long, device=q.device)
         if k.shape[1] != self.keys.shape[1]:
-            raise ValueError(
-                f"the cache holds keys of {self.keys.shape[1]} key/value heads, got {k.shape[1]}; start a new cache "
-                "for a new batch"
-            )
+            raise ValueError(f"the cache holds keys of {self.keys.shape[1]} key/value heads, got {k.shape[1]}; "
+                             "start a new cache for a new batch")  # fmt: skip
+        even = bool((self.filled == self.filled[0]).all())  # every row holds as many tokens
         needed = int(self.filled.max()) + T
         if needed > self.keys.shape[2]:  # an eighth more room (a copy per eighth: O(1) per token, amortised)
             grow = room_for(needed) - self.keys.shape[2]
             self.keys, self.values = (torch.nn.functional.pad(x, (0, 0, 0, grow)) for x in (self.keys, self.values))
-        at = self.filled[:, None] + torch.arange(T, device=q.device)  # (B, T)
-        for held, new in ((self.keys, k), (self.values, v)):
-            held.scatter_(2, at[:, None, :, None].expand(-1, new.shape[1], -1, new.shape[-1]), new)
+        at = None if even else self.filled[:, None, None, None] + torch.arange(T, device=q.device)[:, None]
+        for held, new in ((self.keys, k), (self.values, v)):  # all rows at one slice, else each row after its own
+            if even:
+                held[:, :, needed - T : needed] = new
+            else:
+                held.scatter_(2, at.expand(-1, new.shape[1], -1, new.shape[-1]), new)
         self.filled = self.filled + T
-        if bool((self.filled == self.filled[0]).all()):
-            return self._run(q, slice(None), int(self.filled[0]))
+        if even:
+            return self._run(q, slice(None), needed)
         return torch.cat([self._run(q[b : b + 1], slice(b, b + 1), int(self.filled[b])) for b in range(B)])
 
     def _run(self, q: Tensor, rows: slice, n: int) -> Tensor:

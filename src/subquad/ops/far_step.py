@@ -49,12 +49,9 @@ def one_query(
     scores = [torch.matmul(mine.view(B, Hk, per, D), near[0].transpose(-1, -2)).view(B, H, 1, -1)]
     far, chosen, shared = None, None, 1
     if picked is not None:
-        (index, shared), e = picked, lo // size
+        index, shared = picked
         units, g = H // shared, per // shared  # g: units per key/value head
-        # (B, U, chosen · size, ·): each unit's chosen blocks, read as whole rows of its head's blocks
-        far = [torch.stack([x[b, h, : e * size].reshape(e, -1).index_select(0, index[b, h * g : h * g + g].flatten())
-                            for b in range(B) for h in range(Hk)]).view(B, units, -1, x.shape[-1]).to(work)
-               for x in (k, v)]  # fmt: skip
+        far = [_gathered(x, index, g, size).to(work) for x in (k, v)]  # (B, U, chosen · size, ·)
         scores.append(torch.matmul(mine.view(B, units, shared, D), far[0].transpose(-1, -2)).view(B, H, 1, -1))
         sinks = None
         if s % size:  # the first block holds sinks, which the window part has counted
@@ -71,6 +68,20 @@ def one_query(
     if kernel is not None:
         out = _one_query_kernel(q, out, chosen, config.feature_map, *kernel, max(0, S - w - s))
     return out.to(q.dtype)
+
+
+def _gathered(x: Tensor, index: Tensor, g: int, size: int) -> Tensor:
+    """Each unit's chosen blocks ``index`` ``(B, U, chosen)`` of ``x`` ``(B, Hk, S, ·)``, ``(B, U,
+    chosen · size, ·)`` (g: units per key/value head), read as whole rows of its head's blocks
+    straight into the output (``index_select`` with ``out``: no copy between)."""
+    (B, units, chosen), Hk = index.shape, x.shape[1]
+    out = x.new_empty(B, units, chosen * size, x.shape[-1])
+    for b in range(B):
+        for h in range(Hk):
+            blocks = x[b, h, : x.shape[2] // size * size].reshape(-1, size * x.shape[-1])
+            rows = out[b, h * g : h * g + g].view(g * chosen, -1)
+            torch.index_select(blocks, 0, index[b, h * g : h * g + g].flatten(), out=rows)
+    return out
 
 
 def _step_blocks(q: Tensor, low: Tensor, high: Tensor, config: Config, e: int) -> tuple[Tensor, int] | None:
@@ -102,7 +113,7 @@ def _one_query_dense(
     seen[:, :, : min(s, S)] = True
     seen[:, :, max(0, S - w) :] = True
     seen.scatter_(2, (index[..., None] * size + torch.arange(size, device=q.device)).flatten(2), True)
-    mask = seen.repeat_interleave(shared, dim=1)[:, :, None]
+    mask = (seen if shared == 1 else seen.repeat_interleave(shared, dim=1))[:, :, None]
     work = work_dtype(q.dtype)
     k, v = (x.to(work) for x in (k, v))
     return torch.nn.functional.scaled_dot_product_attention(
