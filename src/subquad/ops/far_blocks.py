@@ -173,13 +173,12 @@ def _far(
         index, ok, shared = index.repeat_interleave(shared, dim=1), ok.repeat_interleave(shared, dim=1), 1
     units, work, Hk = H // shared, work_dtype(q.dtype), k.shape[1]
     asks = B * units * c  # the (row, unit, query) rows
-    # a segment's block: of its key/value head, so the units sharing one fill its segments together;
-    # with features (a map per query head), of its unit
-    owners = (B, units) if features is not None else (B, Hk)
-    streams = torch.arange(B * units, device=q.device).view(B, units, 1, 1)
+    # a segment's block is its key/value head's, so the units sharing one fill its segments together;
+    # with features (a map per query head), its unit's
+    streams, owners = torch.arange(B * units, device=q.device).view(B, units, 1, 1), units
     if features is None:
-        streams = streams // units * Hk + streams % units * shared // per
-    count = owners[0] * owners[1] * n
+        streams, owners = streams // units * Hk + streams % units * shared // per, Hk
+    count = B * owners * n
     asker, owner, slot = _segments(torch.where(ok, streams * n + index, count), count, rows)
     if not owner.numel():  # no query in the chunk has a far block
         top = q.new_full((B, H, c, 1), float("-inf"), dtype=work)
@@ -188,7 +187,7 @@ def _far(
     mine = q.to(work).view(B, units, shared, c, D).transpose(2, 3).reshape(asks, shared * D)  # gradients sum in work
     mine = torch.cat([mine, mine.new_zeros(1, shared * D)])  # an empty slot's row: zeros, whatever q holds
     queries = mine.index_select(0, asker).view(owner.numel(), -1, D)
-    keys, values, bias = _blocks(k, v, counted, owner, *((units, shared) if features is not None else (Hk, 1)), work)
+    keys, values, bias = _blocks(k, v, counted, owner, owners, shared if features is not None else 1, work)
     scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)  # (T, rows · shared, block)
     top = torch.full((asks + 1, shared), float("-inf"), dtype=work, device=q.device)
     top.scatter_reduce_(0, asker[:, None].expand(-1, shared), scores.detach().amax(-1).view(-1, shared), "amax")
