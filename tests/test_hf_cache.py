@@ -229,3 +229,61 @@ def test_a_static_cache_is_refused_rather_than_read_as_keys():
     model = swapped("llama", "local-sinks")
     with pytest.raises(ValueError, match=r"gives 10 key slots for 9 tokens \(a static cache\?\)"):
         model.generate(tokens(1, 9), max_new_tokens=2, cache_implementation="static", pad_token_id=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_decoding_loop_without_a_cache_gets_subquad_s_and_equals_the_parallel_pass(name):
+    """A forward call that transformers would give a fresh DynamicCache (use_cache, no cache, no
+    gradients) gets a SubquadCache: a loop that feeds the returned cache back token by token steps
+    the decoders (each token's cost flat in the prompt) and gives the parallel pass's logits."""
+    model = swapped(name, "retrieval")
+    ids = tokens(2, 30)
+    with torch.no_grad():
+        whole = model(ids, use_cache=False).logits
+        out = model(ids[:, :17])  # use_cache from the config
+        assert isinstance(out.cache, SubquadCache)
+        assert isinstance(out.cache.layers[0], DecoderLayer) and out.cache.layers[0].decoder is not None
+        parts, cache = [out.logits], out.cache
+        for t in range(17, 30):
+            step = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            assert step.cache is cache
+            parts.append(step.logits)
+        first = model(ids[:, :5], past_key_values=None)  # the deprecated name, given as None, gets one too
+        assert isinstance(first.cache, SubquadCache)
+        assert model(ids[:, :5], use_cache=False).cache is None
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=1e-4, atol=1e-5)
+
+
+def test_with_gradients_or_after_restore_a_forward_keeps_transformers_cache():
+    model = swapped("llama", "local-sinks")
+    assert type(model(tokens(1, 6)).cache) is DynamicCache, "a training forward keeps transformers' cache"
+    with torch.no_grad():
+        assert type(model(tokens(1, 6), None, None, None).cache) is DynamicCache, "a cache given by position"
+        hf.restore(model)
+        assert type(model(tokens(1, 6)).cache) is DynamicCache
+        assert "_subquad_forward_cache" not in model.__dict__ and not model._forward_pre_hooks
+
+
+def test_a_forward_loop_on_a_model_that_hides_its_kwargs_keeps_every_key_instead_of_refusing():
+    config = GPTNeoXConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    neox = hf.use(GPTNeoXForCausalLM(config).eval(), "local", window=4)
+    ids = tokens(1, 12)
+    with torch.no_grad():
+        whole = neox(ids, use_cache=False).logits
+        out = neox(ids[:, :8])
+        assert isinstance(out.cache, SubquadCache) and all(type(x) is DynamicLayer for x in out.cache.layers)
+        parts, cache = [out.logits], out.cache
+        for t in range(8, 12):
+            parts.append(neox(ids[:, t : t + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=1e-4, atol=1e-5)
+
+
+def test_an_encoder_gets_no_cache_hook():
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    bert = hf.use(BertModel(config).eval(), "local", window=4)
+    assert "_subquad_forward_cache" not in bert.__dict__ and not bert._forward_pre_hooks

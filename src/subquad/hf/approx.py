@@ -64,7 +64,7 @@ def _outputs(model: nn.Module, windows: Windows, batch: int, decoder: bool, show
         show(start, len(windows.ids))
         ids = windows.ids[start : start + batch]
         if decoder:
-            logits = model(input_ids=ids).logits[:, :-1].float()
+            logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()  # scoring: no cache
             loss = nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
             parts.setdefault("loss", []).append(loss)
             parts.setdefault("top1", []).append(logits.argmax(-1))

@@ -4,10 +4,11 @@
 or ``from_pretrained`` set up:
 
 - a layer whose mechanism's decoder takes over a prefill (``Decoder.absorbs``: local, linear,
-  agglomerative) is a ``DecoderLayer``. The prefill runs the parallel pass once and hands the
+  agglomerative, retrieval) is a ``DecoderLayer``. The prefill runs the parallel pass once and hands the
   prompt to the decoder (``Decoder.absorb``); each new token then costs the same whatever the
   prompt's length: the sinks and window of ``local``, the running sums (and window) of ``linear``,
-  the class sums of ``agglomerative``. Nothing else of the prompt is kept;
+  the class sums of ``agglomerative`` (nothing else of the prompt), and for ``retrieval`` every
+  key with its blocks' bounds (its far blocks may be any), a step reading only the chosen ones;
 - every other layer (exact attention, and mechanisms whose decoder keeps every key: sparse,
   multires, routing in a pretrained model) is transformers' ``DynamicLayer``, and the mechanism
   runs over the whole prefix as before;
@@ -16,8 +17,10 @@ or ``from_pretrained`` set up:
 
 The sequence length reported to transformers (``get_seq_length``, ``get_mask_sizes``) is the
 whole sequence's, so positions and masks are the model's own. After ``use``, ``convert`` or
-``from_pretrained``, ``model.generate`` builds this cache by itself (``install``); a forward
-call takes one as ``cache=SubquadCache(model)``.
+``from_pretrained``, ``model.generate`` builds this cache by itself (``install``), and so does a
+decoder's forward call without gradients where transformers would build a ``DynamicCache`` (a
+decoding loop that feeds ``out.cache`` back); with gradients a forward call takes one as
+``cache=SubquadCache(model)``.
 
 How it connects: transformers' attention modules hand the cache the same keyword dict that they
 then pass to the attention function. A ``DecoderLayer`` returns only the new keys and values and
@@ -33,6 +36,8 @@ another model or before ``use`` changed a layer.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import types
 from typing import Any
 
@@ -234,9 +239,12 @@ def _layer_bytes(layer: Any) -> int:
 
 
 class SubquadCache(Cache):
-    """The generation cache of a model whose layers run subquad mechanisms (module docstring)."""
+    """The generation cache of a model whose layers run subquad mechanisms (module docstring).
+    ``automatic``: made for a forward call in place of transformers' ``DynamicCache`` (``install``),
+    so a layer whose attention does not hand its keyword arguments to the cache keeps every key as
+    that cache would, rather than being refused."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, automatic: bool = False) -> None:
         from subquad.hf.interface import attention_modules
 
         modules = sorted(attention_modules(model), key=lambda m: m.layer_idx)
@@ -251,6 +259,13 @@ class SubquadCache(Cache):
             kind = MixLayer if getattr(spec, "groups", None) is not None else DecoderLayer
             layers.append(kind(spec, module.layer_idx) if decodes_from_state(spec) else DynamicLayer())
         super().__init__(layers=layers)
+        self.automatic = automatic
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        layer = self.layers[layer_idx]
+        if self.automatic and kwargs.get("kwargs") is None and isinstance(layer, DecoderLayer) and not layer.seen:
+            self.layers[layer_idx] = DynamicLayer()  # exact, as the cache this one stands in for
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @property
     def nbytes(self) -> int:
@@ -268,15 +283,56 @@ def cache_bytes(cache: Any) -> int:
 
 
 def install(model: nn.Module) -> None:
-    """Let ``model.generate`` build a ``SubquadCache`` where it would build a ``DynamicCache``
-    (a cache the caller passes is used as it is)."""
+    """Let ``model.generate``, and a forward call without gradients, build a ``SubquadCache`` where
+    transformers would build a ``DynamicCache`` (a cache the caller passes is used as it is)."""
     if "_prepare_cache_for_generation" not in model.__dict__:
         model._prepare_cache_for_generation = types.MethodType(_prepare_cache, model)
+    from subquad.hf.interface import attention_modules
+
+    names = list(inspect.signature(type(model).forward).parameters)[1:]
+    causal = all(module.is_causal for module in attention_modules(model))  # a decoder: encoders keep no cache
+    if _HOOK not in model.__dict__ and "cache" in names and causal:
+        model.__dict__[_HOOK] = model.register_forward_pre_hook(
+            functools.partial(_forward_cache, positions=(names.index("cache"), _index(names, "use_cache"))),
+            with_kwargs=True,
+        )
 
 
 def uninstall(model: nn.Module) -> None:
     """Undo ``install``."""
     model.__dict__.pop("_prepare_cache_for_generation", None)
+    hook = model.__dict__.pop(_HOOK, None)
+    if hook is not None:
+        hook.remove()
+
+
+_HOOK = "_subquad_forward_cache"
+_CACHE_NAMES = ("cache", "past_key_values", "cache_params")  # transformers' name and its deprecated ones
+
+
+def _index(names: list[str], name: str) -> int:
+    return names.index(name) if name in names else len(names)
+
+
+def _forward_cache(model: nn.Module, args: tuple, kwargs: dict, positions: tuple[int, int]) -> tuple | None:
+    """A forward call that would build transformers' ``DynamicCache`` (``use_cache``, given or the
+    config's, and no cache) without gradients gets a ``SubquadCache``: a decoding loop that calls
+    the model token by token then steps each layer's decoder rather than rerunning its mechanism
+    over the whole prefix. With gradients (training) transformers' cache stays."""
+    cache_at, use_at = positions
+    if torch.is_grad_enabled() or len(args) > cache_at:
+        return None
+    given = [name for name in _CACHE_NAMES if name in kwargs]
+    if any(kwargs[name] is not None for name in given):
+        return None
+    use = args[use_at] if len(args) > use_at else kwargs.get("use_cache")
+    if not (getattr(model.config, "use_cache", False) if use is None else use):
+        return None
+    try:
+        kwargs[given[0] if given else "cache"] = SubquadCache(model, automatic=True)
+    except ValueError:  # layers SubquadCache cannot number: transformers' own cache, as before
+        return None
+    return args, kwargs
 
 
 def _prepare_cache(model: nn.Module, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
