@@ -323,3 +323,35 @@ def test_a_one_token_step_is_the_parallel_pass_s_last_query(S, window, sinks, bl
     expected = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -1:]
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     assert decoder.keys.shape[1] == kv
+
+
+@pytest.mark.parametrize(
+    "S, sinks, expected",
+    [
+        (20, 2, (12, 14)),  # blocks 0-2 (of 4 keys) all taken; the keys 12, 13 before the window are seen by no part
+        (18, 2, (12, 12)),  # the window starts at a block's edge: every key is seen, no mask
+        (9, 3, (3, 3)),  # no whole block before the window: the sinks and the window only
+    ],
+)
+def test_a_step_that_takes_every_eligible_block_reads_two_ranges_of_keys(S, sinks, expected):
+    """Where the choice would take every eligible block (or none is eligible), each query sees the
+    same keys ``[0, a)`` and ``[lo, S)``: one sdpa call, spied here for its ranges, equal to the
+    parallel pass's last query."""
+    from unittest import mock
+
+    import subquad.mechanisms.retrieval as retrieval
+    import subquad.ops.far_step as far_step
+
+    config = RetrievalConfig(window=6, sinks=sinks, blocks=3, block=4)
+    q, k, v = qkv(2, 4, S, S, 6, 3, seed=S)
+    k, v = k[:, :2], v[:, :2]
+    decoder = retrieval.RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
+    decoder.absorb(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1])
+    seen = []
+    ranges = far_step._one_query_ranges
+    with mock.patch.object(far_step, "_one_query_ranges", lambda *a: seen.append(a[-2:]) or ranges(*a)):
+        with mock.patch.object(far_step, "_step_blocks", side_effect=AssertionError("no choice to make")):
+            out = decoder.step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:])
+    assert seen == [expected]
+    reference = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -1:]
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-12)

@@ -41,7 +41,10 @@ def one_query(
     Hk, S = k.shape[1], k.shape[2]
     per, size, w, s, work = H // Hk, config.block, config.window, config.sinks, work_dtype(q.dtype)
     lo = max(0, S - w)  # the window: keys lo … S − 1; the sinks before it
-    picked = _step_blocks(q, low, high, config, lo // size)
+    first, e = s // size, lo // size  # the eligible blocks: [first, e)
+    if kernel is None and e - first <= config.blocks:  # each takes all of them (or there are none)
+        return _one_query_ranges(q, k, v, scale, e * size if e > first else min(s, lo), lo).to(q.dtype)
+    picked = _step_blocks(q, low, high, config, e)
     if picked is not None and kernel is None and Hk * S <= TUNING.retrieval_step_dense * picked[0][0].numel() * size:
         return _one_query_dense(q, k, v, *picked, scale, (w, s, size)).to(q.dtype)
     mine = q.to(work) * (D**-0.5 if scale is None else scale)
@@ -101,6 +104,20 @@ def _step_blocks(q: Tensor, low: Tensor, high: Tensor, config: Config, e: int) -
     return index + first, shared
 
 
+def _one_query_ranges(q: Tensor, k: Tensor, v: Tensor, scale: float | None, a: int, lo: int) -> Tensor:
+    """``one_query`` where every query sees the same keys, ``[0, a)`` and ``[lo, S)``: where the choice
+    of blocks takes every eligible one, or none is eligible. One sdpa call, masked only where
+    ``a < lo``."""
+    work = work_dtype(q.dtype)
+    mask = None
+    if a < lo:
+        mask = torch.zeros(1, 1, 1, k.shape[2], dtype=work, device=q.device)
+        mask[..., a:lo] = float("-inf")
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.to(work), k.to(work), v.to(work), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+
+
 def _one_query_dense(
     q: Tensor, k: Tensor, v: Tensor, index: Tensor, shared: int, scale: float | None, sizes: tuple[int, int, int]
 ) -> Tensor:
@@ -109,12 +126,16 @@ def _one_query_dense(
     keys are few, reading them all in place costs less than gathering the chosen blocks."""
     (B, H), S = q.shape[:2], k.shape[2]
     w, s, size = sizes
-    seen = torch.zeros(B, H // shared, S, dtype=torch.bool, device=q.device)
-    seen[:, :, : min(s, S)] = True
-    seen[:, :, max(0, S - w) :] = True
-    seen.scatter_(2, (index[..., None] * size + torch.arange(size, device=q.device)).flatten(2), True)
-    mask = (seen if shared == 1 else seen.repeat_interleave(shared, dim=1))[:, :, None]
     work = work_dtype(q.dtype)
+    whole, units = S // size, index.shape[1]
+    # sdpa's additive form, chosen blocks first (one scatter of block indices, then one copy to keys)
+    blocks = torch.full((B, units, whole), float("-inf"), dtype=work, device=q.device).scatter_(2, index, 0.0)
+    seen = torch.empty(B, units, S, dtype=work, device=q.device)
+    seen[:, :, : whole * size].view(B, units, whole, size).copy_(blocks[..., None].expand(-1, -1, -1, size))
+    seen[:, :, whole * size :] = float("-inf")
+    seen[:, :, : min(s, S)] = 0
+    seen[:, :, max(0, S - w) :] = 0
+    mask = (seen if shared == 1 else seen.repeat_interleave(shared, dim=1))[:, :, None]
     k, v = (x.to(work) for x in (k, v))
     return torch.nn.functional.scaled_dot_product_attention(
         q.to(work), k, v, attn_mask=mask, scale=scale, enable_gqa=True
