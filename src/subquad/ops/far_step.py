@@ -124,7 +124,7 @@ def _one_query_dense(
     """``one_query``'s softmax as one sdpa call over all of each row's keys under the mask of those
     it sees (the sinks, the window, each unit's chosen blocks ``index`` ``(B, U, chosen)``): where the
     keys are few, reading them all in place costs less than gathering the chosen blocks."""
-    (B, H), S = q.shape[:2], k.shape[2]
+    B, S = q.shape[0], k.shape[2]
     w, s, size = sizes
     work = work_dtype(q.dtype)
     whole, units = S // size, index.shape[1]
