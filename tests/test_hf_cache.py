@@ -3,8 +3,9 @@
 Every mechanism whose decoder takes over a prefill generates the same tokens with the cache as
 without it (where each step reruns the mechanism over the whole sequence), in Llama with grouped
 keys, GPT-2 and Mistral, over left-padded batches, by greedy search, sampling and beam search, and
-when a returned cache is continued. What the cache holds does not grow with the prompt. Each
-refusal is asserted with its message.
+when a returned cache (or a copy of it) is continued, and by a loop of forward calls that gets the
+cache without asking. What the window and running-sum decoders hold does not grow with the
+prompt. Each refusal is asserted with its message.
 """
 
 from __future__ import annotations
@@ -258,7 +259,9 @@ def test_with_gradients_or_after_restore_a_forward_keeps_transformers_cache():
     model = swapped("llama", "local-sinks")
     assert type(model(tokens(1, 6)).cache) is DynamicCache, "a training forward keeps transformers' cache"
     with torch.no_grad():
-        assert type(model(tokens(1, 6), None, None, None).cache) is DynamicCache, "a cache given by position"
+        given = DynamicCache(config=model.config)
+        assert model(tokens(1, 6), None, None, given).cache is given, "a cache given by position is used"
+        assert isinstance(model(tokens(1, 6), None, None, None).cache, SubquadCache), "None by position, as by name"
         hf.restore(model)
         assert type(model(tokens(1, 6)).cache) is DynamicCache
         assert "_subquad_forward_cache" not in model.__dict__ and not model._forward_pre_hooks
@@ -287,3 +290,50 @@ def test_an_encoder_gets_no_cache_hook():
                         intermediate_size=64, max_position_embeddings=64)  # fmt: skip
     bert = hf.use(BertModel(config).eval(), "local", window=4)
     assert "_subquad_forward_cache" not in bert.__dict__ and not bert._forward_pre_hooks
+
+
+def test_the_automatic_cache_stands_aside_where_it_could_not_stand_in():
+    """transformers' cache stays where subquad's could not take its place: a right-padded batch (a
+    later step could not take it), a model whose attention was switched away from subquad's, and a
+    hybrid whose cache holds linear-attention layers."""
+    model = swapped("llama", "local-sinks")
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, -3:] = 0
+    with torch.no_grad():
+        out = model(tokens(2, 9), attention_mask=mask)
+        assert type(out.cache) is DynamicCache
+        step = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+        model(tokens(2, 1), attention_mask=step, cache=out.cache)  # steps on, exact, as before
+        assert isinstance(model(tokens(2, 9), attention_mask=torch.ones(2, 9, dtype=torch.long)).cache, SubquadCache)
+        model.set_attn_implementation("sdpa")  # subquad's attention no longer runs: its decoders would not be fed
+        assert type(model(tokens(1, 6)).cache) is DynamicCache
+        out = model.generate(tokens(1, 6), max_new_tokens=2, pad_token_id=0, return_dict_in_generate=True)
+        assert type(out.cache) is DynamicCache
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    config = FalconH1Config(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64, mamba_d_ssm=32, mamba_n_heads=4,
+                            mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_expand=1,
+                            max_position_embeddings=64, mamba_chunk_size=4, projectors_bias=False)  # fmt: skip
+    torch.manual_seed(0)
+    hybrid = hf.use(FalconH1ForCausalLM(config).eval(), "local", window=4)
+    with torch.no_grad():
+        assert type(hybrid(tokens(1, 10)).cache) is DynamicCache
+
+
+def test_a_deep_copied_cache_continues_as_the_original_does():
+    """A prompt's cache copied to be reused (``copy.deepcopy``) still belongs to its model: each copy
+    continues to the same logits, and stepping one leaves the other as it was."""
+    import copy
+
+    for spec in ("retrieval", "hedgehog-window-sinks"):
+        model = swapped("llama", spec)
+        ids = tokens(2, 20)
+        with torch.no_grad():
+            whole = model(ids, use_cache=False).logits
+            prompt = model(ids[:, :12]).cache
+            for _ in range(2):
+                cache = copy.deepcopy(prompt)
+                steps = [model(ids[:, t : t + 1], cache=cache).logits for t in range(12, 20)]
+                torch.testing.assert_close(torch.cat(steps, 1), whole[:, 12:], rtol=1e-4, atol=1e-5)
+            assert prompt.get_seq_length() == 12

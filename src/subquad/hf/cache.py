@@ -4,28 +4,32 @@
 or ``from_pretrained`` set up:
 
 - a layer whose mechanism's decoder takes over a prefill (``Decoder.absorbs``: local, linear,
-  agglomerative, retrieval) is a ``DecoderLayer``. The prefill runs the parallel pass once and hands the
-  prompt to the decoder (``Decoder.absorb``); each new token then costs the same whatever the
-  prompt's length: the sinks and window of ``local``, the running sums (and window) of ``linear``,
-  the class sums of ``agglomerative`` (nothing else of the prompt), and for ``retrieval`` every
-  key with its blocks' bounds (its far blocks may be any), a step reading only the chosen ones;
-- every other layer (exact attention, and mechanisms whose decoder keeps every key: sparse,
-  multires, routing in a pretrained model) is transformers' ``DynamicLayer``, and the mechanism
-  runs over the whole prefix as before;
+  agglomerative, retrieval) is a ``DecoderLayer``. The prefill runs the parallel pass once and hands
+  the prompt to the decoder (``Decoder.absorb``). ``local``, ``linear`` and ``agglomerative`` keep
+  only what their next tokens can reach (the sinks and window, the running sums and window, the
+  class sums), so each new token costs the same whatever the prompt's length; ``retrieval`` keeps
+  every key with its whole blocks' bounds (a far block may be any), and a step reads its window,
+  sinks and chosen blocks plus one bound per block;
+- every other layer (exact attention, and mechanisms without such a decoder: sparse, multires,
+  routing in a pretrained model) is transformers' ``DynamicLayer``, and the mechanism runs over
+  the whole prefix as before;
 - a head mix with such a decoder in one of its groups is a ``MixLayer``: a ``DecoderLayer`` per
   such group and a ``DynamicLayer`` of its own key/value heads per other group.
 
 The sequence length reported to transformers (``get_seq_length``, ``get_mask_sizes``) is the
 whole sequence's, so positions and masks are the model's own. After ``use``, ``convert`` or
-``from_pretrained``, ``model.generate`` builds this cache by itself (``install``), and so does a
+``from_pretrained``, ``model.generate`` builds this cache by itself (``subquad.hf.automatic.install``), and so does a
 decoder's forward call without gradients where transformers would build a ``DynamicCache`` (a
-decoding loop that feeds ``out.cache`` back); with gradients a forward call takes one as
-``cache=SubquadCache(model)``.
+decoding loop that feeds ``out.cache`` back), except where that cache could not stand in for
+transformers' (a right-padded batch, attention switched away from subquad's, a hybrid model's
+linear-attention layers). With gradients a forward call takes one as ``cache=SubquadCache(model)``.
+A copy (``copy.deepcopy``: a prompt's cache kept for reuse) shares the model's specs and states.
 
 How it connects: transformers' attention modules hand the cache the same keyword dict that they
 then pass to the attention function. A ``DecoderLayer`` returns only the new keys and values and
 puts itself in that dict, and ``subquad.hf.interface`` runs the decoder. A model whose modules do
-not pass that dict is refused, naming the fix.
+not pass that dict is refused by ``generate``, naming the fix; a forward call's automatic cache
+keeps every key for such a layer instead, as transformers' cache would.
 
 Supported: greedy and sampling, left-padded batches (each row decodes as if alone; its sinks are
 its first real tokens), continuing from a returned cache, beam search (rows are reordered) and
@@ -36,18 +40,16 @@ another model or before ``use`` changed a layer.
 
 from __future__ import annotations
 
-import functools
-import inspect
-import types
+import copy
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from subquad.decoding import Decoder
 
-__all__ = ["KEY", "DecoderLayer", "MixLayer", "SubquadCache", "decodes_from_state", "install", "uninstall"]
+__all__ = ["KEY", "DecoderLayer", "MixLayer", "SubquadCache", "decodes_from_state", "ragged"]
 
 KEY = "subquad_cache_layer"  # the name under which a DecoderLayer reaches the attention function
 
@@ -114,7 +116,7 @@ class DecoderLayer(CacheLayerMixin):
                 decoder = spec.mechanism.decoder(spec.mechanism, spec.config, state)
                 decoder.scale = scale
                 decoder.absorb(query, key, value, real, **tensors)
-                self.decoder, self.ragged = decoder, real is not None and bool(_ragged(real).any())
+                self.decoder, self.ragged = decoder, real is not None and bool(ragged(real).any())
                 return out
             new = query.shape[2]
             if self.ragged or (real is not None and not bool(real[:, -new:].all())):
@@ -127,6 +129,19 @@ class DecoderLayer(CacheLayerMixin):
         except Exception:
             self.seen -= query.shape[2]
             raise
+
+    def __deepcopy__(self, memo: dict) -> DecoderLayer:
+        """A copy of the layer's state (a prompt's cache kept to be reused) that still belongs to
+        the same model: the layer's spec, its mechanism and learned state are shared, not copied
+        (``attend`` checks the spec by identity)."""
+        decoder = self.decoder
+        for shared in (self.spec, getattr(decoder, "mechanism", None), getattr(decoder, "state", None)):
+            if shared is not None:
+                memo[id(shared)] = shared
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update({name: copy.deepcopy(value, memo) for name, value in self.__dict__.items()})
+        return copied
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -156,7 +171,8 @@ class DecoderLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
             f"layer {self.layer_idx}'s {self.spec.mechanism.name} state cannot be cropped: a decoder's running state "
-            "cannot forget tokens (assisted generation and prompt lookup need that); generate without them"
+            "cannot forget tokens (assisted generation and prompt lookup need that); generate without them, or pass "
+            "cache=DynamicCache(config=model.config), which keeps every key"
         )
 
     def offload(self) -> None:
@@ -223,7 +239,8 @@ class MixLayer(DecoderLayer):
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
             f"layer {self.layer_idx}'s head mix {self.spec.text!r} cannot be cropped: a decoder's running state "
-            "cannot forget tokens (assisted generation and prompt lookup need that); generate without them"
+            "cannot forget tokens (assisted generation and prompt lookup need that); generate without them, or pass "
+            "cache=DynamicCache(config=model.config), which keeps every key"
         )
 
     @property
@@ -240,9 +257,9 @@ def _layer_bytes(layer: Any) -> int:
 
 class SubquadCache(Cache):
     """The generation cache of a model whose layers run subquad mechanisms (module docstring).
-    ``automatic``: made for a forward call in place of transformers' ``DynamicCache`` (``install``),
-    so a layer whose attention does not hand its keyword arguments to the cache keeps every key as
-    that cache would, rather than being refused."""
+    ``automatic``: made for a forward call in place of transformers' ``DynamicCache``
+    (``subquad.hf.automatic``), so a layer whose attention does not hand its keyword arguments to
+    the cache keeps every key as that cache would, rather than being refused."""
 
     def __init__(self, model: nn.Module, automatic: bool = False) -> None:
         from subquad.hf.interface import attention_modules
@@ -282,87 +299,11 @@ def cache_bytes(cache: Any) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in layers if getattr(layer, "keys", None) is not None)
 
 
-def install(model: nn.Module) -> None:
-    """Let ``model.generate``, and a forward call without gradients, build a ``SubquadCache`` where
-    transformers would build a ``DynamicCache`` (a cache the caller passes is used as it is)."""
-    if "_prepare_cache_for_generation" not in model.__dict__:
-        model._prepare_cache_for_generation = types.MethodType(_prepare_cache, model)
-    from subquad.hf.interface import attention_modules
-
-    names = list(inspect.signature(type(model).forward).parameters)[1:]
-    causal = all(module.is_causal for module in attention_modules(model))  # a decoder: encoders keep no cache
-    if _HOOK not in model.__dict__ and "cache" in names and causal:
-        model.__dict__[_HOOK] = model.register_forward_pre_hook(
-            functools.partial(_forward_cache, positions=(names.index("cache"), _index(names, "use_cache"))),
-            with_kwargs=True,
-        )
-
-
-def uninstall(model: nn.Module) -> None:
-    """Undo ``install``."""
-    model.__dict__.pop("_prepare_cache_for_generation", None)
-    hook = model.__dict__.pop(_HOOK, None)
-    if hook is not None:
-        hook.remove()
-
-
-_HOOK = "_subquad_forward_cache"
-_CACHE_NAMES = ("cache", "past_key_values", "cache_params")  # transformers' name and its deprecated ones
-
-
-def _index(names: list[str], name: str) -> int:
-    return names.index(name) if name in names else len(names)
-
-
-def _forward_cache(model: nn.Module, args: tuple, kwargs: dict, positions: tuple[int, int]) -> tuple | None:
-    """A forward call that would build transformers' ``DynamicCache`` (``use_cache``, given or the
-    config's, and no cache) without gradients gets a ``SubquadCache``: a decoding loop that calls
-    the model token by token then steps each layer's decoder rather than rerunning its mechanism
-    over the whole prefix. With gradients (training) transformers' cache stays."""
-    cache_at, use_at = positions
-    if torch.is_grad_enabled() or len(args) > cache_at:
-        return None
-    given = [name for name in _CACHE_NAMES if name in kwargs]
-    if any(kwargs[name] is not None for name in given):
-        return None
-    use = args[use_at] if len(args) > use_at else kwargs.get("use_cache")
-    if not (getattr(model.config, "use_cache", False) if use is None else use):
-        return None
-    try:
-        kwargs[given[0] if given else "cache"] = SubquadCache(model, automatic=True)
-    except ValueError:  # layers SubquadCache cannot number: transformers' own cache, as before
-        return None
-    return args, kwargs
-
-
-def _prepare_cache(model: nn.Module, generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
-    _check_positions(model, generation_config)
-    result = type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
-    made = model_kwargs.get("cache")
-    if type(made) is DynamicCache and not getattr(made, "_is_user_defined", False) and not made.offloading:
-        model_kwargs["cache"] = SubquadCache(model)
-    return result
-
-
-def _check_positions(model: nn.Module, generation_config: Any) -> None:
-    """A model with learned absolute positions (an embedding named for them) cannot go past them."""
-    tables = [
-        m for name, m in model.named_modules()
-        if isinstance(m, nn.Embedding) and ("position" in name or name.endswith("wpe"))
-    ]  # fmt: skip
-    longest = getattr(generation_config, "max_length", None)
-    if tables and longest is not None and longest > tables[0].num_embeddings:
-        raise ValueError(
-            f"this generation would reach {longest} tokens (prompt and max_new_tokens), but the model has learned "
-            f"positions for {tables[0].num_embeddings}: shorten the prompt or max_new_tokens"
-        )
-
-
 def _heads(x: Tensor, heads: int) -> Tensor:
     """Grouped-query keys or values ``(B, Hkv, N, ·)`` repeated to the queries' ``heads``."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _ragged(real: Tensor) -> Tensor:
+def ragged(real: Tensor) -> Tensor:
     """Rows ``(B,)`` of a padding mask ``(B, S)`` with padding after their first real token."""
     return (real.long().diff(dim=1) < 0).any(dim=1)

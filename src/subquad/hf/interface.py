@@ -57,7 +57,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from subquad.call import attention, causal_lower_right
 from subquad.config import parse_spec
-from subquad.hf.cache import KEY, install, uninstall
+from subquad.hf.automatic import install, uninstall
+from subquad.hf.cache import KEY
 from subquad.hf.masks import _key_padding, _mask
 from subquad.hf.mixes import LayerMix, build_mix, mixed_forward, shares
 from subquad.registry import Config, Mechanism, get_mechanism, make_config, mechanism_names
