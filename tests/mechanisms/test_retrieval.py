@@ -325,18 +325,12 @@ def test_a_one_token_step_is_the_parallel_pass_s_last_query(S, window, sinks, bl
     assert decoder.keys.shape[1] == kv
 
 
-@pytest.mark.parametrize(
-    "S, sinks, expected",
-    [
-        (20, 2, (12, 14)),  # blocks 0-2 (of 4 keys) all taken; the keys 12, 13 before the window are seen by no part
-        (18, 2, (12, 12)),  # the window starts at a block's edge: every key is seen, no mask
-        (9, 3, (3, 3)),  # no whole block before the window: the sinks and the window only
-    ],
-)
-def test_a_step_that_takes_every_eligible_block_reads_two_ranges_of_keys(S, sinks, expected):
-    """Where the choice would take every eligible block (or none is eligible), each query sees the
-    same keys ``[0, a)`` and ``[lo, S)``: one sdpa call, spied here for its ranges, equal to the
-    parallel pass's last query."""
+@pytest.mark.parametrize("S, sinks", [(20, 2), (18, 2), (9, 3)])
+def test_a_step_that_takes_every_eligible_block_is_one_masked_call(S, sinks):
+    """Where the choice would take every eligible block (or none is eligible), decoding's step is
+    ``ops.far_all.every_block`` (no bounds ranked), equal to the parallel pass's last query: blocks
+    of 4 all taken with keys 12, 13 before the window seen by no part (S = 20), the window starting
+    at a block's edge (18), and no whole block before the window (9)."""
     from unittest import mock
 
     import subquad.mechanisms.retrieval as retrieval
@@ -347,11 +341,36 @@ def test_a_step_that_takes_every_eligible_block_reads_two_ranges_of_keys(S, sink
     k, v = k[:, :2], v[:, :2]
     decoder = retrieval.RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
     decoder.absorb(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1])
-    seen = []
-    ranges = far_step._one_query_ranges
-    with mock.patch.object(far_step, "_one_query_ranges", lambda *a: seen.append(a[-2:]) or ranges(*a)):
+    taken = []
+    every = far_step.every_block
+    with mock.patch.object(far_step, "every_block", lambda *a: taken.append(every(*a)) or taken[-1]):
         with mock.patch.object(far_step, "_step_blocks", side_effect=AssertionError("no choice to make")):
             out = decoder.step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:])
-    assert seen == [expected]
+    assert len(taken) == 1 and taken[0] is not None
     reference = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -1:]
     torch.testing.assert_close(out, reference, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("L, kv, blocks", [(40, 4, 8), (7, 2, 8), (40, 1, 8), (40, 2, 7)])
+def test_where_every_query_takes_every_block_it_may_the_parallel_pass_is_one_masked_call_per_rows(L, kv, blocks):
+    """Causal, unpadded, no kernel part, and the last query's eligible blocks at most ``blocks``
+    ((40 − 6) // 4 = 8): the parallel pass is ``every_block``'s masked sdpa calls (rows of 128
+    patched to 16 here), the oracle's output, for queries at the end of the keys (L < S) and
+    grouped-query keys; one block fewer and it declines, and the blocks are chosen as before."""
+    from unittest import mock
+
+    import subquad.mechanisms.retrieval as retrieval
+    import subquad.ops.far_all as far_all
+
+    config = RetrievalConfig(window=6, sinks=2, blocks=blocks, block=4)
+    q, k, v = qkv(2, 4, L, 40, 6, 3, seed=L + kv)
+    k, v = k[:, :kv], v[:, :kv]
+    taken = []
+    every = retrieval.every_block
+    with mock.patch.object(retrieval, "every_block", lambda *a: taken.append(every(*a)) or taken[-1]):
+        with mock.patch.object(far_all, "ROWS", 16):
+            out = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)
+    assert len(taken) == 1 and (taken[0] is None) == (blocks < 8)
+    repeated = [x.repeat_interleave(4 // kv, dim=1) for x in (k, v)]
+    expected = full_attention(q, *repeated, attn_mask=visible(q, repeated[0], None, True, config))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)

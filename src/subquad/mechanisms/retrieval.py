@@ -32,13 +32,12 @@ block holds (real, not sinks) enter by kernel attention, ``(m·o + Σ φ(q)·φ(
 every key beyond the window less the chosen blocks' share, so no key counts twice. φ: elu, relu or
 hedgehog (``LinearState``, trained by ``convert`` + ``distill``); the cache keeps the sums.
 
-**Computation** (``ops.far_blocks``). Queries go in chunks (``TUNING.retrieval_gather`` elements
-of far-part work; with gradients ``retrieval_gather_grad`` bytes), each checkpointed under
-autograd. The sinks and window: without gradients, all queries at once on the block engine
-(``kernels.band.window_softmax``, as ``local``), joined by their log-sum-exp; with them, per chunk in
-blocks of ``TUNING.retrieval_window_block`` queries. The far part block by block, the queries that
-chose a block in segments of ``TUNING.retrieval_rows`` in position order, so a query's output does
-not depend on later queries' choices. Grouped-query keys are read in place.
+**Computation** (``ops.far_blocks``). Queries in chunks (``TUNING.retrieval_gather`` elements of
+far work; with gradients ``retrieval_gather_grad`` bytes, checkpointed). Sinks and window: without
+gradients all queries at once on the block engine (``kernels.band.window_softmax``), joined by
+log-sum-exp; with them per chunk. The far part block by block, the queries that chose a block in
+segments of ``TUNING.retrieval_rows`` in position order. Causal, unpadded, without a kernel part,
+where every query takes every block it may: ``ops.far_all`` (masked sdpa).
 """
 
 from __future__ import annotations
@@ -56,6 +55,7 @@ from subquad.kernels.band import window_softmax
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
 from subquad.masks import window_covers
+from subquad.ops.far_all import every_block
 from subquad.ops.far_blocks import block_bounds, kernel_inputs, retrieval_chunk
 from subquad.ops.far_step import one_query
 from subquad.ops.windowed_linear import LinearState, far_sums, learned_state, phi
@@ -103,13 +103,11 @@ def retrieval_attention(
         q, k, v: ``(B, H, L, D)``, ``(B, H, S, D)``, ``(B, H, S, Dv)``.
         key_padding_mask: bool ``(B, S)``, True marks a real key.
         is_causal: query i (at key position p = i + S − L) sees keys ≤ p only.
-        scale: softmax scale, default ``D ** -0.5``.
-        config: ``RetrievalConfig``.
+        scale: softmax scale, default ``D ** -0.5``; config: ``RetrievalConfig``.
         state: a ``LinearState`` (feature_map=hedgehog: the learned maps; default the initial ones).
         enable_gqa: k and v may have a divisor of q's heads (grouped-query).
 
-    Returns:
-        ``(B, H, L, Dv)``; zero rows for queries that see no real key.
+    Returns ``(B, H, L, Dv)``; zero rows for queries that see no real key.
     """
     config = config or RetrievalConfig()
     check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
@@ -118,8 +116,10 @@ def retrieval_attention(
             f"retrieval's shared={config.shared} groups query heads that choose blocks together, but there are "
             f"{q.shape[1]} heads: give a divisor of {q.shape[1]}"
         )
+    plain = is_causal and key_padding_mask is None and config.feature_map == "none"
+    short = every_block(q, k, v, scale, config) if plain else None  # where every query takes every block it may
     learned = learned_state(state, config, q.shape[1], q.shape[-1], q.device)
-    return _attend(q, k, v, key_padding_mask, is_causal, scale, config, learned)[0]
+    return _attend(q, k, v, key_padding_mask, is_causal, scale, config, learned)[0] if short is None else short
 
 
 def _attend(

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
+from subquad.ops.far_all import every_block
 from subquad.ops.far_blocks import lola, quest_bound
 from subquad.ops.windowed_linear import phi
 from subquad.registry import Config
@@ -41,10 +42,11 @@ def one_query(
     Hk, S = k.shape[1], k.shape[2]
     per, size, w, s, work = H // Hk, config.block, config.window, config.sinks, work_dtype(q.dtype)
     lo = max(0, S - w)  # the window: keys lo … S − 1; the sinks before it
-    first, e = s // size, lo // size  # the eligible blocks: [first, e)
-    if kernel is None and e - first <= config.blocks:  # each takes all of them (or there are none)
-        return _one_query_ranges(q, k, v, scale, e * size if e > first else min(s, lo), lo).to(q.dtype)
-    picked = _step_blocks(q, low, high, config, e)
+    if kernel is None:  # where every eligible block is taken, or none is eligible: one masked sdpa call
+        taken = every_block(q, k, v, scale, config)
+        if taken is not None:
+            return taken.to(q.dtype)
+    picked = _step_blocks(q, low, high, config, lo // size)
     if picked is not None and kernel is None and Hk * S <= TUNING.retrieval_step_dense * picked[0][0].numel() * size:
         return _one_query_dense(q, k, v, *picked, scale, (w, s, size)).to(q.dtype)
     mine = q.to(work) * (D**-0.5 if scale is None else scale)
@@ -102,20 +104,6 @@ def _step_blocks(q: Tensor, low: Tensor, high: Tensor, config: Config, e: int) -
         bound = bound.repeat_interleave(config.shared // shared, dim=1)
     index = bound.view(B, H // shared, -1).topk(min(config.blocks, e - first), dim=-1, sorted=False).indices
     return index + first, shared
-
-
-def _one_query_ranges(q: Tensor, k: Tensor, v: Tensor, scale: float | None, a: int, lo: int) -> Tensor:
-    """``one_query`` where every query sees the same keys, ``[0, a)`` and ``[lo, S)``: where the choice
-    of blocks takes every eligible one, or none is eligible. One sdpa call, masked only where
-    ``a < lo``."""
-    work = work_dtype(q.dtype)
-    mask = None
-    if a < lo:
-        mask = torch.zeros(1, 1, 1, k.shape[2], dtype=work, device=q.device)
-        mask[..., a:lo] = float("-inf")
-    return torch.nn.functional.scaled_dot_product_attention(
-        q.to(work), k.to(work), v.to(work), attn_mask=mask, scale=scale, enable_gqa=True
-    )
 
 
 def _one_query_dense(
