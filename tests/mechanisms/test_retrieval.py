@@ -14,9 +14,21 @@ import subquad
 from subquad.kernels.tuning import TUNING, tuned
 from subquad.mechanisms.full import full_attention
 from subquad.mechanisms.retrieval import RetrievalConfig, retrieval_attention
-from subquad.ops.far_blocks import block_bounds
+from subquad.ops.far_blocks import block_bounds, dense_rows  # dense_rows as defined (patched below)
 
 from ..conftest import padding, qkv
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _far_segments_unless_asked():
+    """The far part's segments (``retrieval_chunk``) by default here: at these sizes every query would
+    read its keys in place (``TUNING.retrieval_dense``); the tests of that path ask for it."""
+    from unittest import mock
+
+    import subquad.ops.far_blocks as far_blocks
+
+    with mock.patch.object(far_blocks, "dense_rows", lambda *a: 0):
+        yield
 
 
 def visible(q, k, key_padding_mask, is_causal, config):
@@ -110,11 +122,11 @@ def test_without_gradients_the_window_runs_on_the_block_engine_and_equals_the_or
     queries 23-27 (window 4) see far blocks only: the window's part must carry no mass there (the
     flash kernel reports lse = 0 for a row without keys); queries whose far blocks are all padding
     too see nothing (zeros). With gradients the call does not use it."""
-    import subquad.mechanisms.retrieval as retrieval
+    import subquad.ops.far_blocks as far_blocks
 
     calls = []
-    original = retrieval.window_softmax
-    monkeypatch.setattr(retrieval, "window_softmax", lambda *a: calls.append(1) or original(*a))
+    original = far_blocks.window_softmax
+    monkeypatch.setattr(far_blocks, "window_softmax", lambda *a: calls.append(1) or original(*a))
     L, S = (37, 37) if is_causal else (29, 41)
     q, k, v = qkv(2, 2, L, S, *dims, seed=11)
     kpm = torch.ones(2, S, dtype=torch.bool)
@@ -209,11 +221,11 @@ def test_with_gradients_chunks_gather_retrieval_gather_grad_bytes(monkeypatch):
     """A chunk's far part holds queries × blocks × (block + D + Dv) elements (each query's row, scores
     and output per chosen block): with gradients ``TUNING.retrieval_gather_grad`` bytes of them,
     without ``retrieval_gather`` elements. Same outputs and gradients."""
-    from subquad.mechanisms import retrieval
+    from subquad.ops import far_blocks
 
     calls = []
-    run = retrieval.retrieval_chunk
-    monkeypatch.setattr(retrieval, "retrieval_chunk", lambda q, *a: calls.append(q.shape[2]) or run(q, *a))
+    run = far_blocks.retrieval_chunk
+    monkeypatch.setattr(far_blocks, "retrieval_chunk", lambda q, *a: calls.append(q.shape[2]) or run(q, *a))
     q, k, v = qkv(1, 4, 60, 60, 8, 8, seed=5)
     config = RetrievalConfig(window=6, sinks=2, blocks=2, block=4)  # 4 heads · 2 blocks · (4 + 8 + 8) a query
     monkeypatch.setattr(TUNING, "retrieval_gather", 160 * 3)
@@ -374,3 +386,73 @@ def test_where_every_query_takes_every_block_it_may_the_parallel_pass_is_one_mas
     repeated = [x.repeat_interleave(4 // kv, dim=1) for x in (k, v)]
     expected = full_attention(q, *repeated, attn_mask=visible(q, repeated[0], None, True, config))
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    L=st.integers(1, 40), S=st.integers(1, 40), window=st.sampled_from([1, 3, 8]), sinks=st.sampled_from([0, 1, 3]),
+    blocks=st.sampled_from([1, 2, 5]), block=st.sampled_from([1, 3, 4]), shared=st.sampled_from([1, 2]),
+    is_causal=st.booleans(), pad=st.booleans(), lead=st.integers(0, 40), kv=st.sampled_from([1, 2]),
+    rows=st.sampled_from([1, 3, 1000]), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_queries_that_read_their_keys_in_place_equal_the_oracle(
+    L, S, window, sinks, blocks, block, shared, is_causal, pad, lead, kv, rows, seed
+):
+    """The leading queries computed by ``_dense`` (every key up to theirs read under the mask of the
+    sinks, window and chosen blocks: ``lead`` of them, forced here, in chunks of ``rows`` queries, whose
+    chosen blocks may lie past the keys an early chunk reads), the rest by the far segments,
+    whose windows come from one block-engine call over the rest only: the oracle's output, with
+    padding (zero rows for queries that see nothing) and grouped-query keys."""
+    from unittest import mock
+
+    import subquad.ops.far_blocks as far_blocks
+
+    if is_causal and L > S:
+        L = S
+    q, k, v = qkv(2, 2, L, S, 4, 3, seed=seed)
+    k, v = k[:, :kv], v[:, :kv]
+    kpm = padding(2, S, seed) if pad else None
+    config = RetrievalConfig(window=window, sinks=sinks, blocks=blocks, block=block, shared=shared)
+    gather = rows * 2 * min(blocks, -(-S // block)) * (min(block, S) + 4 + 3)  # chunks of `rows` queries
+    with mock.patch.object(far_blocks, "dense_rows", lambda *a: min(lead, L)), tuned(retrieval_gather=gather):
+        with torch.no_grad():
+            out = retrieval_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config,
+                                      enable_gqa=True)  # fmt: skip
+    repeated = [x.repeat_interleave(2 // kv, dim=1) for x in (k, v)]
+    mask = visible(q, repeated[0], kpm, is_causal, config)
+    expected = full_attention(q, *repeated, attn_mask=mask).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    assert (out - expected).abs().max() <= 1e-10
+
+
+def test_queries_that_read_their_keys_in_place_take_the_oracle_s_gradients():
+    """With gradients (checkpointed chunks), rows computed in place and by the segments give the
+    gradients of full attention under the oracle's mask."""
+    from unittest import mock
+
+    import subquad.ops.far_blocks as far_blocks
+
+    q, k, v = (x.requires_grad_() for x in qkv(2, 4, 45, 45, 6, 5, seed=3))
+    kpm = padding(2, 45, 3)
+    config = RetrievalConfig(window=5, sinks=3, blocks=3, block=4, shared=2)
+    with mock.patch.object(far_blocks, "dense_rows", lambda *a: 30):
+        out = retrieval_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=config)
+    mask = visible(q.detach(), k.detach(), kpm, True, config)
+    expected = full_attention(q, k, v, attn_mask=mask).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    weight = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    grads = [torch.autograd.grad((x * weight).sum(), (q, k, v)) for x in (out, expected)]
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_dense_rows_are_the_queries_whose_keys_are_at_most_retrieval_dense_times_what_they_hold():
+    """A causal query at p reads p + 1 keys in place; it does where that is at most
+    ``TUNING.retrieval_dense`` × (blocks · block + window + sinks); non-causal, every query reads all S
+    (window counted on both sides)."""
+    config = RetrievalConfig(window=10, sinks=2, blocks=3, block=4)  # holds 3·4 + 10 + 2 = 24 keys
+    with tuned(retrieval_dense=2):  # at most 48 keys in place
+        assert dense_rows(100, 100, True, config, 4, 25) == 48  # queries at p = 0 … 47
+        assert dense_rows(10, 100, True, config, 4, 25) == 0  # the last 10 queries of 100 keys
+        assert dense_rows(10, 50, True, config, 4, 12) == 8  # p = 40 … 47 of 40 … 49
+        assert dense_rows(7, 68, False, config, 4, 17) == 7 and dense_rows(7, 69, False, config, 4, 18) == 0  # 2 · 34
+        assert dense_rows(100, 100, True, config, 4, 1) == 2 * (4 + 10 + 2)  # one block only: it holds 4

@@ -105,21 +105,20 @@ class Tuning:
         1 << 23, "retrieval: elements of a chunk's far part, queries × blocks × (block + D + Dv): rows, scores, outputs"
     )
     retrieval_rows: int = _knob(64, "retrieval: query rows scored together against one far block (a segment)")
-    retrieval_window_block: int = _knob(
-        64, "retrieval with gradients: queries scored together against their sinks and window range"
-    )
+    retrieval_window_block: int = _knob(64, "retrieval with gradients: queries scored together against their window")
     retrieval_step_dense: int = _knob(
-        2,
-        "retrieval's one-token decoding step reads every key in place under a mask (one sdpa call) where the keys "
-        "of all key/value heads number at most this many times the chosen blocks' keys of all units; else it "
-        "gathers the blocks",
-    )
+        2, "retrieval's decoding step reads every key in place under a mask (one sdpa call) where the keys of all "
+        "key/value heads number at most this many times the chosen blocks' keys of all units; else it gathers them",
+    )  # fmt: skip
+    retrieval_dense: int = _knob(
+        1, "retrieval's parallel pass: a query whose keys (up to its own; all, non-causal) number at most this many "
+        "times what its blocks, window and sinks hold reads them all in place under its mask (one sdpa call)",
+    )  # fmt: skip
     retrieval_gather_grad: int = _knob(
-        40 << 20,
-        "retrieval with gradients: bytes of a checkpointed chunk's far part (as retrieval_gather counts it); "
+        40 << 20, "retrieval with gradients: bytes of a checkpointed chunk's far part (as retrieval_gather counts it); "
         "chunks of per-query gathers far smaller than glibc's largest mmap threshold (32 MiB), freed under the "
         "small tensors each chunk leaves to autograd, once left the heap holed (1.1 MB per query and layer)",
-    )
+    )  # fmt: skip
     routing_query_block: int = _knob(64, "causal routing: queries sharing a window, computed together")
     routing_assign: int = _knob(1 << 19, "position × centroid scores held at once while routing")
     # clustered

@@ -47,16 +47,14 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder, room_for
-from subquad.kernels.band import window_softmax
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
 from subquad.masks import window_covers
 from subquad.ops.far_all import every_block
-from subquad.ops.far_blocks import block_bounds, kernel_inputs, retrieval_chunk
+from subquad.ops.far_blocks import attend_rows, block_bounds, kernel_inputs
 from subquad.ops.far_step import one_query
 from subquad.ops.windowed_linear import LinearState, far_sums, learned_state, phi
 from subquad.registry import Config, Mechanism, option
@@ -131,7 +129,7 @@ def _attend(
     keys are fewer than a block), for a decoder to keep. ``known``: those of the first blocks, from
     an earlier call over the same keys (min and max are exact: the same bounds, read instead of
     recomputed)."""
-    B, H, L, _ = q.shape
+    B, H = q.shape[:2]
     S, per = k.shape[2], H // k.shape[1]  # per: query heads per key/value head
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     real = torch.ones(B, S, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
@@ -154,17 +152,9 @@ def _attend(
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *trained))
     gather = TUNING.retrieval_gather_grad // q.element_size() if grad else TUNING.retrieval_gather
     step = max(1, gather // (B * H * min(config.blocks, n) * (size + q.shape[-1] + v.shape[-1])))
-    outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
     kernel = None if config.feature_map == "none" else kernel_inputs(q, k, v, real, is_causal, config, learned)
-    near = None if grad or not (L and S) else window_softmax(q, k, v, key_padding_mask, is_causal, scale,
-                                                              config.window, config.sinks)  # fmt: skip
-    k, v = (x.to(work_dtype(q.dtype)) for x in (k, v))  # half inputs: once per call, not per chunk
-    for a in range(0, L, step):
-        args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, sizes)
-        args += (None if kernel is None else (kernel[0], *(x[:, :, a : a + step] for x in kernel[1:])),  # keys whole
-                 None if near is None else tuple(x[:, :, a : a + step] for x in near))  # fmt: skip
-        outputs.append(checkpoint(retrieval_chunk, *args, use_reentrant=False) if grad else retrieval_chunk(*args))
-    return torch.cat(outputs, dim=2), whole if size == config.block else None
+    out = attend_rows(q, k, v, key_padding_mask, real, counted, low, high, is_causal, scale, config, kernel, grad, step)
+    return out, whole if size == config.block else None
 
 
 class RetrievalCache(Decoder):

@@ -2,10 +2,12 @@
 output of a chunk of queries over their sinks, window and own far blocks in one softmax.
 
 ``block_bounds``: the elementwise min and max of each block's counted keys (real, not sinks), from
-which Quest's bound ranks the blocks. ``retrieval_chunk``: a chunk of queries' sinks and windows
-(``_near``) and far blocks (``_far``: the queries that chose a block scored together against it,
-each row reading only its own query and block), merged in one softmax. ``quest_bound``: the bound,
-shared with decoding's step (``ops.far_step``).
+which Quest's bound ranks the blocks. ``attend_rows``: the queries in chunks, each either
+``retrieval_chunk`` (its sinks and windows, ``_near``, and far blocks, ``_far``: the queries that
+chose a block scored together against it, each row reading only its own query and block, merged in
+one softmax) or, where its keys are few (``dense_rows``), ``_dense`` (every key up to its last
+query read in place under the mask of those each query sees, one sdpa call). ``quest_bound``: the
+bound, shared with decoding's step (``ops.far_step``).
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
+from subquad.kernels.band import window_softmax
 from subquad.kernels.softmax import work_dtype
+from subquad.kernels.tuning import TUNING
 from subquad.ops.windowed_linear import beyond_window, phi, with_ones
 from subquad.registry import Config
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["block_bounds", "kernel_inputs", "lola", "quest_bound", "retrieval_chunk"]
+__all__ = ["attend_rows", "block_bounds", "dense_rows", "kernel_inputs", "lola", "quest_bound", "retrieval_chunk"]
 
 _CHUNK = 64  # positions per chunk of the kernel part's causal product (linear's default)
 
@@ -35,6 +40,78 @@ def block_bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
     high = kb.masked_fill(~held, float("-inf")).amax(3)
     empty = ~held.any(3)
     return low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
+
+
+def attend_rows(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, real: Tensor, counted: Tensor, low: Tensor,
+    high: Tensor, is_causal: bool, scale: float, config: Config, kernel: tuple | None, grad: bool, step: int,
+) -> Tensor:  # fmt: skip
+    """``retrieval``'s output ``(B, H, L, Dv)`` for queries at positions ``S − L …``, in chunks of ``step``
+    rows, each checkpointed under autograd (``grad``): the leading ``dense_rows`` by ``_dense``, the
+    others by ``retrieval_chunk``, whose sinks and windows come from the block engine for all of them
+    at once without autograd. ``kernel``: ``kernel_inputs`` (a feature map), or None."""
+    L, S = q.shape[2], k.shape[2]
+    lead = 0 if kernel is not None else dense_rows(L, S, is_causal, config, counted.shape[-1], low.shape[2])
+    near = None
+    if not grad and lead < L and S:
+        near = window_softmax(q[:, :, lead:], k, v, key_padding_mask, is_causal, scale, config.window, config.sinks)
+    k, v = (x.to(work_dtype(q.dtype)) for x in (k, v))  # half inputs: once per call, not per chunk
+    outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
+    run = lambda f, *args: checkpoint(f, *args, use_reentrant=False) if grad else f(*args)  # noqa: E731
+    for a in range(0, lead, step):
+        rows = q[:, :, a : min(a + step, lead)]
+        outputs.append(run(_dense, rows, k, v, real, counted, low, high, a + S - L, is_causal, scale, config))
+    for a in range(lead, L, step):
+        args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, sizes)
+        args += (None if kernel is None else (kernel[0], *(x[:, :, a : a + step] for x in kernel[1:])),  # keys whole
+                 None if near is None else tuple(x[:, :, a - lead : a - lead + step] for x in near))  # fmt: skip
+        outputs.append(run(retrieval_chunk, *args))
+    return torch.cat(outputs, dim=2)
+
+
+def dense_rows(L: int, S: int, is_causal: bool, config: Config, size: int, blocks: int) -> int:
+    """How many of the queries (at positions ``S − L …``) read every key up to theirs in place
+    (``_dense``): those whose keys number at most ``TUNING.retrieval_dense`` times what their chosen
+    blocks (of ``blocks``), window and sinks hold; non-causal, every query reads all ``S``."""
+    held = min(config.blocks, blocks) * size + config.window * (1 if is_causal else 2) + config.sinks
+    most = TUNING.retrieval_dense * held  # keys a query may read in place
+    if not is_causal:
+        return L if S <= most else 0
+    return max(0, min(L, most - (S - L)))  # query i reads i + S − L + 1 keys
+
+
+def _dense(
+    q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
+    is_causal: bool, scale: float, config: Config,
+) -> Tensor:  # fmt: skip
+    """``retrieval_chunk``'s output without a kernel part where its queries' keys are few: each
+    query's far blocks chosen as there (``_chosen``), then every key up to the chunk's last query
+    read in place under sdpa's additive mask of the sinks, window and chosen blocks' counted keys
+    it sees, built in two passes (chosen blocks plus counted keys, then the larger of that and the
+    sinks and window); a query that sees no key gets zeros (and a stand-in key, so nothing is NaN)."""
+    H, c = q.shape[1], q.shape[2]
+    p = torch.arange(first, first + c, device=q.device)
+    index, ok = _chosen(q, low, high, counted, p, is_causal, config)  # (B, U, c, chosen)
+    n, work, inf = (first + c if is_causal else k.shape[2]), k.dtype, float("-inf")
+    blocks = -(-n // counted.shape[-1])  # those holding the n keys: every chosen one (ok) lies among them
+    zero = torch.zeros((), dtype=work, device=q.device)
+    chosen = torch.full((*index.shape[:3], blocks), inf, dtype=work, device=q.device)  # those not ok: -inf anyway
+    index = index.clamp(max=blocks - 1)
+    chosen.scatter_reduce_(-1, index, torch.where(ok, zero, inf), "amax")
+    counted = counted[:, :blocks]
+    held = torch.where(counted, zero, inf)  # (B, blocks, size)
+    far = (chosen[..., None] + held[:, None, None]).flatten(-2)[..., :n]  # (B, U, c, n)
+    near = _seen(torch.arange(n, device=q.device), p, real, is_causal, config.window, config.sinks, True)
+    bias = torch.maximum(far, torch.where(near, zero, inf))
+    sees = near.any(-1) | (ok & counted.any(-1)[:, None, None].expand(*index.shape[:3], -1).gather(-1, index)).any(-1)
+    bias[..., 0].masked_fill_(~sees, 0.0)  # (B, U, c): a row that sees nothing reads key 0, then is zeroed
+    U = bias.shape[1]
+    if U != H:
+        bias, sees = (x.repeat_interleave(H // U, dim=1) for x in (bias, sees))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.to(work), k[:, :, :n], v[:, :, :n], attn_mask=bias, scale=scale, enable_gqa=True
+    )
+    return out.masked_fill(~sees[..., None], 0.0).to(q.dtype)
 
 
 def retrieval_chunk(
