@@ -154,9 +154,17 @@ def test_where_every_far_key_was_chosen_the_output_is_the_softmax_s_exactly_in_f
     """Counted, not inferred from the sums' differences (whose fp32 rounding, ε·Σ φ(q)·φ(k), would
     remain against the softmax's mass of 1): the rows whose far keys the chosen blocks hold all, and
     those with no far key, equal the mechanism without a kernel part bit for bit."""
+    from unittest import mock
+
+    import subquad.mechanisms.retrieval as retrieval
+    import subquad.ops.far_blocks as far_blocks
+
     q, k, v = (x.float() for x in qkv(1, 2, 12, 12, 64, 64, seed=2))
     options = dict(window=4, sinks=0, blocks=2, block=4)
-    plain = retrieval_attention(q, k, v, is_causal=True, config=RetrievalConfig(**options))
+    # without a kernel part on the same path (segments), not in place (every_block, _dense): the same rounding
+    with mock.patch.object(retrieval, "every_block", lambda *a: None):
+        with mock.patch.object(far_blocks, "dense_rows", lambda *a: 0):
+            plain = retrieval_attention(q, k, v, is_causal=True, config=RetrievalConfig(**options))
     mixed = retrieval_attention(q, k, v, is_causal=True, config=RetrievalConfig(**options, feature_map=feature))
     far = [max(0, p - 3) for p in range(12)]  # keys j <= p - 4; whole blocks of 4 among them: far // 4, 2 chosen
     nothing_left = torch.tensor([n == 4 * min(2, n // 4) for n in far])
@@ -168,11 +176,11 @@ def test_where_every_far_key_was_chosen_the_output_is_the_softmax_s_exactly_in_f
 def test_the_learned_maps_train_when_only_they_need_gradients_and_chunks_are_checkpointed(monkeypatch):
     """Distillation's case: frozen projections (q, k, v need no gradient), the maps do; each chunk
     is then checkpointed as with gradients to the inputs, and the maps' gradients are the oracle's."""
-    import subquad.mechanisms.retrieval as retrieval
+    import subquad.ops.far_blocks as far_blocks
 
     calls = []
-    original = retrieval.checkpoint
-    monkeypatch.setattr(retrieval, "checkpoint", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = far_blocks.checkpoint
+    monkeypatch.setattr(far_blocks, "checkpoint", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     q, k, v = qkv(1, 2, 30, 30, 4, 3, seed=4)
     config = RetrievalConfig(window=3, sinks=1, blocks=1, block=3, feature_map="hedgehog")
     state = random_state(2, 4, 4)
