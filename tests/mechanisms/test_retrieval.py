@@ -359,7 +359,8 @@ def test_a_step_that_takes_every_eligible_block_is_one_masked_call(S, sinks):
         with mock.patch.object(far_step, "_step_blocks", side_effect=AssertionError("no choice to make")):
             out = decoder.step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:])
     assert len(taken) == 1 and taken[0] is not None
-    reference = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -1:]
+    repeated = [x.repeat_interleave(2, dim=1) for x in (k, v)]  # the oracle, not the parallel pass (which uses it too)
+    reference = full_attention(q, *repeated, attn_mask=visible(q, repeated[0], None, True, config))[:, :, -1:]
     torch.testing.assert_close(out, reference, rtol=0, atol=1e-12)
 
 
@@ -399,23 +400,23 @@ def test_queries_that_read_their_keys_in_place_equal_the_oracle(
     L, S, window, sinks, blocks, block, shared, is_causal, pad, lead, kv, rows, seed
 ):
     """The leading queries computed by ``_dense`` (every key up to theirs read under the mask of the
-    sinks, window and chosen blocks: ``lead`` of them, forced here, in chunks of ``rows`` queries, whose
-    chosen blocks may lie past the keys an early chunk reads), the rest by the far segments,
+    sinks, window and chosen blocks: ``lead`` of them, forced here, and ``every_block`` kept out, in
+    chunks of ``rows`` queries, whose gather budget also sizes the in-place chunks, and whose chosen
+    blocks may lie past the keys an early chunk reads), the rest by the far segments,
     whose windows come from one block-engine call over the rest only: the oracle's output, with
     padding (zero rows for queries that see nothing) and grouped-query keys."""
     from unittest import mock
 
+    import subquad.mechanisms.retrieval as retrieval
     import subquad.ops.far_blocks as far_blocks
 
-    if is_causal and L > S:
-        L = S
-    q, k, v = qkv(2, 2, L, S, 4, 3, seed=seed)
+    q, k, v = qkv(2, 2, L, S, 4, 3, seed=seed)  # causal L > S too: the first L − S queries see no key
     k, v = k[:, :kv], v[:, :kv]
     kpm = padding(2, S, seed) if pad else None
     config = RetrievalConfig(window=window, sinks=sinks, blocks=blocks, block=block, shared=shared)
     gather = rows * 2 * min(blocks, -(-S // block)) * (min(block, S) + 4 + 3)  # chunks of `rows` queries
     with mock.patch.object(far_blocks, "dense_rows", lambda *a: min(lead, L)), tuned(retrieval_gather=gather):
-        with torch.no_grad():
+        with torch.no_grad(), mock.patch.object(retrieval, "every_block", lambda *a: None):
             out = retrieval_attention(q, k, v, key_padding_mask=kpm, is_causal=is_causal, config=config,
                                       enable_gqa=True)  # fmt: skip
     repeated = [x.repeat_interleave(2 // kv, dim=1) for x in (k, v)]

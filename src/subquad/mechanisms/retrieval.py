@@ -36,8 +36,9 @@ hedgehog (``LinearState``, trained by ``convert`` + ``distill``); the cache keep
 far work; with gradients ``retrieval_gather_grad`` bytes, checkpointed). Sinks and window: without
 gradients all queries at once on the block engine (``kernels.band.window_softmax``), joined by
 log-sum-exp; with them per chunk. The far part block by block, the queries that chose a block in
-segments of ``TUNING.retrieval_rows`` in position order. Causal, unpadded, without a kernel part,
-where every query takes every block it may: ``ops.far_all`` (masked sdpa).
+segments of ``TUNING.retrieval_rows`` in position order; a query whose keys are few
+(``TUNING.retrieval_dense``) reads them all under its mask instead. Causal, unpadded, without a
+kernel part, where every query takes every block it may: ``ops.far_all`` (masked sdpa).
 """
 
 from __future__ import annotations

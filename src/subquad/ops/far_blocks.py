@@ -58,8 +58,10 @@ def attend_rows(
     k, v = (x.to(work_dtype(q.dtype)) for x in (k, v))  # half inputs: once per call, not per chunk
     outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
     run = lambda f, *args: checkpoint(f, *args, use_reentrant=False) if grad else f(*args)  # noqa: E731
-    for a in range(0, lead, step):
-        rows = q[:, :, a : min(a + step, lead)]
+    widest = max(1, (lead + S - L) if is_causal else S)  # keys the last in-place row reads
+    dense_step = max(1, TUNING.retrieval_gather // (3 * q.shape[0] * q.shape[1] * widest))  # its mask, thrice
+    for a in range(0, lead, dense_step):
+        rows = q[:, :, a : min(a + dense_step, lead)]
         outputs.append(run(_dense, rows, k, v, real, counted, low, high, a + S - L, is_causal, scale, config))
     for a in range(lead, L, step):
         args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, sizes)
@@ -90,8 +92,10 @@ def _dense(
     it sees, built in two passes (chosen blocks plus counted keys, then the larger of that and the
     sinks and window); a query that sees no key gets zeros (and a stand-in key, so nothing is NaN)."""
     H, c = q.shape[1], q.shape[2]
+    if is_causal and first + c <= 0:  # queries before every key (L > S): they see none
+        return q.new_zeros(*q.shape[:3], v.shape[-1])
     p = torch.arange(first, first + c, device=q.device)
-    index, ok = _chosen(q, low, high, counted, p, is_causal, config)  # (B, U, c, chosen)
+    index, ok = _chosen(q, low, high, counted, first, is_causal, config)  # (B, U, c, chosen)
     n, work, inf = (first + c if is_causal else k.shape[2]), k.dtype, float("-inf")
     blocks = -(-n // counted.shape[-1])  # those holding the n keys: every chosen one (ok) lies among them
     zero = torch.zeros((), dtype=work, device=q.device)
@@ -103,7 +107,7 @@ def _dense(
     far = (chosen[..., None] + held[:, None, None]).flatten(-2)[..., :n]  # (B, U, c, n)
     near = _seen(torch.arange(n, device=q.device), p, real, is_causal, config.window, config.sinks, True)
     bias = torch.maximum(far, torch.where(near, zero, inf))
-    sees = near.any(-1) | (ok & counted.any(-1)[:, None, None].expand(*index.shape[:3], -1).gather(-1, index)).any(-1)
+    sees = near.any(-1) | ok.any(-1)  # an eligible block holds a counted key
     bias[..., 0].masked_fill_(~sees, 0.0)  # (B, U, c): a row that sees nothing reads key 0, then is zeroed
     U = bias.shape[1]
     if U != H:
@@ -129,8 +133,7 @@ def retrieval_chunk(
     one normaliser (``lola``). ``near``: these queries' sinks-and-window softmax, output and
     log-sum-exp (``kernels.band.window_softmax``, without autograd), where it was computed for
     every query at once; else it is computed here (``_near``)."""
-    p = torch.arange(first, first + q.shape[2], device=q.device)
-    chosen = _chosen(q, low, high, counted, p, is_causal, config)  # each query's far blocks
+    chosen = _chosen(q, low, high, counted, first, is_causal, config)  # each query's far blocks
     if near is None:
         near = _near(q, k, v, real, first, is_causal, scale, config, sizes[0])
     else:  # a normalised part: its log-sum-exp as the shift, a sum of 1 (0 where it sees no key)
@@ -366,13 +369,14 @@ def _seen(keys: Tensor, p: Tensor, real: Tensor, is_causal: bool, w: int, s: int
 
 
 def _chosen(
-    q: Tensor, low: Tensor, high: Tensor, counted: Tensor, p: Tensor, is_causal: bool, config: Config
+    q: Tensor, low: Tensor, high: Tensor, counted: Tensor, first: int, is_causal: bool, config: Config
 ) -> tuple[Tensor, Tensor]:
-    """``(B, H, c, blocks)``: each query's far blocks, the eligible ones of highest bound, and
-    whether each is one (fewer are eligible than ``blocks``)."""
-    n, size, w = low.shape[2], counted.shape[-1], config.window
+    """``(B, H, c, blocks)``: each query's (at positions ``first …``) far blocks, the eligible ones of
+    highest bound, and whether each is one (fewer are eligible than ``blocks``)."""
+    n, size, w, c = low.shape[2], counted.shape[-1], config.window, q.shape[2]
+    p = torch.arange(first, first + c, device=q.device)
     if is_causal:  # the blocks some query of the chunk may take, and as many as it chooses: no bound past them
-        n = max(min(n, max(int(p[-1]) - w + 1, 0) // size), min(config.blocks, n))
+        n = max(min(n, max(first + c - w, 0) // size), min(config.blocks, n))
         low, high, counted = low[:, :, :n], high[:, :, :n], counted[:, :n]
     start = torch.arange(n, device=q.device) * size
     outside = (start + size - 1)[None] <= p[:, None] - w  # (c, n): the whole block older than the window
