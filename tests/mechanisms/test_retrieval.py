@@ -457,3 +457,14 @@ def test_dense_rows_are_the_queries_whose_keys_are_at_most_retrieval_dense_times
         assert dense_rows(10, 50, True, config, 4, 12) == 8  # p = 40 … 47 of 40 … 49
         assert dense_rows(7, 68, False, config, 4, 17) == 7 and dense_rows(7, 69, False, config, 4, 18) == 0  # 2 · 34
         assert dense_rows(100, 100, True, config, 4, 1) == 2 * (4 + 10 + 2)  # one block only: it holds 4
+
+
+def test_every_block_runs_on_cpus_only():
+    """Off the CPU (a meta device here) ``every_block`` declines: sdpa under a mask with grouped-query
+    keys may fall back to its math kernel there, not measured."""
+    from subquad.ops.far_all import every_block
+
+    config = RetrievalConfig(window=6, sinks=2, blocks=8, block=4)
+    q, k, v = (x.float() for x in qkv(1, 4, 12, 12, 6, 3, seed=0))
+    assert every_block(q, k[:, :2], v[:, :2], None, config) is not None
+    assert every_block(*(x.to("meta") for x in (q, k[:, :2], v[:, :2])), None, config) is None

@@ -22,9 +22,13 @@ ROWS = 128  # query rows per sdpa call: each computes its rows' keys up to the l
 def every_block(q: Tensor, k: Tensor, v: Tensor, scale: float | None, config: Config) -> Tensor | None:
     """Causal ``retrieval`` without padding or a kernel part, ``(B, H, L, Dv)``, for queries ``q``
     at positions ``S − L … S − 1`` over keys ``k``, ``v`` ``(B, Hk, S, ·)``, where every query takes
-    every eligible block; None where some query has more eligible blocks than ``config.blocks``."""
+    every eligible block; None where some query has more eligible blocks than ``config.blocks``, and
+    off the CPU (where sdpa under a mask with grouped-query keys may fall back to its math kernel,
+    which holds every score: not measured)."""
     L, S = q.shape[2], k.shape[2]
     size, w, sinks = min(config.block, max(S, 1)), config.window, config.sinks
+    if q.device.type != "cpu":  # measured on CPUs only; elsewhere a masked grouped sdpa may fall back to math
+        return None
     if not 0 < L <= S or max(0, S - w) // size - sinks // size > config.blocks:  # the last query's eligible blocks
         return None
     dtype, work = q.dtype, work_dtype(q.dtype)

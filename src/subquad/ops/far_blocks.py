@@ -51,7 +51,9 @@ def attend_rows(
     others by ``retrieval_chunk``, whose sinks and windows come from the block engine for all of them
     at once without autograd. ``kernel``: ``kernel_inputs`` (a feature map), or None."""
     L, S = q.shape[2], k.shape[2]
-    lead = 0 if kernel is not None else dense_rows(L, S, is_causal, config, counted.shape[-1], low.shape[2])
+    lead = 0  # rows read in place: on CPUs, where measured (``ops.far_all.every_block`` says why)
+    if kernel is None and q.device.type == "cpu":
+        lead = dense_rows(L, S, is_causal, config, counted.shape[-1], low.shape[2])
     near = None
     if not grad and lead < L and S:
         near = window_softmax(q[:, :, lead:], k, v, key_padding_mask, is_causal, scale, config.window, config.sinks)
