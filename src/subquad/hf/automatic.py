@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from subquad.hf.cache import SubquadCache, ragged
 
-__all__ = ["install", "uninstall"]
+__all__ = ["install", "replaces", "uninstall"]
 
 
 def install(model: nn.Module) -> None:
@@ -56,7 +56,7 @@ def _forward_cache(model: nn.Module, args: tuple, kwargs: dict, at: dict[str, in
     config's, and no cache) without gradients gets a ``SubquadCache``: a decoding loop that calls
     the model token by token then steps each layer's decoder rather than rerunning its mechanism
     over the whole prefix. transformers' cache stays with gradients (training), where a row has
-    padding after its first real token (a later step could not take it), and where ``_replaces``
+    padding after its first real token (a later step could not take it), and where ``replaces``
     says so. ``at``: the positions of the forward's arguments."""
     given = [name for name in _CACHE_NAMES if name in kwargs]
     if given:
@@ -71,7 +71,7 @@ def _forward_cache(model: nn.Module, args: tuple, kwargs: dict, at: dict[str, in
     mask = args[at["attention_mask"]] if len(args) > at["attention_mask"] else kwargs.get("attention_mask")
     if mask is not None and (mask.dim() != 2 or bool(ragged(mask.bool()).any())):
         return None
-    made = _replaces(model, automatic=True)
+    made = replaces(model, automatic=True)
     if made is None:
         return None
     if len(args) > at["cache"]:
@@ -81,7 +81,7 @@ def _forward_cache(model: nn.Module, args: tuple, kwargs: dict, at: dict[str, in
     return args, kwargs
 
 
-def _replaces(model: nn.Module, automatic: bool) -> SubquadCache | None:
+def replaces(model: nn.Module, automatic: bool) -> SubquadCache | None:
     """A ``SubquadCache`` for ``model`` where it may stand in for ``DynamicCache(config)``: subquad's
     attention is the model's (``use``, not switched away since) and that cache's layers are
     transformers' plain ones (not a hybrid's linear-attention layers, which subquad does not keep);
@@ -103,7 +103,7 @@ def _prepare_cache(model: nn.Module, generation_config: Any, model_kwargs: dict,
     result = type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
     made = model_kwargs.get("cache")
     if type(made) is DynamicCache and not getattr(made, "_is_user_defined", False) and not made.offloading:
-        model_kwargs["cache"] = _replaces(model, automatic=False) or made
+        model_kwargs["cache"] = replaces(model, automatic=False) or made
     return result
 
 

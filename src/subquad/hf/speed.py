@@ -142,11 +142,10 @@ def _new_cache(model: nn.Module) -> Any:
     """The cache ``model.generate`` would build for ``model``."""
     from transformers import DynamicCache
 
-    from subquad.hf.cache import SubquadCache
+    from subquad.hf.automatic import replaces
 
-    if "_prepare_cache_for_generation" in model.__dict__:  # subquad's, installed by use/convert
-        return SubquadCache(model)
-    return DynamicCache(config=model.config.get_text_config(decoder=True))
+    made = replaces(model, automatic=False) if "_prepare_cache_for_generation" in model.__dict__ else None
+    return made or DynamicCache(config=model.config.get_text_config(decoder=True))
 
 
 def decode_windows(tokenizer: Any, texts: list[str], longest: int, seed: int) -> torch.Tensor:
