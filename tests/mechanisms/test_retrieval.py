@@ -68,6 +68,18 @@ def visible(q, k, key_padding_mask, is_causal, config):
     return mask
 
 
+def matches_the_oracle(out, q, keys, values, leaves, kpm, config):
+    """A causal ``out`` and the gradients it sends to ``leaves`` equal full attention's over ``keys``,
+    ``values`` (the query heads' own) under ``visible``'s mask (zero rows where it sees nothing)."""
+    mask = visible(q.detach(), keys.detach(), kpm, True, config)
+    expected = full_attention(q, keys, values, attn_mask=mask).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    weight = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    grads = [torch.autograd.grad((x * weight).sum(), leaves) for x in (out, expected)]
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     L=st.integers(1, 40), S=st.integers(1, 40), window=st.sampled_from([1, 3, 8]), sinks=st.sampled_from([0, 1, 3]),
@@ -157,13 +169,7 @@ def test_segment_rows_and_window_blocks_change_only_rounding(rows, window_block)
         out = retrieval_attention(q, k[:, :2], v[:, :2], key_padding_mask=kpm, is_causal=True, config=config,
                                   enable_gqa=True)  # fmt: skip
     repeated = [x[:, :2].repeat_interleave(2, dim=1) for x in (k, v)]
-    mask = visible(q.detach(), repeated[0].detach(), kpm, True, config)
-    expected = full_attention(q, *repeated, attn_mask=mask).masked_fill(~mask.any(-1, keepdim=True), 0.0)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
-    weight = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
-    grads = [torch.autograd.grad((x * weight).sum(), (q, k, v)) for x in (out, expected)]
-    for got, want in zip(*grads):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    matches_the_oracle(out, q, *repeated, (q, k, v), kpm, config)
 
 
 def test_a_non_finite_query_reaches_no_other_row_s_gradients():
@@ -437,13 +443,7 @@ def test_queries_that_read_their_keys_in_place_take_the_oracle_s_gradients():
     config = RetrievalConfig(window=5, sinks=3, blocks=3, block=4, shared=2)
     with mock.patch.object(far_blocks, "dense_rows", lambda *a: 30):
         out = retrieval_attention(q, k, v, key_padding_mask=kpm, is_causal=True, config=config)
-    mask = visible(q.detach(), k.detach(), kpm, True, config)
-    expected = full_attention(q, k, v, attn_mask=mask).masked_fill(~mask.any(-1, keepdim=True), 0.0)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
-    weight = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
-    grads = [torch.autograd.grad((x * weight).sum(), (q, k, v)) for x in (out, expected)]
-    for got, want in zip(*grads):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    matches_the_oracle(out, q, k, v, (q, k, v), kpm, config)
 
 
 def test_dense_rows_are_the_queries_whose_keys_are_at_most_retrieval_dense_times_what_they_hold():
