@@ -33,6 +33,14 @@ def every_block(q: Tensor, k: Tensor, v: Tensor, scale: float | None, config: Co
         return None
     dtype, work = q.dtype, work_dtype(q.dtype)
     q, k, v = (x.to(work) for x in (q, k, v))
+    if L == 1:  # decoding's step: keys [0, a) and [lo, S), masked only between (few operations)
+        lo = max(0, S - w)
+        a, mask = max(sinks, lo // size * size), None
+        if a < lo:
+            mask = torch.zeros(1, 1, 1, S, dtype=work, device=q.device)
+            mask[..., a:lo] = float("-inf")
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.to(dtype)
     outputs = []
     for a in range(0, L, ROWS):
         p = torch.arange(a + S - L, min(a + ROWS, L) + S - L, device=q.device)[:, None]
