@@ -313,6 +313,32 @@ def test_decoding_computes_only_new_blocks_bounds_and_returns_what_a_fresh_call_
         assert torch.equal(decoder.high[b : b + 1, :, : real[b] // 4], high)
 
 
+def test_rows_holding_as_many_tokens_step_together_after_a_reorder_too():
+    """Rows that hold as many real tokens (here each after three pads) keep that count on the host
+    and step at one slice, without reading it back from the device; a reorder that repeats a row
+    (beam search's ``select_rows``) keeps it. Each step equals the mechanism called afresh on the
+    row's real keys, through the bounds computed at the step and the masked read alike."""
+    from subquad.mechanisms.retrieval import RetrievalCache
+
+    config = RetrievalConfig(window=5, sinks=2, blocks=2, block=4)
+    q, k, v = qkv(2, 2, 40, 40, 8, 3, seed=11)
+    kpm = torch.arange(40)[None, :].expand(2, -1) >= 3
+    decoder = RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
+    decoder.absorb(q[:, :, :17], k[:, :, :17], v[:, :, :17], key_padding_mask=kpm[:, :17])
+    assert decoder.held == 14
+    order = torch.tensor([1, 1, 0])
+    decoder.select_rows(order)
+    q, k, v = (x[order] for x in (q, k, v))
+    t = 17
+    for T in (1, 3, 1, 1, 2, 1, 1, 1, 3, 1, 1, 1, 1):
+        out = decoder.step(q[:, :, t : t + T], k[:, :, t : t + T], v[:, :, t : t + T])
+        t += T
+        assert (decoder.held, decoder.whole) == (t - 3, (t - 3) // 4)  # the tokens and whole blocks held
+        expected = retrieval_attention(q[:, :, t - T : t], k[:, :, 3:t], v[:, :, 3:t], is_causal=True, config=config)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert decoder.known.tolist() == [decoder.whole] * 3 == [(t - 3) // 4] * 3
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     S=st.integers(1, 60), window=st.sampled_from([1, 3, 8]), sinks=st.sampled_from([0, 1, 3, 4, 9]),

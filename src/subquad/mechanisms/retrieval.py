@@ -181,6 +181,9 @@ class RetrievalCache(Decoder):
         self.filled: Tensor | None = None  # (B,): each row's tokens held
         self.low = self.high = None  # (B, Hk, capacity / block, D): the bounds of each row's whole blocks
         self.known: Tensor | None = None  # (B,): whole blocks whose bounds are held
+        # where every row holds as many tokens: that count and the whole blocks known, read without a host sync
+        self.held: int | None = None
+        self.whole = 0
         self.sums = self.summed = None  # a kernel part's Σ φ(k) [v, 1]ᵀ (B, H, F, Dv + 1) over keys [sinks, summed)
 
     def _absorb(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
@@ -188,11 +191,14 @@ class RetrievalCache(Decoder):
         if key_padding_mask is None:
             self.keys, self.values = k.clone(), v.clone()
             self.filled = torch.full((k.shape[0],), k.shape[2], device=k.device)
+            self.held = k.shape[2]
             return
         order = torch.argsort((~key_padding_mask).to(torch.int8), dim=1, stable=True)  # real tokens first
         self.keys, self.values = (x.gather(2, order[:, None, :, None].expand(-1, *x.shape[1:2], -1, x.shape[-1]))
                                   for x in (k, v))  # fmt: skip
         self.filled = key_padding_mask.sum(1)
+        lengths = self.filled.tolist()
+        self.held = lengths[0] if len(set(lengths)) == 1 else None
 
     @torch.no_grad()
     def _step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -201,11 +207,12 @@ class RetrievalCache(Decoder):
         if self.keys is None:
             self.keys, self.values = k[:, :, :0], v[:, :, :0]
             self.filled = self.known = torch.zeros(B, dtype=torch.long, device=q.device)
+            self.held = 0
         if k.shape[1] != self.keys.shape[1]:
             raise ValueError(f"the cache holds keys of {self.keys.shape[1]} key/value heads, got {k.shape[1]}; "
                              "start a new cache for a new batch")  # fmt: skip
-        even = bool((self.filled == self.filled[0]).all())  # every row holds as many tokens
-        needed = int(self.filled.max()) + T
+        even = self.held is not None  # every row holds as many tokens
+        needed = (self.held if even else int(self.filled.max())) + T
         if needed > self.keys.shape[2]:  # an eighth more room (a copy per eighth: O(1) per token, amortised)
             grow = room_for(needed) - self.keys.shape[2]
             self.keys, self.values = (torch.nn.functional.pad(x, (0, 0, 0, grow)) for x in (self.keys, self.values))
@@ -217,13 +224,16 @@ class RetrievalCache(Decoder):
                 held.scatter_(2, at.expand(-1, new.shape[1], -1, new.shape[-1]), new)
         self.filled = self.filled + T
         if even:
-            return self._run(q, slice(None), needed)
-        return torch.cat([self._run(q[b : b + 1], slice(b, b + 1), int(self.filled[b])) for b in range(B)])
+            self.held = needed
+            return self._run(q, slice(None), needed, self.whole)
+        return torch.cat([self._run(q[b : b + 1], slice(b, b + 1), int(self.filled[b]), int(self.known[b]))
+                          for b in range(B)])  # fmt: skip
 
-    def _run(self, q: Tensor, rows: slice, n: int) -> Tensor:
-        """The new queries of ``rows`` (whose whole blocks known are as many) over their first ``n`` keys;
-        the bounds of their blocks completed since are kept. One query a row: ``one_query``."""
-        m, size = int(self.known[rows].min()), self.config.block
+    def _run(self, q: Tensor, rows: slice, n: int, m: int) -> Tensor:
+        """The new queries of ``rows`` over their first ``n`` keys, whose first ``m`` whole blocks'
+        bounds are held; the bounds of their blocks completed since are kept. One query a row:
+        ``one_query``."""
+        size = self.config.block
         keys, values = self.keys[rows, :, :n], self.values[rows, :, :n]
         learned = learned_state(self.state, self.config, q.shape[1], q.shape[-1], q.device)
         if q.shape[2] == 1 and n >= size:
@@ -265,6 +275,8 @@ class RetrievalCache(Decoder):
             self.low, self.high = low, high
         self.low[rows, :, m:count], self.high[rows, :, m:count] = bounds
         self.known[rows] = count
+        if rows == slice(None):
+            self.whole = count
 
 
 MECHANISM = Mechanism(
