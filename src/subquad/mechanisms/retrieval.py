@@ -181,9 +181,7 @@ class RetrievalCache(Decoder):
         self.filled: Tensor | None = None  # (B,): each row's tokens held
         self.low = self.high = None  # (B, Hk, capacity / block, D): the bounds of each row's whole blocks
         self.known: Tensor | None = None  # (B,): whole blocks whose bounds are held
-        # where every row holds as many tokens: that count and the whole blocks known, read without a host sync
-        self.held: int | None = None
-        self.whole = 0
+        self.held, self.whole = None, 0  # where every row holds as many tokens: that count, its whole blocks known
         self.sums = self.summed = None  # a kernel part's Σ φ(k) [v, 1]ᵀ (B, H, F, Dv + 1) over keys [sinks, summed)
 
     def _absorb(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> None:
@@ -197,8 +195,7 @@ class RetrievalCache(Decoder):
         self.keys, self.values = (x.gather(2, order[:, None, :, None].expand(-1, *x.shape[1:2], -1, x.shape[-1]))
                                   for x in (k, v))  # fmt: skip
         self.filled = key_padding_mask.sum(1)
-        lengths = self.filled.tolist()
-        self.held = lengths[0] if len(set(lengths)) == 1 else None
+        self.held = int(self.filled[0]) if bool((self.filled == self.filled[0]).all()) else None  # else per row
 
     @torch.no_grad()
     def _step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -211,7 +208,7 @@ class RetrievalCache(Decoder):
         if k.shape[1] != self.keys.shape[1]:
             raise ValueError(f"the cache holds keys of {self.keys.shape[1]} key/value heads, got {k.shape[1]}; "
                              "start a new cache for a new batch")  # fmt: skip
-        even = self.held is not None  # every row holds as many tokens
+        even = self.held is not None  # every row holds as many tokens (counted on the host: no sync)
         needed = (self.held if even else int(self.filled.max())) + T
         if needed > self.keys.shape[2]:  # an eighth more room (a copy per eighth: O(1) per token, amortised)
             grow = room_for(needed) - self.keys.shape[2]
@@ -230,9 +227,8 @@ class RetrievalCache(Decoder):
                           for b in range(B)])  # fmt: skip
 
     def _run(self, q: Tensor, rows: slice, n: int, m: int) -> Tensor:
-        """The new queries of ``rows`` over their first ``n`` keys, whose first ``m`` whole blocks'
-        bounds are held; the bounds of their blocks completed since are kept. One query a row:
-        ``one_query``."""
+        """The new queries of ``rows`` over their first ``n`` keys, the bounds of whose first ``m`` whole
+        blocks are held (and of those completed since, kept). One query a row: ``one_query``."""
         size = self.config.block
         keys, values = self.keys[rows, :, :n], self.values[rows, :, :n]
         learned = learned_state(self.state, self.config, q.shape[1], q.shape[-1], q.device)
