@@ -472,17 +472,19 @@ def test_queries_that_read_their_keys_in_place_take_the_oracle_s_gradients():
     matches_the_oracle(out, q, k, v, (q, k, v), kpm, config)
 
 
-def test_dense_rows_are_the_queries_whose_keys_are_at_most_retrieval_dense_times_what_they_hold():
-    """A causal query at p reads p + 1 keys in place; it does where that is at most
-    ``TUNING.retrieval_dense`` × (blocks · block + window + sinks); non-causal, every query reads all S
-    (window counted on both sides)."""
-    config = RetrievalConfig(window=10, sinks=2, blocks=3, block=4)  # holds 3·4 + 10 + 2 = 24 keys
-    with tuned(retrieval_dense=2):  # at most 48 keys in place
-        assert dense_rows(100, 100, True, config, 4, 25) == 48  # queries at p = 0 … 47
+def test_dense_rows_are_the_queries_whose_keys_are_at_most_their_window_and_sinks_and_retrieval_dense_blocks():
+    """A causal query at p reads p + 1 keys in place; it does where that is at most window + sinks +
+    ``TUNING.retrieval_dense`` × blocks · block; non-causal, every query reads all S (window counted
+    on both sides)."""
+    config = RetrievalConfig(window=10, sinks=2, blocks=3, block=4)  # window and sinks 12, blocks 3·4 = 12
+    with tuned(retrieval_dense=2):  # at most 12 + 2 · 12 = 36 keys in place
+        assert dense_rows(100, 100, True, config, 4, 25) == 36  # queries at p = 0 … 35
         assert dense_rows(10, 100, True, config, 4, 25) == 0  # the last 10 queries of 100 keys
-        assert dense_rows(10, 50, True, config, 4, 12) == 8  # p = 40 … 47 of 40 … 49
-        assert dense_rows(7, 68, False, config, 4, 17) == 7 and dense_rows(7, 69, False, config, 4, 18) == 0  # 2 · 34
-        assert dense_rows(100, 100, True, config, 4, 1) == 2 * (4 + 10 + 2)  # one block only: it holds 4
+        assert dense_rows(20, 50, True, config, 4, 12) == 6  # p = 30 … 35 of 30 … 49
+        assert dense_rows(7, 46, False, config, 4, 12) == 7 and dense_rows(7, 47, False, config, 4, 12) == 0  # 22 + 24
+        assert dense_rows(100, 100, True, config, 4, 1) == 12 + 2 * 4  # one block only: it holds 4
+    with tuned(retrieval_dense=1):  # at most 12 + 12: what the query's blocks, window and sinks hold
+        assert dense_rows(100, 100, True, config, 4, 25) == 24
 
 
 def test_every_block_runs_on_cpus_only():

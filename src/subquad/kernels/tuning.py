@@ -111,8 +111,8 @@ class Tuning:
         "key/value heads number at most this many times the chosen blocks' keys of all units; else it gathers them",
     )  # fmt: skip
     retrieval_dense: int = _knob(
-        1, "retrieval's parallel pass: a query whose keys (up to its own; all, non-causal) number at most this many "
-        "times what its blocks, window and sinks hold reads them all in place under its mask (one sdpa call)",
+        2, "retrieval's parallel pass: a query whose keys (up to its own; all, non-causal) number at most its window "
+        "and sinks plus this many times its blocks' keys reads them all in place under its mask (one sdpa call)",
     )  # fmt: skip
     retrieval_gather_grad: int = _knob(
         40 << 20, "retrieval with gradients: bytes of a checkpointed chunk's far part (as retrieval_gather counts it); "

@@ -75,10 +75,11 @@ def attend_rows(
 
 def dense_rows(L: int, S: int, is_causal: bool, config: Config, size: int, blocks: int) -> int:
     """How many of the queries (at positions ``S − L …``) read every key up to theirs in place
-    (``_dense``): those whose keys number at most ``TUNING.retrieval_dense`` times what their chosen
-    blocks (of ``blocks``), window and sinks hold; non-causal, every query reads all ``S``."""
-    held = min(config.blocks, blocks) * size + config.window * (1 if is_causal else 2) + config.sinks
-    most = TUNING.retrieval_dense * held  # keys a query may read in place
+    (``_dense``): those whose keys number at most what their window and sinks hold plus
+    ``TUNING.retrieval_dense`` times what their chosen blocks (of ``blocks``) hold (a key read in
+    place costs about half one gathered into a segment); non-causal, every query reads all ``S``."""
+    near = config.window * (1 if is_causal else 2) + config.sinks
+    most = near + TUNING.retrieval_dense * min(config.blocks, blocks) * size  # keys a query may read in place
     if not is_causal:
         return L if S <= most else 0
     return max(0, min(L, most - (S - L)))  # query i reads i + S − L + 1 keys
