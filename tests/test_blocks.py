@@ -98,6 +98,29 @@ def test_a_large_cpu_output_is_eligible_for_huge_pages():
         assert flags["THPeligible"] == "1"
 
 
+def test_outputs_below_huge_page_mib_are_not_advised_and_working_buffers_always_are(monkeypatch):
+    """``TUNING.huge_page_mib``: a fresh output of at least that many MiB has its whole huge pages
+    advised (``subquad tune`` raises it where they fault in slower); ``new_buffers`` carves its slab
+    from huge pages whatever it says (their cache layout, not the first write, is what they are for)."""
+    from subquad.kernels import memory
+    from subquad.kernels.tuning import tuned
+
+    advised = []
+    monkeypatch.setattr(memory, "_madvise", lambda start, length, advice: advised.append((length, advice)))
+    cpu = torch.device("cpu")
+    with tuned(huge_page_mib=2):
+        new_output((8, 1 << 20), torch.float32, cpu)  # 32 MiB: at least 15 whole huge pages
+        new_output_like(torch.zeros(1 << 20, 8).t())
+    assert len(advised) == 2 and all(n >= 15 << 21 and a == memory._MADV_HUGEPAGE for n, a in advised)
+    advised.clear()
+    with tuned(huge_page_mib=33):  # 32 MiB is below it
+        new_output((8, 1 << 20), torch.float32, cpu)
+        new_output_like(torch.zeros(1 << 20, 8).t())
+        assert not advised
+        new_buffers([(8, 1 << 20)], torch.float32, cpu, zero=False)
+    assert len(advised) == 1 and advised[0][0] >= 16 << 21
+
+
 def test_new_output_like_keeps_the_strides_and_fakes_pass_through():
     x = torch.zeros(5, 7, 3).transpose(0, 1)
     out = new_output_like(x)

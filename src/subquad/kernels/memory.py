@@ -58,7 +58,8 @@ _madvise = _load_madvise()
 
 
 def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """``torch.empty(shape)``; on Linux, a CPU tensor's whole 2 MiB pages are advised into huge pages.
+    """``torch.empty(shape)``; on Linux, a CPU tensor of at least ``TUNING.huge_page_mib`` MiB has its
+    whole 2 MiB pages advised into huge pages.
 
     A fresh output of tens of megabytes comes from the kernel page by page, and at 4 KiB a page its
     first write costs more in page faults than the pass that writes it; in huge pages it costs
@@ -66,19 +67,24 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     is ``madvise`` (as on many distributions; ``always`` gives them anyway, ``never`` ignores the
     advice). The advice is given for pages of this tensor only, though it stays with those
     addresses after the tensor is freed; where ``defrag`` makes the kernel compact memory for such
-    a fault, a fragmented machine can make the first write slower instead.
+    a fault, a fragmented machine can make the first write slower instead, and some virtual machines
+    fault a huge page in slower than its 512 small ones: there ``subquad tune`` raises the threshold
+    past any output (docs/performance.md).
     """
-    return _advised(torch.empty(shape, dtype=dtype, device=device))
+    return _advised(torch.empty(shape, dtype=dtype, device=device), TUNING.huge_page_mib << 20)
 
 
 def new_output_like(x: Tensor) -> Tensor:
     """``torch.empty_like(x)`` (same strides for a dense ``x``), advised as in ``new_output``."""
-    return _advised(torch.empty_like(x))
+    return _advised(torch.empty_like(x), TUNING.huge_page_mib << 20)
 
 
-def _advised(out: Tensor) -> Tensor:
-    """``out``, a fresh dense tensor, with its whole huge pages advised (Linux CPUs only)."""
+def _advised(out: Tensor, least: int = 0) -> Tensor:
+    """``out``, a fresh dense tensor, with its whole huge pages advised (Linux CPUs only) where it
+    holds at least ``least`` bytes."""
     if _madvise is None or out.device.type != "cpu" or type(out) is not Tensor:  # not a subclass or a fake
+        return out
+    if out.numel() * out.element_size() < least:
         return out
     try:
         begin = out.data_ptr()
@@ -108,7 +114,7 @@ def new_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch
         starts.append(starts[-1] + -(-size // line) * line)
     total = starts[-1]
     align = _HUGE_PAGE // dtype.itemsize if total * dtype.itemsize >= _HUGE_PAGE and device.type == "cpu" else 0
-    slab = new_output((total + align,), dtype, device)
+    slab = _advised(torch.empty(total + align, dtype=dtype, device=device))  # whatever huge_page_mib says
     offset = 0
     if align:  # the untouched pages before the boundary cost address space only
         offset = (-slab.data_ptr() % _HUGE_PAGE) // dtype.itemsize
