@@ -100,8 +100,8 @@ def test_a_large_cpu_output_is_eligible_for_huge_pages():
 
 def test_outputs_below_huge_page_mib_are_not_advised_and_working_buffers_always_are(monkeypatch):
     """``TUNING.huge_page_mib``: a fresh output of at least that many MiB has its whole huge pages
-    advised (``subquad tune`` raises it where they fault in slower); ``new_buffers`` carves its slab
-    from huge pages whatever it says (their cache layout, not the first write, is what they are for)."""
+    advised (raised past every output, the advice is off); ``new_buffers`` carves its slab from huge
+    pages whatever it says (their cache layout, not the first write, is what they are for)."""
     from subquad.kernels import memory
     from subquad.kernels.tuning import tuned
 

@@ -66,7 +66,6 @@ def _cells(mechanism: str, lengths: tuple[int, ...], causal: tuple[bool, ...], b
 
 
 _BOTH = (False, True)
-_LONG = _cells("linear", (16384,), (True,), (False,)) + _cells("local", (16384,), (False,), (False,))
 KNOBS: tuple[Knob, ...] = (
     Knob("clustered_tile", _cells("improved-clustered", (1024, 4096), (False,), _BOTH)),
     Knob("topk_chunk", _cells("improved-clustered", (1024, 4096), (False,), (False,))),
@@ -86,8 +85,6 @@ KNOBS: tuple[Knob, ...] = (
     Knob("agglomerative_chunk", _cells("agglomerative", (1024, 4096), (True,), _BOTH), (0.5, 2.0)),
     Knob("retrieval_gather", _cells("retrieval", (1024, 4096), _BOTH, (False,))),
     Knob("retrieval_rows", _cells("retrieval", (1024, 4096), (True,), (False,)), (0.5, 2.0)),
-    # outputs of 32 MiB (N = 16,384), above glibc's mmap threshold: fresh pages every call; 2 MiB or never
-    Knob("huge_page_mib", _LONG, (65536.0,)),
 )
 
 

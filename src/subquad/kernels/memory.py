@@ -67,9 +67,10 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     is ``madvise`` (as on many distributions; ``always`` gives them anyway, ``never`` ignores the
     advice). The advice is given for pages of this tensor only, though it stays with those
     addresses after the tensor is freed; where ``defrag`` makes the kernel compact memory for such
-    a fault, a fragmented machine can make the first write slower instead, and some virtual machines
-    fault a huge page in slower than its 512 small ones: there ``subquad tune`` raises the threshold
-    past any output (docs/performance.md).
+    a fault, a fragmented machine can make the first write slower instead, and a virtual machine may
+    fault a huge page in slower than its 512 small ones at some times and faster at others: raising
+    ``TUNING.huge_page_mib`` past every output turns the advice off. ``subquad tune`` does not time
+    it: on the VM where it was tried, its measurement flipped between runs (docs/performance.md).
     """
     return _advised(torch.empty(shape, dtype=dtype, device=device), TUNING.huge_page_mib << 20)
 

@@ -49,7 +49,7 @@ class Tuning:
         32, "element budgets are this many times larger off the CPU: fewer launches, memory still bounded"
     )
     kept_buffer: int = _knob(1 << 22, "CPU working buffers of up to this many elements kept by a thread between calls")
-    huge_page_mib: int = _knob(2, "new CPU outputs of this many MiB or more go in huge pages (tune may raise it)")
+    huge_page_mib: int = _knob(2, "new CPU outputs of this many MiB or more go in huge pages (not tuned: see memory)")
     # block-sparse engine (sparse, pattern, local)
     blocksparse_tile: int = _knob(
         1 << 19, "eager kernel: scores (B·H·blocks·bq·W) held at once, about 2 MB in fp32, within L2"
