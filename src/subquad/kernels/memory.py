@@ -9,7 +9,7 @@ quadratic in the number of blocks.
 each is allocated once per call rather than once per block.
 
 ``new_output``: ``torch.empty`` for a large output, in huge pages on Linux CPUs; ``new_buffers``:
-several working buffers carved from one of them.
+several working buffers carved from one such tensor.
 
 ``kept_buffer``: a named working buffer on the CPU that the calling thread keeps from call to call.
 
@@ -99,8 +99,9 @@ def _advised(out: Tensor, least: int = 0) -> Tensor:
 
 
 def new_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device, zero: bool) -> list[Tensor]:
-    """Contiguous tensors of ``shapes``, carved from one ``new_output`` (each starting on a 64-byte
-    line, the first on a 2 MiB boundary when they fill a huge page), zero-filled if ``zero``.
+    """Contiguous tensors of ``shapes``, carved from one tensor advised into huge pages as
+    ``new_output``'s are, whatever ``TUNING.huge_page_mib`` says (each starting on a 64-byte line,
+    the first on a 2 MiB boundary when they fill a huge page), zero-filled if ``zero``.
 
     A loop's working buffers of a few hundred kilobytes each, allocated one by one, land on
     whatever 4 KiB pages the allocator has; on a physically indexed cache, how their lines
@@ -115,7 +116,7 @@ def new_buffers(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch
         starts.append(starts[-1] + -(-size // line) * line)
     total = starts[-1]
     align = _HUGE_PAGE // dtype.itemsize if total * dtype.itemsize >= _HUGE_PAGE and device.type == "cpu" else 0
-    slab = _advised(torch.empty(total + align, dtype=dtype, device=device))  # whatever huge_page_mib says
+    slab = _advised(torch.empty(total + align, dtype=dtype, device=device))
     offset = 0
     if align:  # the untouched pages before the boundary cost address space only
         offset = (-slab.data_ptr() % _HUGE_PAGE) // dtype.itemsize
