@@ -74,7 +74,7 @@ def test_a_decoder_s_perplexity_and_agreement_and_the_speed_columns(data, tmp_pa
     assert "| local:window=3 |" in table and "perplexity" in table and "attn ÷" in table and "model ÷" in table
 
 
-def test_decode_lengths_measure_generation_with_subquad_s_cache_beside_the_original(data, tmp_path):
+def test_decode_lengths_measure_generation_with_subquad_s_cache_beside_the_original(data, tmp_path, capsys):
     rows = ap.approx(data / "decoder", data / "passages.jsonl", ["local:window=3,sinks=1"], tmp_path, tokens=32,
                      samples=4, batch=4, speed=False, decode=(12, 40), new_tokens=3)  # fmt: skip
     by = {r["spec"]: r["decode"] for r in rows}
@@ -90,6 +90,9 @@ def test_decode_lengths_measure_generation_with_subquad_s_cache_beside_the_origi
     assert "| local:window=3,sinks=1 | 40 |" in table and "ms / token" in table
     saved = json.loads((tmp_path / "approx.json").read_text())
     assert saved["rows"][1]["decode"] == local
+    shown = capsys.readouterr().out  # each model's lengths as they finish
+    for spec in ("original", "local:window=3,sinks=1"):
+        assert f"\r  decoding {spec}: 1/2" in shown and f"\r  decoding {spec}: 2/2\n" in shown
     with pytest.raises(ValueError, match=r"a 99-token prompt needs 99 tokens of text"):
         from subquad.hf.speed import decode_speed
 

@@ -330,7 +330,8 @@ class _Run:
         ids = decode_windows(self.tokenizer, self.texts, max(config.decode), config.seed).to(self.where)
         setups = self.setups(folders)
         for r in rows:
-            measure = lambda model: decode_speed(model, ids, list(config.decode), config.new_tokens)  # noqa: E731
+            measure = functools.partial(decode_speed, ids=ids, lengths=list(config.decode),
+                                        new_tokens=config.new_tokens, progress=_progress("decoding", r))  # fmt: skip
             r["decode"] = each(setups[r["spec"]], measure)
             _write(saved, self.settings, rows)
 

@@ -108,10 +108,13 @@ def each(setup: Any, measure: Any) -> Any:
 
 
 @torch.no_grad()
-def decode_speed(model: nn.Module, ids: torch.Tensor, lengths: list[int], new_tokens: int) -> dict[str, dict]:
+def decode_speed(
+    model: nn.Module, ids: torch.Tensor, lengths: list[int], new_tokens: int, progress: Any = None
+) -> dict[str, dict]:
     """For each prompt length n (the first n of ``ids`` ``(1, N)``): ``prefill_s``,
     ``ms_per_token`` (median over ``new_tokens`` greedy steps), ``cache_mb`` (after them) and
-    ``peak_rss_mb`` (the process, during both). Keyed by ``str(n)``."""
+    ``peak_rss_mb`` (the process, during both). Keyed by ``str(n)``. ``progress(done, total)``
+    after each length, if given."""
     from subquad.hf.cache import cache_bytes
 
     out = {}
@@ -135,6 +138,8 @@ def decode_speed(model: nn.Module, ids: torch.Tensor, lengths: list[int], new_to
             "cache_mb": cache_bytes(cache) / 2**20, "peak_rss_mb": rss.peak / 2**20,
         }  # fmt: skip
         del cache, logits
+        if progress is not None:
+            progress(len(out), len(lengths))
     return out
 
 
