@@ -173,6 +173,21 @@ def test_a_kept_buffer_is_the_same_memory_on_the_next_request_of_its_name_and_gr
         del b
 
 
+def test_a_kept_buffer_asked_for_under_fake_tensors_is_a_fake_and_keeps_nothing():
+    """A request under fake tensors (tracing, export) gets a fake and stores nothing, so the next
+    real request, of a name never asked for before, is a real buffer that ``out=`` can write."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    cpu = torch.device("cpu")
+    with FakeTensorMode():
+        fake = kept_buffer("test.fake", 12, torch.float32, cpu)
+        assert isinstance(fake, FakeTensor) and fake.shape == (12,)
+    real = kept_buffer("test.fake", 12, torch.float32, cpu)
+    assert type(real) is torch.Tensor
+    torch.index_select(torch.arange(24.0).view(6, 4), 0, torch.tensor([5, 0, 2]), out=real.view(3, 4))
+    assert real.view(3, 4)[:, 0].tolist() == [20.0, 0.0, 8.0]
+
+
 def test_a_kept_buffer_made_in_inference_mode_takes_writes_outside_it():
     cpu = torch.device("cpu")
     with torch.inference_mode():

@@ -369,26 +369,29 @@ def test_a_one_token_step_is_the_parallel_pass_s_last_query(S, window, sinks, bl
     assert decoder.keys.shape[1] == kv
 
 
-def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share_the_thread_s_buffers():
-    """The chosen blocks of a step are gathered into the thread's kept buffers: two caches of
-    different lengths stepping in turn (each step's gather overwrites the other's) still give each
-    step the parallel pass's last query, and no output is a view of a kept buffer."""
+@pytest.mark.parametrize("feature_map", ["none", "elu"])
+def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share_the_thread_s_buffers(feature_map):
+    """The chosen blocks of a step are gathered into the thread's kept buffers: two caches (batches
+    of 2, of different lengths) stepping in turn, each step's gather overwriting the other's, still
+    give each step the parallel pass's last query, with and without a kernel part over the rest,
+    and no output shares memory with a kept buffer."""
     from unittest import mock
 
+    import subquad.kernels.memory as memory
     import subquad.ops.far_step as far_step
     from subquad.mechanisms.retrieval import RetrievalCache
 
-    config = RetrievalConfig(window=4, sinks=1, blocks=2, block=4)
+    config = RetrievalConfig(window=4, sinks=1, blocks=2, block=4, feature_map=feature_map)
     runs = []
     for S, seed in ((40, 1), (57, 2)):
-        q, k, v = qkv(1, 4, S, S, 8, 8, seed=seed)
+        q, k, v = qkv(2, 4, S, S, 8, 8, seed=seed)
         k, v = k[:, :2], v[:, :2]
         decoder = RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
         decoder.absorb(q[:, :, : S - 6], k[:, :, : S - 6], v[:, :, : S - 6])
         runs.append(((q, k, v), decoder, []))
     gathered = []
     gather = far_step._gathered
-    # 2 heads × 34+ keys > 1 × (4 heads × 2 blocks × 4 keys): the chosen blocks are gathered
+    # 2 heads × 34+ keys > 1 × (2 rows × 4 heads × 2 blocks × 4 keys): the chosen blocks are gathered
     with (
         tuned(retrieval_step_dense=1),
         mock.patch.object(far_step, "_gathered", lambda *a: gathered.append(a[-1]) or gather(*a)),
@@ -396,7 +399,9 @@ def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share
         for p in range(6, 0, -1):
             for (q, k, v), decoder, outs in runs:
                 outs.append(decoder.step(*(x[:, :, -p:][:, :, :1] for x in (q, k, v))))
-    assert gathered == ["retrieval keys", "retrieval values"] * 12
+    assert gathered == ["retrieval.keys", "retrieval.values"] * 12
+    kept = {b.untyped_storage().data_ptr() for b in memory._kept.buffers.values()}
+    assert not kept.intersection(out.untyped_storage().data_ptr() for _, _, outs in runs for out in outs)
     for (q, k, v), _, outs in runs:
         expected = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -6:]
         torch.testing.assert_close(torch.cat(outs, dim=2), expected, rtol=0, atol=1e-12)

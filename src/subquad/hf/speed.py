@@ -118,7 +118,7 @@ def decode_speed(
     from subquad.hf.cache import cache_bytes
 
     out = {}
-    for n in lengths:
+    for i, n in enumerate(lengths, 1):
         if n > ids.shape[1]:
             raise ValueError(f"a {n}-token prompt needs {n} tokens of text; the data gives {ids.shape[1]}")
         _release()
@@ -139,7 +139,7 @@ def decode_speed(
         }  # fmt: skip
         del cache, logits
         if progress is not None:
-            progress(len(out), len(lengths))
+            progress(i, len(lengths))
     return out
 
 

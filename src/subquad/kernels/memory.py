@@ -137,7 +137,8 @@ def kept_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device)
     thread keeps for its next request of that name and dtype (grown when a request needs more),
     carved from huge pages as ``new_buffers`` (a kept buffer in 4 KiB pages ran slower than fresh
     ones in some processes, by where its pages fell in the caches); larger requests, and other
-    devices (whose caching allocators keep memory already), get a fresh tensor. A call's
+    devices (whose caching allocators keep memory already), and requests under fake tensors or
+    compilation (nothing is kept from them) get a fresh tensor. A call's
     temporaries of a few megabytes, freed at its end, can make glibc's heap shrink and grow again
     with every call, each time faulting their pages back in: block-sparse gathers took 2500 page
     faults a call in some processes and none in others (docs/performance.md).
@@ -146,7 +147,7 @@ def kept_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device)
     and it must not be asked for again (by that name) meanwhile, as a later request on the same
     thread gets the same memory.
     """
-    if device.type != "cpu" or numel > TUNING.kept_buffer:
+    if device.type != "cpu" or numel > TUNING.kept_buffer or _tracing():
         return torch.empty(numel, dtype=dtype, device=device)
     store = _kept.__dict__.setdefault("buffers", {})
     buffer = store.get((name, dtype))
@@ -154,6 +155,12 @@ def kept_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device)
         with torch.inference_mode(False):  # a normal tensor: out= may write it outside inference mode
             buffer = store[(name, dtype)] = new_buffers([(numel,)], dtype, device, zero=False)[0]
     return buffer[:numel]
+
+
+def _tracing() -> bool:
+    """Whether tensors made now are fakes or traced (under fake tensors, or compiled): keeping one
+    would hand a later, real call a tensor it cannot write into."""
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
 
 
 def tracks_grad(*tensors: Tensor) -> bool:

@@ -57,7 +57,7 @@ def one_query(
     if picked is not None:
         index, shared = picked
         units, g = H // shared, per // shared  # g: units per key/value head
-        named = ((k, "retrieval keys"), (v, "retrieval values"))  # the thread's kept buffers they are gathered into
+        named = ((k, "retrieval.keys"), (v, "retrieval.values"))  # the thread's kept buffers they are gathered into
         far = [_gathered(x, index, g, size, name).to(work) for x, name in named]  # (B, U, chosen · size, ·)
         scores.append(torch.matmul(mine.view(B, units, shared, D), far[0].transpose(-1, -2)).view(B, H, 1, -1))
         sinks = None
@@ -80,9 +80,10 @@ def one_query(
 def _gathered(x: Tensor, index: Tensor, g: int, size: int, name: str) -> Tensor:
     """Each unit's chosen blocks ``index`` ``(B, U, chosen)`` of ``x`` ``(B, Hk, S, ·)``, ``(B, U,
     chosen · size, ·)`` (g: units per key/value head), read as whole rows of its head's blocks
-    straight into the thread's kept buffer ``name`` (``index_select`` with ``out``): a fresh output
-    of a few megabytes faults its pages in again at the steps where the heap has given them back
-    (SmolLM2 at 8,192 tokens: 230 minor faults a token, 18 with the kept buffers)."""
+    straight into ``kernels.memory.kept_buffer(name, …)`` (``index_select`` with ``out``; on the CPU
+    the thread's kept buffer, elsewhere or past ``TUNING.kept_buffer`` a fresh tensor): a fresh
+    output of a few megabytes faults its pages in again at the steps where the heap has given them
+    back (SmolLM2 at 8,192 tokens: 230 minor faults a token, 18 with the kept buffers)."""
     (B, units, chosen), Hk = index.shape, x.shape[1]
     out = kept_buffer(name, B * units * chosen * size * x.shape[-1], x.dtype, x.device)
     out = out.view(B, units, chosen * size, x.shape[-1])
