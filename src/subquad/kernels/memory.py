@@ -159,8 +159,10 @@ def kept_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device)
 
 def _tracing() -> bool:
     """Whether tensors made now are fakes or traced (under fake tensors, or compiled): keeping one
-    would hand a later, real call a tensor it cannot write into."""
-    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
+    would hand a later, real call a tensor it cannot write into. (The active fake mode read
+    directly: ``torch._guards.detect_fake_mode`` costs 3.5 µs a call, this 0.3.)"""
+    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    return fake is not None or torch.compiler.is_compiling()
 
 
 def tracks_grad(*tensors: Tensor) -> bool:
