@@ -179,7 +179,7 @@ class RetrievalCache(Decoder):
         super().__init__(mechanism, config, state)
         self.keys = self.values = None  # (B, Hk, capacity, ·), each row's real tokens first
         self.filled: Tensor | None = None  # (B,): each row's tokens held
-        self.low = self.high = None  # (B, Hk, capacity / block, D): the bounds of each row's whole blocks
+        self.bounds = None  # (B, Hk, capacity / block, 2D): [high, low] of each row's whole blocks, as steps read them
         self.known: Tensor | None = None  # (B,): whole blocks whose bounds are held
         self.held, self.whole = None, 0  # where every row holds as many tokens: that count, its whole blocks known
         self.sums = self.summed = None  # a kernel part's Σ φ(k) [v, 1]ᵀ (B, H, F, Dv + 1) over keys [sinks, summed)
@@ -239,9 +239,10 @@ class RetrievalCache(Decoder):
                 counted = torch.arange(m * size, count * size, device=q.device).view(1, -1, size) >= self.config.sinks
                 self._keep(rows, m, block_bounds(fresh, counted.expand(keys.shape[0], -1, -1)))
             sums = None if self.config.feature_map == "none" else self._sums(rows, q, keys, values, learned)
-            return one_query(q, keys, values, self.low[rows, :, :count], self.high[rows, :, :count], self.scale,
+            return one_query(q, keys, values, self.bounds[rows, :, :count], self.scale,
                              self.config, None if sums is None else (learned, sums))  # fmt: skip
-        known = None if m == 0 else (self.low[rows, :, :m], self.high[rows, :, :m])
+        D = q.shape[-1]
+        known = None if m == 0 else (self.bounds[rows, :, :m, D:], self.bounds[rows, :, :m, :D])  # low, high
         out, whole = _attend(q, keys, values, None, True, self.scale, self.config, learned, known)
         if whole is not None and whole[0].shape[2] > m:
             self._keep(rows, m, tuple(x[:, :, m:] for x in whole))
@@ -262,14 +263,14 @@ class RetrievalCache(Decoder):
 
     def _keep(self, rows: slice, m: int, bounds: tuple[Tensor, Tensor]) -> None:
         """Hold ``bounds``, those of ``rows``' whole blocks from ``m`` on."""
-        count = m + bounds[0].shape[2]
-        if self.low is None or count > self.low.shape[2]:
-            shape = (self.keys.shape[0], *bounds[0].shape[1:2], room_for(count), bounds[0].shape[-1])
-            low, high = (bounds[0].new_zeros(shape) for _ in range(2))
-            if self.low is not None:
-                low[:, :, : self.low.shape[2]], high[:, :, : self.high.shape[2]] = self.low, self.high
-            self.low, self.high = low, high
-        self.low[rows, :, m:count], self.high[rows, :, m:count] = bounds
+        count, D = m + bounds[0].shape[2], bounds[0].shape[-1]
+        if self.bounds is None or count > self.bounds.shape[2]:
+            shape = (self.keys.shape[0], *bounds[0].shape[1:2], room_for(count), 2 * D)
+            joined = bounds[0].new_zeros(shape)
+            if self.bounds is not None:
+                joined[:, :, : self.bounds.shape[2]] = self.bounds
+            self.bounds = joined
+        self.bounds[rows, :, m:count, D:], self.bounds[rows, :, m:count, :D] = bounds
         self.known[rows] = count
         if rows == slice(None):
             self.whole = count

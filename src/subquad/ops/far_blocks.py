@@ -386,15 +386,15 @@ def _chosen(
     if not is_causal:
         outside = outside | (start[None] >= p[:, None] + w)
     eligible = outside[None, None] & counted.any(-1)[:, None, None]
-    bound = quest_bound(q.detach(), low, high)
+    bound = quest_bound(q.detach(), torch.cat([high, low], -1))
     if config.shared > 1:  # a group ranks blocks by its heads' bounds summed
         bound = bound.view(bound.shape[0], -1, config.shared, *bound.shape[2:]).sum(2)
     top, index = bound.masked_fill(~eligible, float("-inf")).topk(min(config.blocks, n), dim=-1, sorted=False)
     return index, torch.isfinite(top)
 
 
-def quest_bound(q: Tensor, low: Tensor, high: Tensor) -> Tensor:
-    """Quest's bound ``Σ_d max(q_d·min_d, q_d·max_d)`` of queries ``(…, c, D)`` on blocks ``(…, n, D)``,
-    ``(…, c, n)``: relu(q)·max − relu(−q)·min as one product, ``[q⁺, q⁻]·[max, min]`` (the parallel
-    pass and decoding's step compute it alike)."""
-    return torch.cat([q.clamp_min(0), q.clamp_max(0)], -1) @ torch.cat([high, low], -1).transpose(-1, -2)
+def quest_bound(q: Tensor, bounds: Tensor) -> Tensor:
+    """Quest's bound ``Σ_d max(q_d·min_d, q_d·max_d)`` of queries ``(…, c, D)`` on blocks of bounds
+    ``[max, min]`` ``(…, n, 2D)``, ``(…, c, n)``: relu(q)·max − relu(−q)·min as one product
+    ``[q⁺, q⁻]·[max, min]`` (the parallel pass and decoding's step, whose cache holds them so)."""
+    return torch.cat([q.clamp_min(0), q.clamp_max(0)], -1) @ bounds.transpose(-1, -2)

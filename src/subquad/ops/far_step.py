@@ -27,12 +27,12 @@ __all__ = ["one_query"]
 
 
 def one_query(
-    q: Tensor, k: Tensor, v: Tensor, low: Tensor, high: Tensor, scale: float | None, config: Config,
+    q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, scale: float | None, config: Config,
     kernel: tuple[nn.Module | None, Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """Decoding's step: the output ``(B, H, 1, Dv)`` of each row's last query (at p = S − 1) over its
-    keys ``k``, ``v`` ``(B, Hk, S, ·)`` (no padding), given the bounds ``low``, ``high`` ``(B, Hk,
-    S // block, D)`` of its whole blocks: ``retrieval_chunk``'s choice of blocks (the eligible ones
+    keys ``k``, ``v`` ``(B, Hk, S, ·)`` (no padding), given the bounds ``[high, low]`` ``(B, Hk,
+    S // block, 2D)`` of its whole blocks: ``retrieval_chunk``'s choice of blocks (the eligible ones
     of highest bound) and its softmax over the sinks, the window and those blocks. The window's keys
     are read by each key/value head's query heads together and the chosen blocks' once per unit, in
     one softmax over both parts' scores: nothing is repeated to the query heads or concatenated but
@@ -47,7 +47,7 @@ def one_query(
         taken = every_block(q, k, v, scale, config)
         if taken is not None:
             return taken.to(q.dtype)
-    picked = _step_blocks(q, low, high, config, lo // size)
+    picked = _step_blocks(q, bounds, config, lo // size)
     if picked is not None and kernel is None and Hk * S <= TUNING.retrieval_step_dense * picked[0][0].numel() * size:
         return _one_query_dense(q, k, v, *picked, scale, (w, s, size)).to(q.dtype)
     mine = q.to(work) * (D**-0.5 if scale is None else scale)
@@ -95,15 +95,15 @@ def _gathered(x: Tensor, index: Tensor, g: int, size: int, name: str) -> Tensor:
     return out
 
 
-def _step_blocks(q: Tensor, low: Tensor, high: Tensor, config: Config, e: int) -> tuple[Tensor, int] | None:
+def _step_blocks(q: Tensor, bounds: Tensor, config: Config, e: int) -> tuple[Tensor, int] | None:
     """``one_query``'s choice: the blocks ``(B, U, chosen)`` of highest bound among ``[first, e)``
     (wholly before the window, not sinks only) for each unit of ``shared`` query heads (a group
     within one key/value head; else each head alone), or None where no block is eligible."""
-    (B, H, _, D), Hk = q.shape, low.shape[1]
+    (B, H, _, D), Hk = q.shape, bounds.shape[1]
     per, first = H // Hk, config.sinks // config.block
     if e <= first:
         return None
-    bound = quest_bound(q.view(B, Hk, per, D), low[:, :, first:e], high[:, :, first:e]).view(B, H, 1, -1)
+    bound = quest_bound(q.view(B, Hk, per, D), bounds[:, :, first:e]).view(B, H, 1, -1)
     shared = config.shared if per % config.shared == 0 else 1
     if config.shared > 1:
         bound = bound.view(B, H // config.shared, config.shared, -1).sum(2)
