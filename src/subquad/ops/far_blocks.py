@@ -92,8 +92,8 @@ def _dense(
     """``retrieval_chunk``'s output without a kernel part where its queries' keys are few: each
     query's far blocks chosen as there (``_chosen``), then every key up to the chunk's last query
     read in place under sdpa's additive mask of the sinks, window and chosen blocks' counted keys
-    it sees, built in two passes (chosen blocks plus counted keys, then the larger of that and the
-    sinks and window); a query that sees no key gets zeros (and a stand-in key, so nothing is NaN)."""
+    it sees, built as the chosen blocks' counted keys, then the sinks' columns and the window's band
+    set in place; a query that sees no key gets zeros (and a stand-in key, so nothing is NaN)."""
     H, c = q.shape[1], q.shape[2]
     if is_causal and first + c <= 0:  # queries before every key (L > S): they see none
         return q.new_zeros(*q.shape[:3], v.shape[-1])
@@ -103,18 +103,18 @@ def _dense(
     blocks = -(-n // counted.shape[-1])  # those holding the n keys: every chosen one (ok) lies among them
     zero = torch.zeros((), dtype=work, device=q.device)
     chosen = torch.full((*index.shape[:3], blocks), inf, dtype=work, device=q.device)  # those not ok: -inf anyway
-    index = index.clamp(max=blocks - 1)
-    chosen.scatter_reduce_(-1, index, torch.where(ok, zero, inf), "amax")
-    counted = counted[:, :blocks]
-    held = torch.where(counted, zero, inf)  # (B, blocks, size)
-    far = (chosen[..., None] + held[:, None, None]).flatten(-2)[..., :n]  # (B, U, c, n)
-    near = _seen(torch.arange(n, device=q.device), p, real, is_causal, config.window, config.sinks, True)
-    bias = torch.maximum(far, torch.where(near, zero, inf))
-    sees = near.any(-1) | ok.any(-1)  # an eligible block holds a counted key
+    chosen.scatter_reduce_(-1, index.clamp(max=blocks - 1), torch.where(ok, zero, inf), "amax")
+    held = torch.where(counted[:, :blocks], zero, inf)  # (B, blocks, size)
+    bias = (chosen[..., None] + held[:, None, None]).flatten(-2)[..., :n]  # (B, U, c, n): the far blocks' keys
+    w, s, lo = config.window, min(config.sinks, n), max(0, first - config.window + 1)  # then the sinks' columns
+    spans = ((0, s), (lo, max(lo, min(n, first + c + (0 if is_causal else w - 1)))))  # and the window's band
+    near = [_seen(torch.arange(*ab, device=q.device), p, real, is_causal, w, s, True) for ab in spans]
+    for (a, b), seen in zip(spans, near):
+        bias[..., a:b].masked_fill_(seen, 0.0)  # in place (queries may lie before the keys: an empty band)
+    sees = near[0].any(-1) | near[1].any(-1) | ok.any(-1)  # or an eligible block holds a counted key
     bias[..., 0].masked_fill_(~sees, 0.0)  # (B, U, c): a row that sees nothing reads key 0, then is zeroed
-    U = bias.shape[1]
-    if U != H:
-        bias, sees = (x.repeat_interleave(H // U, dim=1) for x in (bias, sees))
+    if bias.shape[1] != H:
+        bias, sees = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (bias, sees))
     out = torch.nn.functional.scaled_dot_product_attention(
         q.to(work), k[:, :, :n], v[:, :, :n], attn_mask=bias, scale=scale, enable_gqa=True
     )
