@@ -146,3 +146,17 @@ def test_block_sparse_mechanisms_read_grouped_keys_in_place(mechanism, options, 
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     assert (out - ref).abs().max() <= 1e-12
     assert all(a.shape == b.shape and (a - b).abs().max() <= 1e-10 for a, b in zip(grads, expected))
+
+
+def test_sdpas_keyword_names_and_numpy_scalars_are_taken_as_torch_takes_them():
+    np = pytest.importorskip("numpy")
+    q, k, v = _qkv(H=2, Hkv=2)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    by_name = subquad.attention(query=q, key=k, value=v, is_causal=True, scale=0.5)
+    assert torch.equal(by_name, subquad.attention(q, k, v, is_causal=True, scale=0.5))
+    assert (by_name - expected).abs().max() <= 1e-12
+    for number in (np.float32(0.5), np.float64(0.5), np.int64(1)):
+        ours = subquad.attention(q, k, v, scale=number, dropout_p=np.float32(0.0), mechanism="local", window=4)
+        assert torch.equal(ours, subquad.attention(q, k, v, scale=float(number), mechanism="local", window=4))
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\), got np.float32\(1.0\)"):
+        subquad.attention(q, k, v, dropout_p=np.float32(1.0))

@@ -8,6 +8,7 @@ a silent wrong answer.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -150,7 +151,7 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
     """The softmax scale: ``head_dim ** -0.5`` unless a positive finite ``scale`` is given."""
     if scale is None:
         return head_dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):  # numpy's scalars too, as torch takes them
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be positive and finite, got {scale}; leave it None for 1/sqrt(D)")

@@ -25,6 +25,7 @@ One call runs, in order:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import sys
 import warnings
 from typing import Any
@@ -243,7 +244,7 @@ def _check_call(
                          f"{hint if 'attn_mask' in unknown else ''}")  # fmt: skip
     if is_causal is True and not mech.causal:
         raise ValueError(no_causal_form(mech.name))
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     if dropout_p and not mech.dropout:
         with_dropout = ", ".join(n for n in mechanism_names() if get_mechanism(n).dropout)
@@ -295,9 +296,9 @@ def _positional_mechanism(name: str) -> str:
 
 
 def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
     attn_mask: Any = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
@@ -314,9 +315,9 @@ def attention(
     the same positional arguments, meaning the same, then the mechanism and its options by keyword.
 
     Args:
-        q: queries ``(B, H, L, D)``.
-        k: keys ``(B, H, S, D)`` (``(B, H / G, S, D)`` with ``enable_gqa``).
-        v: values ``(B, H, S, Dv)`` (likewise).
+        query: queries ``(B, H, L, D)`` (SDPA's names, by position or keyword).
+        key: keys ``(B, H, S, D)`` (``(B, H / G, S, D)`` with ``enable_gqa``).
+        value: values ``(B, H, S, Dv)`` (likewise).
         attn_mask: ``torch.nn.attention.bias.causal_lower_right(L, S)`` (or ``causal_upper_left``),
             taken by every mechanism with a causal form; or a dense mask broadcastable to
             ``(B, H, L, S)``, bool (True = may attend) or additive, taken by ``full`` only (other
@@ -335,7 +336,7 @@ def attention(
         **options: the mechanism's config options, and its extra tensor arguments by name.
 
     Returns:
-        ``(B, H, L, Dv)``, in the dtype of ``q``.
+        ``(B, H, L, Dv)``, in the dtype of ``query``.
     """
     if isinstance(attn_mask, str):  # the spelling of 0.1: attention(q, k, v, "linear", ...)
         mechanism, attn_mask = _positional_mechanism(attn_mask), None
@@ -346,6 +347,6 @@ def attention(
     if config is None:
         config = make_config(mech, **options)
     return call(
-        mech, q, k, v, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal, scale=scale,
-        config=config, state=state, enable_gqa=enable_gqa, dropout_p=dropout_p, **tensors,
+        mech, query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
+        scale=scale, config=config, state=state, enable_gqa=enable_gqa, dropout_p=dropout_p, **tensors,
     )  # fmt: skip

@@ -145,12 +145,25 @@ def test_bad_attn_mask_raises(attn_mask, message):
     assert message in str(err.value)
 
 
-def test_additive_mask_that_overflows_half_precision_raises():
-    q, k, v = (x.half() for x in qkv(1, 1, 4, 4, 8))
-    bias = torch.zeros(4, 4)
-    bias[0, 0] = 1e5
-    with pytest.raises(ValueError, match=r"values up to 1e\+05, above the largest torch.float16 \(6.55e\+04\)"):
-        full_attention(q, k, v, attn_mask=bias)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_an_fp32_mask_beyond_half_range_is_not_rounded_to_infinities(dtype, backend):
+    """Half inputs with an fp32 mask of -1e5 / -1e9 ("masked", as many models build it) or +7e4:
+    SDPA adds it in fp32; cast to fp16 as it stood it would hold ±inf (a row of -1e5 would read as
+    seeing no key and come out as zeros). The fused path shifts each row by its largest value first."""
+    q, k, v = qkv(2, 3, 5, 7, 8)
+    bias = torch.randn(5, 7, generator=torch.Generator().manual_seed(1))
+    bias[1] = -1e5
+    bias[1, 2] = -7e4  # row 1 sees key 2 above all: its output is that key's value
+    bias[2, :3], bias[3, 4] = -1e9, 7e4
+    half = [x.to(dtype) for x in (q, k, v)]
+    out = full_attention(*half, attn_mask=bias, config=FullConfig(backend))
+    exact = full_attention(q, k, v, attn_mask=bias.double())
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out[:, :, 1].double(), v[:, :, 2].to(dtype).double().expand_as(out[:, :, 1]))
+    assert ((out.double() - exact).norm() / exact.norm()) < 0.02
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*half, attn_mask=bias)  # which adds it in fp32
+    assert torch.allclose(out.float(), sdpa.float(), atol=2e-2)
 
 
 def test_eager_adds_a_low_precision_query_mask_in_fp32():

@@ -85,6 +85,9 @@ def test_what_torchs_class_takes_and_a_mechanism_cannot_is_refused_by_name():
         layer(x)
     with pytest.raises(ValueError, match=r"local×4 takes no attn_mask but a causal one .*mechanism='full'"):
         layer(x, x, x, attn_mask=torch.eye(6, dtype=torch.bool))
+    eager = MultiheadAttention(16, 4, batch_first=True, mechanism="full:backend=eager")  # not torch's forward
+    with pytest.raises(ValueError, match=r"use mechanism='full' with its default options \(torch's own forward"):
+        eager(x, x, x, attn_mask=torch.eye(6, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"a float key_padding_mask here may hold only 0 \(a token\) and -inf"):
         layer(x, x, x, key_padding_mask=torch.full((2, 6), 0.5))
     with pytest.raises(ValueError, match=r"key_padding_mask must be \(B, S\), True = padding, got \(6,\)"):
@@ -100,3 +103,69 @@ def test_subquads_own_layer_keeps_its_conventions_under_its_own_name():
     q, k, v = (p(x).view(2, 5, 4, 4).transpose(1, 2) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
     inner = subquad.attention(q, k, v, key_padding_mask=real).transpose(1, 2).reshape(2, 5, 16)
     torch.testing.assert_close(out, layer.out_proj(inner))
+
+
+def _encoder_layer(mechanism):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+    full = layer.self_attn
+    layer.self_attn = MultiheadAttention(16, 4, batch_first=True, mechanism=mechanism)
+    layer.self_attn.load_state_dict(full.state_dict())
+    return layer.eval(), full
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("mechanism", ["local:window=2", "routing:clusters=2"])
+def test_inside_torchs_encoder_in_inference_the_heads_run_the_mechanism_not_torchs_fast_path(mechanism):
+    """torch's TransformerEncoderLayer, in eval mode without gradients, ran its fused kernel on the
+    layer's projections (full attention) and never called it: the mechanism was silently ignored."""
+    layer, full = _encoder_layer(mechanism)
+    x = torch.randn(3, 12, 16)
+    with torch.no_grad():
+        fast = layer(x)
+    assert torch.allclose(fast, layer(x), atol=1e-6)  # with gradients torch takes its slow path, which calls it
+    ours, theirs = layer.self_attn, full
+    layer.self_attn = theirs
+    with torch.no_grad():
+        assert (fast - layer(x)).abs().max() > 1e-2  # full attention answers differently
+    layer.self_attn = ours
+    pad = torch.zeros(3, 12, dtype=torch.bool)
+    pad[0, 7:], pad[2, 10:] = True, True
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    with torch.no_grad():  # torch passes the layers a nested batch here
+        nested = encoder(x, src_key_padding_mask=pad)
+    padded = encoder(x, src_key_padding_mask=pad)
+    assert torch.allclose(nested[~pad], padded[~pad], atol=1e-6) and (nested[pad] == 0).all()
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_nested_batch_is_taken_in_self_attention_only():
+    layer = MultiheadAttention(16, 4, batch_first=True, mechanism="local")
+    x = torch.nested.as_nested_tensor([torch.randn(5, 16), torch.randn(3, 16)], layout=torch.strided)
+    out, weights = layer(x, x, x)
+    assert out.is_nested and weights is None and [t.shape for t in out.unbind()] == [(5, 16), (3, 16)]
+    torch.testing.assert_close(out.unbind()[1], layer(x.unbind()[1], x.unbind()[1], x.unbind()[1])[0])
+    y = torch.nested.as_nested_tensor([torch.randn(5, 16), torch.randn(3, 16)], layout=torch.strided)
+    with pytest.raises(ValueError, match=r"a nested query is taken in self-attention only \(mha\(x, x, x\)\)"):
+        layer(x, y, y)
+
+
+@pytest.mark.parametrize("mechanism", ["routing:clusters=2", "multires"])
+def test_torchs_state_dict_loads_and_the_mechanisms_own_state_keeps_its_values(mechanism):
+    ref = nn.MultiheadAttention(16, 4)
+    ours = MultiheadAttention(16, 4, mechanism=mechanism)
+    own = {name: x.clone() for name, x in ours.state_dict().items() if name.startswith(("states.", "inputs."))}
+    assert own  # routing's centroids; multires' seed and router
+    ours.load_state_dict(ref.state_dict())
+    torch.testing.assert_close(ours.in_proj_weight, ref.in_proj_weight)
+    assert all(torch.equal(ours.state_dict()[name], x) for name, x in own.items())
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"(states|inputs)\.0\."):
+        ref.load_state_dict(ours.state_dict())  # torch's layer has no place for it (documented)
+    ref.load_state_dict({n: x for n, x in ours.state_dict().items() if n not in own})
+
+
+def test_a_state_dict_holding_part_of_the_mechanisms_state_is_loaded_as_it_is():
+    ours = MultiheadAttention(16, 4, mechanism="multires")
+    partial = {n: x for n, x in ours.state_dict().items() if not n.startswith("inputs.")}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"inputs\.0\.router\.weight\""):
+        ours.load_state_dict(partial)

@@ -89,7 +89,7 @@ def full_attention(
         out = _eager(q, k, v, mask, shape.scale, groups, dropout_p)
     else:
         if mask is not None and mask.is_floating_point():
-            mask = mask.to(q.dtype)  # the fused kernel takes an additive mask in q's dtype
+            mask = _in_dtype(mask, q.dtype)  # the fused kernel takes an additive mask in q's dtype
         if groups > 1 and not _SDPA_GQA:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         gqa = {"enable_gqa": True} if groups > 1 and _SDPA_GQA else {}
@@ -143,6 +143,22 @@ def _eager(
         weights = F.dropout(weights, dropout_p)
     out = torch.matmul(weights, v.to(weights.dtype)).to(q.dtype)  # (B, H, L, Dv), or (B, Hkv, G, L, Dv)
     return out.flatten(1, 2) if groups > 1 else out
+
+
+def _in_dtype(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """An additive ``mask`` in ``dtype``. Where it holds finite values beyond ``dtype``'s range (-1e5
+    or -1e9 for "masked" beside fp16 inputs, as SDPA adds an fp32 mask in fp32), each row is first
+    shifted by its largest value (softmax ignores a constant per row): its best key at 0, so no row's
+    keys all round to -inf (read as seeing none) or any to +inf; keys beyond range below it keep a
+    weight of exp(-65504) = 0 either way. Exact by softmax's invariance; where SDPA's fp32 sum itself
+    rounds (a row of -1e9 everywhere loses its scores: uniform weights), this is the exact softmax."""
+    if mask.dtype == dtype:
+        return mask
+    finite = torch.where(torch.isneginf(mask), 0.0, mask)
+    info = torch.finfo(dtype)
+    if bool(finite.amin() < info.min) or bool(finite.amax() > info.max):
+        mask = mask - mask.amax(dim=-1, keepdim=True)  # every row holds a finite value (``_merged_mask``)
+    return mask.to(dtype)
 
 
 def _merged_mask(
@@ -201,13 +217,6 @@ def _check_attn_mask(attn_mask: object, shape: AttentionShape, q: Tensor) -> Ten
     if attn_mask.is_floating_point():
         if bool(torch.isnan(attn_mask).any() | torch.isposinf(attn_mask).any()):
             raise ValueError("additive attn_mask contains NaN or +inf; use -inf for masked positions")
-        largest = torch.finfo(q.dtype).max
-        if bool((attn_mask > largest).any()):
-            raise ValueError(
-                f"additive attn_mask holds values up to {float(attn_mask.max()):.4g}, above the largest "
-                f"{q.dtype} ({largest:.4g}); they would become +inf. Shift the mask down (softmax ignores a "
-                "constant per row) or compute in float32"
-            )
         attn_mask = attn_mask.to(torch.promote_types(q.dtype, torch.float32))  # eager adds it in fp32+
     while attn_mask.dim() < 4:
         attn_mask = attn_mask.unsqueeze(0)

@@ -1,8 +1,10 @@
 """``torch.nn.MultiheadAttention`` with its heads running registered mechanisms: a drop-in.
 
 It *is* torch's class (a subclass): the same constructor, the same parameters (``in_proj_weight``
-or ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``, ``in_proj_bias``, ``out_proj``), so a
-state dict moves between the two, and torch's conventions: sequence first unless
+or ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``, ``in_proj_bias``, ``out_proj``), so torch's
+layer's state dict loads into it as is (a mechanism's own state, ``states.*`` and ``inputs.*``
+where it has one, such as routing's centroids, then keeps the values it has; torch's layer has no
+place for those the other way: drop them, or load with ``strict=False``), and torch's conventions: sequence first unless
 ``batch_first=True``, ``key_padding_mask`` True = *padding* (or an additive float mask),
 ``attn_mask`` True = *not allowed* (or additive), and ``(output, weights)`` returned.
 
@@ -15,6 +17,9 @@ Any other mechanism differs where it must, and says so:
   one. ``is_causal=True`` alone is accepted too (torch requires the mask as a hint).
 - ``add_bias_kv`` and ``add_zero_attn`` raise: they append a key to every sequence, which a
   mechanism with positions (windows, strides, causal scans) has no place for.
+- In inference torch's ``TransformerEncoderLayer`` runs its own fused kernel on ``self_attn``'s
+  projections instead of calling it; a no-op forward pre-hook keeps it on the path that calls this
+  forward, and the nested batch ``TransformerEncoder`` then passes is taken (``_nested``).
 - Mechanisms that group their queries (clustered, routing) need the padded queries: in
   self-attention they are the padded keys; in cross-attention pass ``query_padding_mask``
   (True = padding, as ``key_padding_mask`` here).
@@ -81,6 +86,7 @@ class MultiheadAttention(HeadGroups, nn.MultiheadAttention):
         only = self.groups[0] if len(self.groups) == 1 else None
         self._torch_forward = only is not None and only.mechanism.name == "full" and only.config == make_config("full")
         if not self._torch_forward:
+            self.register_forward_pre_hook(_own_forward)
             if add_bias_kv or add_zero_attn:
                 raise ValueError(
                     f"add_bias_kv and add_zero_attn append a key to every sequence, which {self._groups_repr()} has "
@@ -117,6 +123,8 @@ class MultiheadAttention(HeadGroups, nn.MultiheadAttention):
             return super().forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
+        if query.is_nested:
+            return _nested(self, query, key, value, key_padding_mask, attn_mask, is_causal, query_padding_mask)
         same = key is query
         batched = query.dim() == 3
         query, key, value = (self._batch_first(x, name, batched) for name, x in zip(("query", "key", "value"),
@@ -136,6 +144,11 @@ class MultiheadAttention(HeadGroups, nn.MultiheadAttention):
             out = out.transpose(0, 1)
         return (out if batched else out.squeeze(1 if not self.batch_first else 0)), None
 
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        """torch's layer's state dict loads: the mechanism's state keeps its values (``_keep_own_state``)."""
+        _keep_own_state(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _batch_first(self, x: Tensor, name: str, batched: bool) -> Tensor:
         """``x`` as ``(B, N, ·)``; checks its rank against the query's."""
         if not isinstance(x, Tensor) or x.dim() != (3 if batched else 2):
@@ -148,6 +161,45 @@ class MultiheadAttention(HeadGroups, nn.MultiheadAttention):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}heads=[{self._groups_repr()}]"
+
+
+def _keep_own_state(layer: nn.Module, state_dict: dict, prefix: str) -> None:
+    """Where ``state_dict`` holds none of ``layer``'s mechanism state (``states.*``, ``inputs.*``: a
+    state dict of torch's layer), fill it in with the present values, as ``BatchNorm`` fills in a
+    missing ``num_batches_tracked``; a state dict holding some of it loads as it is (what it lacks
+    is missing)."""
+    own = {f"{prefix}{name}": x for name, x in layer.state_dict().items() if name.startswith(("states.", "inputs."))}
+    if own and not any(name in state_dict for name in own):
+        state_dict.update(own)
+
+
+def _own_forward(module: nn.Module, args: Any) -> None:
+    """A forward pre-hook that does nothing, on layers whose forward is not torch's: torch's
+    ``TransformerEncoderLayer`` in inference runs its fused kernel on ``self_attn``'s projections
+    (full attention) without calling ``self_attn``, unless a hook is attached to one of its modules."""
+
+
+def _nested(
+    layer: MultiheadAttention, x: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None, is_causal: bool, query_padding_mask: Tensor | None,
+) -> tuple[Tensor, None]:  # fmt: skip
+    """Self-attention over a nested batch (torch's ``TransformerEncoder`` passes one in inference
+    where a ``src_key_padding_mask`` is given): padded, each sequence's padding as
+    ``key_padding_mask``, and returned nested as it came."""
+    if key is not x or value is not x or not layer.batch_first or key_padding_mask is not None:
+        raise ValueError(
+            "a nested query is taken in self-attention only (mha(x, x, x)), with batch_first=True and no "
+            "key_padding_mask (its lengths are the padding), as torch's TransformerEncoder passes it; pass a "
+            "padded batch and key_padding_mask otherwise"
+        )
+    lengths = [t.shape[0] for t in x.unbind()]
+    padded = torch.nested.to_padded_tensor(x, 0.0)
+    padding = (
+        torch.arange(padded.shape[1], device=padded.device) >= torch.tensor(lengths, device=padded.device)[:, None]
+    )
+    out, _ = layer(padded, padded, padded, padding, False, attn_mask, is_causal=is_causal,
+                   query_padding_mask=query_padding_mask)  # fmt: skip
+    return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, lengths)], layout=x.layout), None
 
 
 def _project(layer: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -189,7 +241,7 @@ def _causal(who: str, attn_mask: Tensor | None, is_causal: bool, L: int, S: int)
         return causal_lower_right(L, S)
     raise ValueError(
         f"{who} takes no attn_mask but a causal one (top-left, as is_causal=True, or lower-right); "
-        "use mechanism='full' (any mask) or 'pattern' (a mask_mod)"
+        "use mechanism='full' with its default options (torch's own forward: any mask) or 'pattern' (a mask_mod)"
     )
 
 
