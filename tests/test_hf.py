@@ -290,3 +290,63 @@ def test_use_reads_the_one_spec_grammar():
     assert {m.subquad_attention.heads for m in hf.attention_modules(mixed)} == {(2, 2)}
     with pytest.raises(ValueError, match=r"option\(s\) \['window'\] given both in the spec 'local:window=4' and as"):
         hf.use(llama(), "local:window=4", window=8)
+
+
+def test_models_whose_attention_never_reaches_the_interface_or_has_cross_attention_are_refused():
+    """Falcon computes its attention itself (its modules have layer_idx and is_causal): use() set a
+    mechanism that never ran. Cross-attention was refused later, blaming a static cache."""
+    falcon = transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True,
+        num_kv_heads=2))  # fmt: skip
+    with pytest.raises(ValueError, match=r"FalconForCausalLM's attention \(FalconAttention\) is computed by its own"):
+        hf.use(falcon, "local")
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64))  # fmt: skip
+    with pytest.raises(ValueError, match=r"BartForConditionalGeneration has cross-attention \(its queries read"):
+        hf.use(bart, "full")
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has cross-attention"):
+        hf.use(gpt2(add_cross_attention=True), "local")
+    assert bart.config._attn_implementation != hf.NAME  # refused before anything was set
+
+
+@pytest.mark.parametrize(("mechanism", "options"), [("local", {"window": 64, "sinks": 2}),
+                                                    ("retrieval", {"window": 64, "sinks": 4})])  # fmt: skip
+def test_with_sinks_left_padding_sees_no_key_as_in_the_model_and_the_loss_is_the_model_s(mechanism, options):
+    """Rows run with their real tokens first (sinks are the first real tokens); the padding moved
+    after them saw the whole row, so the logits at padding positions, and the loss (the last pad
+    predicts the first real token), differed from the model's own."""
+    ids, mask = tokens(3, 16), padded(3, 16, left=True)
+    labels = ids.masked_fill(mask == 0, -100)
+    original, ours = llama().train(), hf.use(llama(), mechanism, **options).train()
+    expected, got = (m(input_ids=ids, attention_mask=mask, labels=labels) for m in (original, ours))
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)  # padding positions too
+    torch.testing.assert_close(got.loss, expected.loss, rtol=1e-6, atol=1e-6)
+
+
+def test_a_chunked_prefill_takes_left_padding_within_its_first_chunk_and_names_the_fix_beyond_it():
+    model = hf.use(llama(), "local", window=64, sinks=2)
+    original = llama()
+    ids = tokens(2, 16)
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, prefill_chunk_size=5)
+    for pads, fits in ((3, True), (6, False)):
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, :pads] = 0
+        if fits:
+            expected = original.generate(ids, attention_mask=mask, **settings)
+            assert torch.equal(model.generate(ids, attention_mask=mask, **settings), expected)
+        else:
+            past = r"a row's left padding runs past the first chunk of this prefill \(chunks of 5 tokens: generate's"
+            with pytest.raises(ValueError, match=past):
+                model.generate(ids, attention_mask=mask, **settings)
+
+
+def test_output_attentions_warns_that_there_are_none_and_restore_keeps_an_untouched_model_s_implementation():
+    model = hf.use(llama(), "full")
+    with pytest.warns(UserWarning, match=r"subquad's mechanisms return no attention weights \(output_attentions"):
+        out = model(tokens(1, 8), output_attentions=True)
+    assert not out.attentions
+    eager = llama()
+    eager.set_attn_implementation("eager")
+    assert hf.restore(eager).config._attn_implementation == "eager"  # use() never touched it
+    assert hf.restore(hf.use(eager, "local")).config._attn_implementation == "eager"

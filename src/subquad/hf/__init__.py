@@ -2,6 +2,7 @@
 implementation, conversion of what a mechanism adds, and the jobs that measure and train it.
 
 - ``interface``: ``register``, ``use``, ``restore``; the attention call transformers makes;
+- ``support``: the models it can drive (``attention_modules``), and the refusal of the others;
 - ``mixes``: head mixes, a layer's heads split between mechanisms (``LayerMix``, ``HeadShare``);
 - ``masks``: transformers' masks read as a key padding mask, or refused;
 - ``cache``: ``SubquadCache``, generation at each mechanism's decoding cost (``model.generate`` uses it);
@@ -20,7 +21,6 @@ _HOMES = {
     "interface": (
         "NAME",
         "LayerAttention",
-        "attention_modules",
         "check_spec",
         "is_mix",
         "layer_spec",
@@ -30,6 +30,7 @@ _HOMES = {
         "use",
     ),
     "mixes": ("HeadShare", "LayerMix"),
+    "support": ("attention_modules", "check_model"),
     "io": ("SPEC_FILE", "TENSOR_FILE", "from_pretrained", "loading", "model_source", "save", "saved_layers"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
@@ -46,6 +47,7 @@ __all__ = [
     "attention_modules",
     "calibratable",
     "calibrate",
+    "check_model",
     "check_spec",
     "convert",
     "converted_parameters",

@@ -22,7 +22,7 @@ __all__ = ["install", "replaces", "uninstall"]
 def install(model: nn.Module) -> None:
     """Let ``model.generate``, and a forward call without gradients, build a ``SubquadCache`` where
     transformers would build a ``DynamicCache`` (a cache the caller passes is used as it is)."""
-    from subquad.hf.interface import attention_modules
+    from subquad.hf.support import attention_modules
 
     if "_prepare_cache_for_generation" not in model.__dict__:
         model._prepare_cache_for_generation = types.MethodType(_prepare_cache, model)

@@ -119,12 +119,7 @@ class DecoderLayer(CacheLayerMixin):
                 self.decoder, self.ragged = decoder, real is not None and bool(ragged(real).any())
                 return out
             new = query.shape[2]
-            if self.ragged or (real is not None and not bool(real[:, -new:].all())):
-                raise ValueError(
-                    "subquad's decoders take padding only before each row's first real token (left padding: "
-                    "tokenizer.padding_side = 'left'); this batch has padding after it. Pad on the left, or "
-                    "generate such rows one by one"
-                )
+            _refuse_padding(real, new, self.ragged)
             return self.decoder.step(query, key, value, **tensors)
         except Exception:
             self.seen -= query.shape[2]
@@ -262,7 +257,7 @@ class SubquadCache(Cache):
     the cache keeps every key as that cache would, rather than being refused."""
 
     def __init__(self, model: nn.Module, automatic: bool = False) -> None:
-        from subquad.hf.interface import attention_modules
+        from subquad.hf.support import attention_modules
 
         modules = sorted(attention_modules(model), key=lambda m: m.layer_idx)
         if [m.layer_idx for m in modules] != list(range(len(modules))):
@@ -302,6 +297,24 @@ def cache_bytes(cache: Any) -> int:
 def _heads(x: Tensor, heads: int) -> Tensor:
     """Grouped-query keys or values ``(B, Hkv, N, ·)`` repeated to the queries' ``heads``."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _refuse_padding(real: Tensor | None, new: int, ragged: bool) -> None:
+    """Refuse ``new`` tokens with padding a decoder cannot take (``real``: the sequence's key padding
+    mask; ``ragged``: the prefill had padding after a row's first real token)."""
+    if not ragged and (real is None or bool(real[:, -new:].all())):
+        return
+    if not ragged and bool((~real[:, -new:] & (real.cumsum(1) == 0)[:, -new:]).any()):
+        raise ValueError(
+            f"a row's left padding runs past the first chunk of this prefill (chunks of {new} tokens: "
+            "generate's prefill_chunk_size?); subquad's decoders take a row's padding in the chunk that "
+            "starts the cache: use a prefill_chunk_size at least the longest padding, or none"
+        )
+    raise ValueError(
+        "subquad's decoders take padding only before each row's first real token (left padding: "
+        "tokenizer.padding_side = 'left'); this batch has padding after it. Pad on the left, or "
+        "generate such rows one by one"
+    )
 
 
 def ragged(real: Tensor) -> Tensor:

@@ -29,8 +29,9 @@ import torch
 from torch import Tensor, nn
 
 from subquad.config import parse_spec
-from subquad.hf.interface import LayerAttention, _apply, _new_state, attention_modules, capturing, model_attention
+from subquad.hf.interface import LayerAttention, _apply, _new_state, capturing, model_attention
 from subquad.hf.mixes import LayerMix, units
+from subquad.hf.support import attention_modules
 from subquad.ops.clustering import spherical_kmeans
 from subquad.registry import get_mechanism
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,7 @@ from subquad.hf.automatic import install, uninstall
 from subquad.hf.cache import KEY
 from subquad.hf.masks import _key_padding, _mask
 from subquad.hf.mixes import LayerMix, build_mix, mixed_forward, shares
+from subquad.hf.support import attention_modules, check_model
 from subquad.registry import Config, Mechanism, get_mechanism, make_config, mechanism_names
 
 NAME = "subquad"
@@ -110,18 +112,6 @@ def register() -> None:
     for name in mechanism_names():
         AttentionInterface.register(f"{NAME}:{name}", _named_forward(name))
         AttentionMaskInterface.register(f"{NAME}:{name}", _mask)
-
-
-def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` that call transformers' attention interface (those with a
-    ``layer_idx`` and an ``is_causal``), in order."""
-    found = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
-    if not found:
-        raise ValueError(
-            f"{type(model).__name__} has no attention modules that transformers' attention interface drives "
-            "(modules with layer_idx and is_causal); subquad.hf supports models with _supports_attention_backend"
-        )
-    return found
 
 
 def layer_spec(spec: str, **options: Any) -> tuple[str, dict[str, Any]]:
@@ -183,6 +173,7 @@ def model_attention(
 def _apply(model: nn.Module, spec: LayerAttention | LayerMix, layers: Iterable[int] | None) -> list[nn.Module]:
     """``use``'s work: set ``spec`` on the chosen layers; returns their attention modules."""
     register()
+    check_model(model)
     modules = attention_modules(model)
     indices = sorted({m.layer_idx for m in modules})
     chosen = set(indices) if layers is None else set(layers)
@@ -214,7 +205,8 @@ def restore(model: nn.Module, implementation: str | None = None) -> nn.Module:
     for module in attention_modules(model):
         _clear(module, "subquad_attention", "subquad_state", "subquad_inputs", "subquad_shares")
     uninstall(model)
-    previous = model.__dict__.pop("subquad_previous", None) or "sdpa"
+    current = model.config._attn_implementation or "sdpa"
+    previous = model.__dict__.pop("subquad_previous", None) or ("sdpa" if current.startswith(NAME) else current)
     model.set_attn_implementation(implementation or previous)
     return model
 
@@ -275,6 +267,9 @@ def _forward(
     for name in ("position_bias", "softcap", "sliding_window", "s_aux"):
         if kwargs.get(name) is not None:
             raise ValueError(f"subquad.hf cannot take this model's {name}={kwargs[name]!r}")
+    if kwargs.get("output_attentions"):
+        warnings.warn("subquad's mechanisms return no attention weights (output_attentions=True gives none); "
+                      "subquad.hf.restore(model, 'eager') computes them", stacklevel=2)  # fmt: skip
     spec = getattr(module, "subquad_attention", None)
     if spec is None:
         spec = _FULL = _FULL or LayerAttention.build("full")
@@ -333,7 +328,8 @@ def _parallel(
     """The mechanism's parallel pass, ``(B, H, L, Dv)``. Under causality the queries continue the
     keys (a cache's prefix first): the end-aligned form. Rows with padding before real tokens run
     with their real tokens first when the mechanism has sinks, so a row's sinks are its first
-    real tokens (and its output that of the row alone)."""
+    real tokens (and its output that of the row alone); the padding before them sees no key (zeros),
+    as where nothing is reordered."""
     queries, keys = query.shape[2], key.shape[2]
     sinks = getattr(spec.config, spec.mechanism.sinks) if spec.mechanism.sinks else 0
     order = None
@@ -344,6 +340,7 @@ def _parallel(
                 "of all keys with padding before them; generate with subquad's cache (the default after use()), "
                 "pad on the right, or run such sequences one by one"
             )
+        unseen = key_padding_mask.cumsum(1) == 0  # padding before a row's first real token: it sees no key
         order = torch.argsort((~key_padding_mask).to(torch.int8), dim=1, stable=True)  # real tokens first
         query, key, value = (_rows(x, order, 2) for x in (query, key, value))
         key_padding_mask = key_padding_mask.gather(1, order)
@@ -358,7 +355,8 @@ def _parallel(
     )  # fmt: skip
     if order is None:
         return out
-    return torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
+    out = torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
+    return out.masked_fill(unseen[:, None, :, None], 0.0)  # as without sinks (moved last, it would see the row)
 
 
 def _rows(x: Tensor, order: Tensor, dim: int) -> Tensor:

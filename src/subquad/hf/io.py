@@ -20,8 +20,9 @@ from torch import nn
 
 from subquad.files import FileError, check_fields, check_gguf, json_checksum, load_safetensors, read_json, sha256
 from subquad.hf.conversion import _add, _converted
-from subquad.hf.interface import LayerAttention, attention_modules, check_spec, is_mix, model_attention
+from subquad.hf.interface import LayerAttention, check_spec, is_mix, model_attention
 from subquad.hf.mixes import LayerMix
+from subquad.hf.support import attention_modules
 
 SPEC_FILE, TENSOR_FILE = "subquad.json", "subquad.safetensors"
 

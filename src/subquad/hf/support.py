@@ -1,0 +1,47 @@
+"""Which Hugging Face models ``subquad.hf`` can drive: their attention modules, and the refusal of
+those it cannot (attention computed by the model's own code, cross-attention)."""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+__all__ = ["attention_modules", "check_model"]
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that call transformers' attention interface (those with a
+    ``layer_idx`` and an ``is_causal``), in order."""
+    found = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules that transformers' attention interface drives "
+            "(modules with layer_idx and is_causal); subquad.hf supports models whose attention modules call it"
+        )
+    return found
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse a model whose attention ``use`` cannot reach or whose layers it cannot all run."""
+    name = type(model).__name__
+    own = sorted({type(m).__name__ for m in attention_modules(model) if not _interface_driven(m)})
+    if own:
+        raise ValueError(
+            f"{name}'s attention ({', '.join(own)}) is computed by its own code, not through transformers' attention "
+            "interface: a mechanism set on it would never run; subquad.hf supports models whose attention "
+            "modules call that interface (Llama, Qwen, Mistral, GPT-2, BERT and most others)"
+        )
+    config = model.config
+    if config.is_encoder_decoder or getattr(config.get_text_config(decoder=True), "add_cross_attention", False):
+        raise ValueError(
+            f"{name} has cross-attention (its queries read another sequence's keys), which subquad's mechanisms, "
+            "reading keys by position, have no form for; subquad.hf swaps attention in encoders and decoders "
+            "without cross-attention"
+        )
+
+
+def _interface_driven(module: nn.Module) -> bool:
+    """Whether ``module``'s code reaches transformers' attention interface: its modeling file
+    imports it (``ALL_ATTENTION_FUNCTIONS``), as every model that calls it does."""
+    return getattr(sys.modules.get(type(module).__module__), "ALL_ATTENTION_FUNCTIONS", None) is not None
