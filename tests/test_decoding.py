@@ -172,3 +172,24 @@ def test_one_token_steps_turn_the_slots_as_a_ring_and_keep_what_the_search_keeps
     keys, values, positions, new = extend(ring, *qkv(len(lengths), 2, 2, 2, 4)[1:])
     trimmed, _ = trim(keys, values, positions, new[:, -1] + 1, sinks, window)
     assert trimmed.ring == sinks and bool((trimmed.positions.diff(dim=1) > 0).all())  # by position again
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("full", {}), ("sparse", {"stride": 3}), ("multires", {"rates": (1.0, 0.5), "similarity": "softmax"}),
+     ("routing", {"clusters": 2, "tile": 4}), ("local", {"window": 4}),
+     ("retrieval", {"window": 3, "sinks": 1, "blocks": 1, "block": 2})],
+)  # fmt: skip
+def test_a_decoder_s_scale_is_the_parallel_pass_s(name, options):
+    """``Decoder.scale`` ("set it after building"): the exact-attention and routing caches used
+    1/√D whatever it said."""
+    q, k, v = qkv(1, 2, 12, 12, 4)
+    mech = subquad.get_mechanism(name)
+    config = subquad.make_config(mech, **options)
+    extra = {"router_logits": torch.randn(1, 2, 12, dtype=torch.float64)} if name == "multires" else {}
+    expected = subquad.attention(q, k, v, mechanism=name, config=config, is_causal=True, scale=0.37, **extra)
+    decoder = mech.decoder(mech, config, None)
+    decoder.scale = 0.37
+    steps = [decoder.step(*(x[:, :, t : t + 1] for x in (q, k, v)), **{n: x[..., t : t + 1] for n, x in extra.items()})
+             for t in range(12)]  # fmt: skip
+    assert (torch.cat(steps, dim=2) - expected).abs().max() <= 1e-12

@@ -229,7 +229,7 @@ class KVCache(Decoder):
                 v,
                 key_padding_mask=None,
                 is_causal=True,
-                scale=None,
+                scale=self.scale,
                 config=self.config,
                 state=self.state,
                 **tensors,

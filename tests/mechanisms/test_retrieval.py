@@ -533,3 +533,22 @@ def test_every_block_runs_on_cpus_only():
     q, k, v = (x.float() for x in qkv(1, 4, 12, 12, 6, 3, seed=0))
     assert every_block(q, k[:, :2], v[:, :2], None, config) is not None
     assert every_block(*(x.to("meta") for x in (q, k[:, :2], v[:, :2])), None, config) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_choose_the_same_blocks_step_by_step_prefix_or_whole(dtype):
+    """The bounds were ranked in bf16 / fp16: near ties flipped with the call's shape, so a decoder
+    step, a causal prefix and the whole call chose different blocks (rows off by up to 1.4)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 150, d, generator=g, dtype=torch.float64).to(dtype) for d in (16, 16, 8))
+    config = RetrievalConfig(window=8, sinks=2, blocks=2, block=8)
+    whole = retrieval_attention(q, k, v, is_causal=True, config=config)
+    from subquad.mechanisms.retrieval import RetrievalCache
+
+    decoder = RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
+    steps = torch.cat([decoder.step(*(x[:, :, t : t + 1] for x in (q, k, v))) for t in range(150)], dim=2)
+    for part in (steps, *(retrieval_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], is_causal=True, config=config)
+                          for n in (33, 64, 100))):  # fmt: skip
+        n = part.shape[2]
+        error = (part.double() - whole[:, :, :n].double()).norm(dim=-1) / whole[:, :, :n].double().norm(dim=-1)
+        assert error.max() < 1e-2  # the same blocks: rounding only (a flip costs ~0.1 to 1.4)

@@ -209,7 +209,7 @@ class RoutingCache(Decoder):
     def _step(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attend the ``T`` new queries ``(B, H, T, D)`` causally to the cache and the new keys."""
         B, H, T, D = q.shape
-        shape = AttentionShape(B, H, T, T, D, v.shape[-1], D**-0.5)
+        shape = AttentionShape(B, H, T, T, D, v.shape[-1], D**-0.5 if self.scale is None else self.scale)
         state = self.state = resolve_state(self.state, self.config, shape, q.device)
         work = work_dtype(q.dtype)
         centroids = state.centroids.to(work)

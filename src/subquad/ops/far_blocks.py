@@ -144,9 +144,8 @@ def retrieval_chunk(
     far = _far(q, k, v, counted, *chosen, scale, sizes[1], None if kernel is None else (kernel[1], kernel[0]))
     if kernel is None:
         return _merge(near, far).to(q.dtype)
-    index, ok = chosen
-    held = counted.sum(-1).gather(1, index.flatten(1)).view(index.shape) * ok  # counted keys of each chosen block
-    held = held.sum(-1, keepdim=True).repeat_interleave(q.shape[1] // index.shape[1], dim=1)
+    held = counted.sum(-1).gather(1, chosen[0].flatten(1)).view(chosen[0].shape) * chosen[1]  # each block's keys
+    held = held.sum(-1, keepdim=True).repeat_interleave(q.shape[1] // chosen[0].shape[1], dim=1)
     return lola(*_merge(near, far[:3], mass=True), kernel[2], *far[3:], kernel[3] > held).to(q.dtype)
 
 
@@ -397,4 +396,5 @@ def quest_bound(q: Tensor, bounds: Tensor) -> Tensor:
     """Quest's bound ``Σ_d max(q_d·min_d, q_d·max_d)`` of queries ``(…, c, D)`` on blocks of bounds
     ``[max, min]`` ``(…, n, 2D)``, ``(…, c, n)``: relu(q)·max − relu(−q)·min as one product
     ``[q⁺, q⁻]·[max, min]`` (the parallel pass and decoding's step, whose cache holds them so)."""
-    return torch.cat([q.clamp_min(0), q.clamp_max(0)], -1) @ bounds.transpose(-1, -2)
+    work = work_dtype(q.dtype)  # in fp32 for half inputs: else near ties flip with the call's shape
+    return torch.cat([q.clamp_min(0), q.clamp_max(0)], -1).to(work) @ bounds.to(work).transpose(-1, -2)
