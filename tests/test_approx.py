@@ -172,8 +172,11 @@ def test_bad_inputs_are_refused(data, tmp_path):
         "multires", {"rates": (0.5, 0.25), "similarity": "softmax"})  # fmt: skip
     with pytest.raises(ValueError, match="agglomerative needs inputs from learned projections"):
         ap.approx(data / "encoder", data / "passages.jsonl", ["agglomerative"], tmp_path / "o")
-    with pytest.raises(ValueError, match="holds no window of 4096 tokens"):
+    with pytest.raises(ValueError, match="--window-tokens 4096 is longer than the 64 positions this model reads"):
         ap.approx(data / "encoder", data / "passages.jsonl", ["local"], tmp_path / "o", tokens=4096, speed=False)
+    (tmp_path / "short.jsonl").write_text('{"text": "one two three"}\n')
+    with pytest.raises(ValueError, match="holds no window of 48 tokens"):
+        ap.approx(data / "encoder", tmp_path / "short.jsonl", ["local"], tmp_path / "o", tokens=48, speed=False)
     (tmp_path / "taken").write_text("")
     with pytest.raises(ValueError, match="--out .*taken is a file; pass a folder"):
         ap.approx(data / "encoder", data / "passages.jsonl", ["local"], tmp_path / "taken", speed=False)

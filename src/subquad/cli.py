@@ -13,7 +13,7 @@ import sys
 
 from subquad.bench.command import BENCH
 from subquad.bench.tune import TUNE
-from subquad.flags import Command, old_spellings
+from subquad.flags import Command, old_spellings, typed
 from subquad.hf.command import COMMANDS as HF_COMMANDS
 from subquad.listing import LIST
 from subquad.train.command import COMMANDS as TRAIN_COMMANDS
@@ -26,16 +26,24 @@ COMMANDS: tuple[Command, ...] = (LIST, BENCH, TUNE, *TRAIN_COMMANDS, *HF_COMMAND
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(old_spellings(parser, sys.argv[1:] if argv is None else list(argv)))
+    argv = old_spellings(parser, sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    args.given = _given(parser, args.command, argv)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as exc:  # bad input: the message says what and how to fix it
         parser.exit(2, f"subquad {args.command}: error: {exc}\n")
     except ImportError as exc:  # an optional dependency this command needs: the message says which extra
         parser.exit(2, f"subquad {args.command}: error: {exc}\n")
+
+
+def _given(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> frozenset[str]:
+    """The settings the command line itself set, for ``command`` (``subquad.flags.typed``)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return typed(sub, argv[argv.index(command) + 1 :])
 
 
 def build_parser() -> argparse.ArgumentParser:

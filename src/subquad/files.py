@@ -24,6 +24,7 @@ __all__ = [
     "check_gguf",
     "json_checksum",
     "load_safetensors",
+    "out_folder",
     "read_bytes",
     "read_json",
     "read_jsonl",
@@ -216,6 +217,19 @@ def json_checksum(record: Mapping[str, Any]) -> str:
     """The SHA-256 of a JSON object's canonical text (keys sorted, no spaces): the same before it
     is written and after it is read back, whatever the file's layout."""
     return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def out_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """``path``, an output folder, created if missing; a ValueError naming it where it is a file or
+    cannot be made (before any work, so none is lost)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file; pass a folder (it is created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"{flag} {path} cannot be made ({error.strerror}); pass a folder you can write") from error
+    return path
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 __all__ = [
     "DEVICE_HELP", "DTYPES", "Command", "add_flags", "check_choices", "flag_name", "flag_values", "named",
-    "old_spellings", "option_parser", "setting",
+    "old_spellings", "option_parser", "setting", "typed",
 ]  # fmt: skip
 
 DEVICE_HELP = "auto, cpu, cuda or cuda:N; auto: cuda where this torch sees one (default: %(default)s)"
@@ -116,6 +116,16 @@ def flag_values(args: argparse.Namespace, settings: type, *, skip: Sequence[str]
             value = tuple(value)
         values[f.name] = value
     return values
+
+
+def typed(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozenset[str]:
+    """The settings ``argv`` itself sets on ``parser``: argparse fills the others with their defaults,
+    so a flag given at its default value could not be told from one left out. Parsed again into a
+    namespace holding a marker for each, which argparse keeps where no flag sets it."""
+    unset = object()
+    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions})
+    parser.parse_args(list(argv), namespace)
+    return frozenset(name for name, value in vars(namespace).items() if value is not unset)
 
 
 def check_choices(settings: Any) -> None:

@@ -17,6 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from subquad.files import out_folder
 from subquad.flags import Command, add_flags, flag_values, option_parser
 from subquad.registry import get_mechanism, make_config, mechanism_names
 from subquad.version import __version__
@@ -121,11 +122,14 @@ def run(args: argparse.Namespace) -> int:
     from subquad.bench.runner import run_bench
 
     settings = settings_from(args)
-    args.out.mkdir(parents=True, exist_ok=True)  # before the run, so a bad folder fails at once
+    out_folder(args.out)  # before the run, so a bad folder fails at once
     threads = settings.threads or torch.get_num_threads()
     title = f"B={settings.batch} H={settings.heads} D={settings.head_dim} {settings.dtype} {settings.device}"
     title += f", {threads} threads"
     cells = settings.cells()
+    without = sorted({v.label for v in settings.all_variants() if not get_mechanism(v.mechanism).causal})
+    if without and True in settings.causal:  # said, not dropped silently
+        print(f"no causal cells for {', '.join(without)} (no causal form)", file=sys.stderr)
     tuning = _profile_named(settings, threads)
     print(f"subquad {__version__} bench: {len(cells)} cells, {title}, torch {torch.__version__}", file=sys.stderr)
     print(f"tuning profile: {tuning}", file=sys.stderr)

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from subquad.files import out_folder
 from subquad.flags import Command
 from subquad.version import __version__
 
@@ -60,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
         target.unlink(missing_ok=True)
         print(f"{'deleted' if existed else 'there was no'} profile {target}")
         return 0
+    if path.is_dir():  # before minutes of measurement that could not be written
+        raise ValueError(f"--out {path} is a folder; pass the profile's file path")
+    out_folder(path.parent, "--out's folder")
     return _measure(args, path, threads)
 
 

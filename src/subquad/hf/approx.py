@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from subquad.files import FileError, read_json
+from subquad.files import FileError, out_folder, read_json
 from subquad.flags import DTYPES, check_choices, setting
-from subquad.hf.data import Windows, load_model, read_passages, token_windows
+from subquad.hf.data import Windows, check_window, load_model, read_passages, token_windows
 from subquad.hf.recall import passkey
 from subquad.hf.report import format_decode_table, format_recall_table, format_table, plot
 from subquad.hf.speed import attention_speed, decode_speed, decode_windows, each, model_speed
@@ -212,10 +212,7 @@ def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
     for spec in config.mechanisms:
         hf.check_spec(spec)  # a bad spec fails before the model loads
     folders = {f"converted:{folder}": converted_spec(folder) for folder in config.converted}
-    out = Path(config.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; pass a folder (it is created if missing)")
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(config.out)
     run = _Run.load(config)
     saved = out / "approx.json"
     previous = read_json(saved, "approx results", _RESULTS_FIX) if saved.exists() else {}
@@ -249,6 +246,7 @@ class _Run:
         model, run.tokenizer, run.decoder = load_model(config.model)
         run.model = model.to(run.where, run.kind)
         run.texts, labels = read_passages(config.data)
+        check_window(model, config.tokens)
         n = config.samples
         windows = token_windows(run.tokenizer, run.texts, labels, config.tokens, n + config.calibration, config.seed)
         run.calib = Windows(windows.ids[n:].to(run.where), None)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from subquad.files import FileError, read_jsonl, read_text
 
-__all__ = ["Windows", "is_decoder", "load_model", "read_passages", "token_windows"]
+__all__ = ["Windows", "check_window", "is_decoder", "load_model", "read_passages", "token_windows"]
 
 
 _DATA_FIX = (
@@ -113,6 +113,17 @@ def load_model(path: str | Path) -> tuple[nn.Module, Any, bool]:
         model = (AutoModelForCausalLM if decoder else AutoModel).from_pretrained(**where, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(**{k: v for k, v in where.items() if k != "use_safetensors"})
     return model.eval(), tokenizer, decoder
+
+
+def check_window(model: nn.Module, tokens: int) -> None:
+    """Refuse windows longer than a model's table of positions (an embedding of
+    ``max_position_embeddings`` rows: BERT's, GPT-2's), which would fail deep in it; rotary positions
+    (Llama's) have no table and run on past their trained length."""
+    most = getattr(model.config, "max_position_embeddings", None)
+    table = any(isinstance(m, nn.Embedding) and m.num_embeddings == most for m in model.modules())
+    if isinstance(most, int) and table and tokens > most:
+        raise ValueError(f"--window-tokens {tokens} is longer than the {most} positions this model reads "
+                         f"(max_position_embeddings); pass at most {most}")  # fmt: skip
 
 
 def is_decoder(config: Any) -> bool:

@@ -41,8 +41,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from subquad.files import out_folder
 from subquad.flags import DTYPES, named, setting
-from subquad.hf.data import load_model, read_passages, token_windows
+from subquad.hf.data import check_window, load_model, read_passages, token_windows
 
 __all__ = ["AttentionTransfer", "DistillConfig", "distill"]
 
@@ -211,9 +212,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
 
     checkpoint.require()  # before any work: a run that cannot save must not start
     hf.check_spec(config.mechanism, converted=True)  # a bad spec fails before the model loads
-    out = Path(config.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; pass a folder (it is created if missing)")
+    out = out_folder(config.out)
     found = checkpoint.latest(out / "checkpoints") if (out / "checkpoints").is_dir() else None
     if found is not None and not resume:
         raise ValueError(f"{out} already holds a distillation run; pass --resume to continue it, or another --out")
@@ -250,6 +249,7 @@ class _Job:
         model, self.tokenizer, decoder = load_model(config.model)
         self.model = model.to(where, _DTYPES[config.dtype])
         texts, _ = read_passages(config.data)
+        check_window(model, config.tokens)
         windows = token_windows(self.tokenizer, texts, None, config.tokens, 10**9, config.seed).ids.to(where)
         self.train_count = len(windows) - config.heldout
         if self.train_count < config.batch:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from subquad.files import FileError
-from subquad.flags import DEVICE_HELP, Command, add_flags, flag_values, old_spellings, setting
+from subquad.flags import DEVICE_HELP, Command, add_flags, flag_values, old_spellings, setting, typed
 
 __all__ = ["COMMANDS", "train_arguments"]
 
@@ -29,29 +29,39 @@ def train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from subquad.train.config import TrainConfig, load_config_file, train_config
     from subquad.train.loop import train
+
+    summary = train(_train_config(args), resume=args.resume)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        print(json.dumps(summary))
+    return 0
+
+
+def _train_config(args: argparse.Namespace):
+    """The run's ``TrainConfig``: the flags typed win over ``--config``'s file, which wins over the defaults."""
+    from subquad.train.config import TrainConfig, load_config_file, train_config
 
     given = load_config_file(args.config) if args.config else {}
     values = {"layers": given.get("layers", ())}
     defaults = {f.name: f.default for f in fields(TrainConfig)}
+    typed = getattr(args, "given", None)  # the flags typed on the command line (subquad.cli), which win
     for name, value in flag_values(args, TrainConfig, skip=("layers",)).items():
-        # a flag left at its default yields to the file (argparse cannot tell "not given" apart)
-        values[name] = given[name] if name in given and value == defaults[name] else value
+        left = name not in typed if typed is not None else value == defaults[name]  # called without the cli: by value
+        values[name] = given[name] if name in given and left else value
     data = given.get("data")
     if data and values["data"] == data and not Path(data).exists():
         raise FileError(args.config, f"names data at {data}, where there is none", "pass --data PATH, or fix the file")
-    summary = train(train_config(values, args.config), resume=args.resume)
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
-        print(json.dumps(summary))
-    return 0
+    return train_config(values, args.config)
 
 
 @dataclass(frozen=True)
 class _Evaluate:
     folder: str = setting(help=_RUN, metavar="RUN")
     split: str = setting("test", "val or test")
-    batches: int | None = setting(None, "evaluate only this many batches", shown_default="all", old="--windows")
+    batches: int | None = setting(
+        None, "evaluate only the first N (text: windows; classification: batches; as eval_windows counts them)",
+        shown_default="all", old="--windows",
+    )  # fmt: skip
     step: int | None = setting(None, "a checkpoint's step", shown_default="the newest")
     device: str = setting("auto", DEVICE_HELP.removesuffix(" (default: %(default)s)"))
 
@@ -69,7 +79,7 @@ class _Generate:
     prompt: str = setting(help="the text to continue")
     new_bytes: int = setting(200, "bytes to generate", old="--tokens")
     temperature: float = setting(0.0, "0: greedy")
-    top_k: int | None = setting(None, "sample among the k likeliest", shown_default="all")
+    top_k: int | None = setting(None, "sample among the k likeliest (with --temperature > 0)", shown_default="all")
     seed: int = setting(0, "the sampling seed")
     device: str = setting("auto", DEVICE_HELP.removesuffix(" (default: %(default)s)"))
 
@@ -105,7 +115,7 @@ def _compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from subquad.train.compare import compare, format_table
+    from subquad.train.compare import compare, format_table, variant_arguments
 
     flags = args.train_flags[1:] if args.train_flags[:1] == ["--"] else args.train_flags
     if "--out" in flags or "--resume" in flags:
@@ -114,7 +124,13 @@ def _compare(args: argparse.Namespace) -> int:
         )
     train_arguments(probe := argparse.ArgumentParser(prog="subquad compare (train flags)"))
     probe.parse_args(old_spellings(probe, flags))  # bad training flags fail before any variant runs
-    rows = compare(list(args.variants), flags, args.out, args.minutes)
+    configs = {}  # each variant's config, built as its run will build it: a bad variant fails before any runs
+    for variant in args.variants:
+        argv = old_spellings(probe, [*flags, *variant_arguments(variant)])
+        parsed = probe.parse_args(argv)
+        parsed.given = typed(probe, argv)
+        configs[variant] = _train_config(parsed)
+    rows = compare(list(args.variants), flags, args.out, args.minutes, configs)
     print(format_table(rows))
     print(f"wrote {args.out}/compare.json, compare.csv and compare.png")
     return 0

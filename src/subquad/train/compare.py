@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from subquad.config import parse_spec
-from subquad.files import FileError, read_json
-from subquad.train.config import load_config_file
+from subquad.files import FileError, out_folder, read_json
+from subquad.train.config import _changed, load_config_file
 from subquad.train.loop import read_metrics
 
 __all__ = ["compare", "format_table", "variant_arguments"]
@@ -92,7 +92,8 @@ def _train(variant: str, flags: list[str], folder: Path, resume: bool) -> float 
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
-        raise RuntimeError(f"variant {variant!r} failed (exit {process.returncode}); its run is in {folder}")
+        where = f"; its run is in {folder}" if (folder / "config.json").exists() else ""
+        raise ValueError(f"variant {variant!r} failed (exit {process.returncode}, its error above){where}")
     return usage.ru_maxrss / 1024  # KiB on Linux
 
 
@@ -128,26 +129,28 @@ def _budget_steps(variant: str, base: list[str], out: Path, minutes: float) -> i
 
 
 def compare(
-    variants: list[str], base: list[str], out: str | Path, minutes: float | None = None
-) -> list[dict[str, Any]]:
+    variants: list[str], base: list[str], out: str | Path, minutes: float | None = None,
+    configs: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Train each variant with the flags ``base``; returns (and writes) one row per variant.
 
     ``minutes``: an equal wall-clock budget instead of ``base``'s equal steps (see the module).
+    ``configs``: each variant's ``TrainConfig`` as its run builds it: a run already in ``out`` with
+    other settings is refused before any training, not reported (or resumed) as this comparison's.
     """
     out = Path(out)
     if minutes is not None and not minutes > 0:
         raise ValueError(f"minutes must be > 0, got {minutes}")
     if minutes is not None and "--steps" in base:
         raise ValueError("--minutes sets each variant's steps from its speed; drop --steps from the training flags")
-    out.mkdir(parents=True, exist_ok=True)
+    out_folder(out)
     saved = out / "compare.json"
     rows = read_json(saved, "comparison", _AGAIN, kind=list) if saved.exists() else []
     if not all(isinstance(r, dict) and isinstance(r.get("variant"), str) for r in rows):
         raise FileError(saved, "holds rows that are not compare's own", _AGAIN)
     previous = {r["variant"]: r for r in rows}
     rows = []
-    for variant in variants:
-        variant_arguments(variant)  # a bad spec fails before any training
+    _check_folders(variants, out, configs or {}, minutes)
     for variant in variants:
         folder = out / _slug(variant)
         if (folder / "summary.json").exists() and variant in previous:
@@ -160,6 +163,25 @@ def compare(
         _write(rows, out)
     _plot(rows, out)
     return rows
+
+
+def _check_folders(variants: list[str], out: Path, configs: dict[str, Any], minutes: float | None) -> None:
+    """Before any training: each variant a spec or a file, each its own folder, and a run already in
+    its folder one of these settings (its steps too, unless ``minutes`` sets them)."""
+    folders: dict[str, str] = {}
+    for variant in variants:
+        variant_arguments(variant)  # a bad spec fails before any training
+        other = folders.setdefault(_slug(variant), variant)
+        if other != variant:
+            raise ValueError(f"variants {other!r} and {variant!r} would share the run folder {out / _slug(variant)}; "
+                             "rename one (a .toml file's name names its folder)")  # fmt: skip
+        saved = out / _slug(variant) / "config.json"
+        if variant in configs and saved.exists():
+            free = {"out", "device"} | ({"steps"} if minutes is not None else set())
+            changed = _changed(load_config_file(saved), configs[variant], free)
+            if changed:
+                raise FileError(saved, f"is a run of {variant!r} with other settings (run, now): {changed}",
+                                f"compare into another --out, or remove {saved.parent} to train it again")  # fmt: skip
 
 
 def _write(rows: list[dict[str, Any]], out: Path) -> None:

@@ -4,17 +4,18 @@ checks that a run folder, a config file and a checkpoint belong together."""
 from __future__ import annotations
 
 import json
+import math
 import typing
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from subquad.files import FileError, check_fields, read_json, read_toml, write_atomic
+from subquad.files import FileError, check_fields, out_folder, read_json, read_toml, write_atomic
 from subquad.flags import check_choices, flag_name, named, setting
 from subquad.nn import HeadGroup
 from subquad.nn.attention import resolve_head_groups, spec_head_groups
-from subquad.registry import parse_value
+from subquad.registry import no_causal_form, parse_value
 from subquad.version import __version__
 
 __all__ = ["TrainConfig", "check_run", "check_trained_with", "jsonable", "load_config_file", "train_config",
@@ -61,7 +62,7 @@ class TrainConfig:
     weight_decay: float = setting(0.01, "AdamW weight decay")
     clip: float = setting(1.0, "gradient norm clipping (0: none)")
     eval_every: int = setting(100, "steps between evaluations")
-    eval_windows: int = setting(64, "validation windows per evaluation")
+    eval_windows: int = setting(64, "validation windows (classification: batches) per evaluation")
     checkpoint_every: int = setting(100, "steps between checkpoints")
     keep: int = setting(3, "checkpoints kept")
     seed: int = setting(0, "seeds the split, the batches, the weights and dropout")
@@ -92,6 +93,9 @@ class TrainConfig:
             raise ValueError(
                 f"pass --data PATH: the {'text file' if self.task == 'text' else 'IDX folder'} to train on"
             )
+        for name in ("dropout", "lr", "min_lr", "weight_decay", "clip"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{named(self, name)} must be a finite number, got {getattr(self, name)}")
         if not 0 <= self.dropout < 1 or self.lr <= 0 or self.min_lr < 0 or self.warmup < 0 or self.clip < 0:
             raise ValueError("need 0 <= dropout < 1, lr > 0, min_lr >= 0, warmup >= 0 and clip >= 0")
         object.__setattr__(self, "layers", _frozen(self.layers))
@@ -100,7 +104,9 @@ class TrainConfig:
                 f"give one [[layers]] table for every layer or one per layer ({self.depth}), got {len(self.layers)}"
             )
         for spec in self.attention_specs():  # an unknown mechanism, option or head split raises now
-            resolve_head_groups(spec, self.heads, {})
+            for group in resolve_head_groups(spec, self.heads, {}):
+                if self.task == "text" and not group.mechanism.causal:  # a causal language model
+                    raise ValueError(no_causal_form(group.mechanism.name))
 
     def input_position(self) -> str:
         """``position`` with ``auto`` resolved: the convolution input where any layer is agglomerative."""
@@ -200,6 +206,12 @@ def check_run(config: TrainConfig, resume: bool) -> None:
     """Check the run folder against ``config`` (rank 0): a run there is resumed only when asked,
     and with its own config."""
     saved = Path(config.out) / "config.json"
+    if resume and not saved.exists() and not Path(config.out).is_file():
+        raise ValueError(
+            f"--resume: {config.out} holds no run to continue (no config.json there); a run moved elsewhere is "
+            "continued with --out set to its folder; a new run starts without --resume"
+        )
+    out_folder(config.out)
     if saved.exists():
         if not resume:
             raise ValueError(f"{config.out} already holds a run; pass --resume to continue it, or choose another --out")

@@ -351,11 +351,16 @@ def _step(
             objective = loss + sum(aux) if aux else loss
         (objective / config.accumulate).backward()
         total += loss.detach().float() / config.accumulate
+    if world > 1:
+        dist.all_reduce(total)
+        total /= world
+    if not math.isfinite(float(total)):  # every rank: the same reduced loss
+        raise ValueError(
+            f"the training loss is {float(total)} at step {step + 1}: the run diverged (lr={config.lr}, clip="
+            f"{config.clip}); its checkpoints before this step are kept: start it again with a lower --lr or --clip"
+        )
     if config.clip:
         nn.utils.clip_grad_norm_(runner.model.parameters(), config.clip)
     optimizer.step()
     scheduler.step()
-    if world > 1:
-        dist.all_reduce(total)
-        total /= world
     return float(total), time.perf_counter() - t

@@ -10,6 +10,7 @@ trained on gives the value its own evaluation logged.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,10 @@ def load_run(run: str | Path, step: int | None = None, device: str = "auto") -> 
 def evaluate_run(
     run: str | Path, split: str = "test", windows: int | None = None, step: int | None = None, device: str = "auto"
 ) -> dict:
-    """The task's metric on ``split`` (all of it unless ``windows`` limits it), on ``device``."""
+    """The task's metric on ``split`` (all of it unless ``windows`` limits it: text windows, or
+    classification batches, as ``eval_windows`` counts them), on ``device``."""
+    if windows is not None and (isinstance(windows, bool) or not isinstance(windows, int) or windows < 1):
+        raise ValueError(f"--batches must be a count >= 1 (or left out for all), got {windows}")
     config, task, model = load_run(run, step, device)
     with torch.no_grad():
         value = task.evaluate(model, split, windows)
@@ -78,6 +82,11 @@ def generate_text(
     config, task, model = load_run(run, device=device)
     if not isinstance(task, TextTask):
         raise ValueError(f"generate needs a text run; {run} trained the {config.task} task")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and (top_k < 1 or not temperature):
+        raise ValueError(f"--top-k {top_k} samples among the k likeliest bytes: it needs k >= 1 and --temperature > 0 "
+                         "(at 0 generation is greedy)")  # fmt: skip
     data = prompt.encode()
     if not data or len(data) + tokens > config.seq_len:
         raise ValueError(

@@ -67,6 +67,8 @@ class TextTask:
 
     def evaluate(self, model: nn.Module, split: str = "val", limit: int | None = -1) -> float:
         """Bits per byte on ``split``: its first ``limit`` windows (-1: ``eval_windows``; None: all)."""
+        if split not in self.corpus.runs:
+            raise ValueError(f"this task's splits are {', '.join(self.corpus.runs)}, got {split!r}")
         limit = self.config.eval_windows if limit == -1 else limit
         total = count = 0.0
         for tokens in self.corpus.eval_batches(split, self.config.batch, limit):
