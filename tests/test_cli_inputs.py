@@ -114,3 +114,16 @@ def test_bench_says_which_mechanisms_have_no_causal_cells_and_refuses_a_file_as_
     assert "is a folder; pass the profile's file path" in _error(
         capsys, ["tune", "--out", str(tmp_path), "--budget", "1"]
     )
+
+
+def test_an_interrupted_command_exits_130_without_a_traceback(monkeypatch, capsys):
+    import subquad.cli
+    from subquad.flags import Command
+
+    def stopped(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subquad.cli, "COMMANDS", (Command("stop", "is stopped", lambda parser: None, stopped),))
+    with pytest.raises(SystemExit) as exit_:
+        main(["stop"])
+    assert exit_.value.code == 130 and "subquad stop: interrupted" in capsys.readouterr().err

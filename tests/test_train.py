@@ -404,7 +404,7 @@ def test_compare_at_equal_wall_clock_sets_each_variant_s_steps_from_its_probe(co
                          timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "--minutes sets each variant's steps" in bad.stderr
     zero = subprocess.run([*command[:7], "0", *command[8:]], env=_env(), capture_output=True, text=True, timeout=120)
-    assert zero.returncode == 2 and "minutes must be > 0, got 0.0" in zero.stderr
+    assert zero.returncode == 2 and "minutes must be a number > 0, got 0.0" in zero.stderr
 
 
 def test_a_metrics_log_is_read_as_steps_and_numbers_and_a_cut_off_last_line_dropped(tmp_path):

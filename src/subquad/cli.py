@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"subquad {args.command}: error: {exc}\n")
     except ImportError as exc:  # an optional dependency this command needs: the message says which extra
         parser.exit(2, f"subquad {args.command}: error: {exc}\n")
+    except KeyboardInterrupt:  # the user stopped it: what it saved is kept (train and distill: --resume)
+        parser.exit(130, f"subquad {args.command}: interrupted\n")
 
 
 def _given(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> frozenset[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import shutil
@@ -139,8 +140,8 @@ def compare(
     other settings is refused before any training, not reported (or resumed) as this comparison's.
     """
     out = Path(out)
-    if minutes is not None and not minutes > 0:
-        raise ValueError(f"minutes must be > 0, got {minutes}")
+    if minutes is not None and not 0 < minutes < math.inf:
+        raise ValueError(f"--minutes must be a number > 0, got {minutes}")
     if minutes is not None and "--steps" in base:
         raise ValueError("--minutes sets each variant's steps from its speed; drop --steps from the training flags")
     out_folder(out)
