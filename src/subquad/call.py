@@ -153,6 +153,14 @@ def _runner(
             )  # fmt: skip
             # padded queries return zeros, as from the mechanisms that take a query mask
             return out if query_padding_mask is None else out.masked_fill(~query_padding_mask[:, None, :, None], 0)
+        low = None if mech.name == "full" else _autocast_dtype(q.device.type)  # full: SDPA's own autocast policy
+        if low is not None:  # under autocast the mechanism runs in fp32, its output in autocast's dtype
+            wide = {n: t.float() if isinstance(t, Tensor) and t.is_floating_point() else t for n, t in tensors.items()}
+            with torch.autocast(q.device.type, enabled=False):
+                return mechanism(q.float(), k.float(), v.float(), wide).to(low)
+        return mechanism(q, k, v, tensors)
+
+    def mechanism(q: Tensor, k: Tensor, v: Tensor, tensors: dict[str, Any]) -> Tensor:
         if mech.plain_backward:
             return _backward_adapted(mech, q, k, v, key_padding_mask, is_causal, scale, config, state, tensors)
         return mech.fn(
@@ -161,6 +169,21 @@ def _runner(
         )  # fmt: skip
 
     return run
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device_type`` where it is on, else None. A mechanism's
+    scans, scatters and softmax statistics mix dtypes where autocast casts some of their products
+    and not others; under it each runs in fp32 (autocast's policy for softmax and norms) and its
+    output is given in autocast's dtype."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        on = torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+    if not on:
+        return None
+    get = getattr(torch, "get_autocast_dtype", None)
+    return get(device_type) if get is not None else torch.get_autocast_cpu_dtype()
 
 
 def _top_left(

@@ -15,6 +15,7 @@ bottom-right form is asked for with ``attn_mask=causal_lower_right(L, S)`` (``su
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,6 +30,7 @@ __all__ = [
     "padding_mask",
     "visible_queries",
     "window_covers",
+    "window_covers_all",
 ]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -39,6 +41,12 @@ def window_covers(window: int, num_queries: int, num_keys: int, is_causal: bool)
     ``p = i + S − L``, leaves out no key a full (causal) attention would see: then it *is* full
     attention. Causal, the farthest key is S − 1 positions back; otherwise max(L, S) − 1 away."""
     return (num_keys if is_causal else max(num_queries, num_keys)) <= window
+
+
+def window_covers_all(config: Any, shape: Any, causal: bool, state: Any, tensors: Any) -> bool:
+    """``Mechanism.exact_full`` of a windowed mechanism (``config.window``): its window leaves out no
+    key (``window_covers``). A named function, so a model holding the record pickles."""
+    return window_covers(config.window, shape.queries, shape.keys, causal)
 
 
 def causal_mask(num_queries: int, num_keys: int) -> MaskMod:

@@ -91,7 +91,7 @@ def test_models_check_their_inputs():
         model.generate(torch.zeros(1, 4, dtype=torch.long), 6)
     with pytest.raises(ValueError, match="max_new_tokens must be a non-negative int, got -1"):
         model.generate(torch.zeros(1, 4, dtype=torch.long), -1)
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
         model.generate(torch.zeros(1, 4, dtype=torch.long), 2, temperature=-1.0)
     with pytest.raises(ValueError, match="top_k must be a positive int or None, got 0"):
         model.generate(torch.zeros(1, 4, dtype=torch.long), 2, top_k=0)

@@ -229,6 +229,11 @@ class LinearDecoder(Decoder):
         return normalise(y.view(B, H, T, Dv + 1), self.config.eps, dtype)
 
 
+def _softmax_part(config: LinearConfig) -> bool:
+    """``Mechanism.scaled``: with a window, linear has a softmax part to scale."""
+    return config.window > 0
+
+
 MECHANISM = Mechanism(
     name="linear",
     sinks="sinks",
@@ -249,5 +254,5 @@ MECHANISM = Mechanism(
         {"feature_map": "hedgehog", "window": 4, "chunk": 3},
         {"feature_map": "hedgehog", "window": 3, "sinks": 2, "chunk": 2},
     ),
-    scaled=lambda config: config.window > 0,
+    scaled=_softmax_part,
 )

@@ -52,7 +52,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
 from subquad.kernels.band import window_attention, window_mask
-from subquad.masks import window_covers
+from subquad.masks import window_covers_all
 from subquad.mechanisms._options import kernel_option
 from subquad.ops.causal_blocks import in_query_blocks
 from subquad.ops.kept_window import Kept, extend, kept_from_prompt, one_step, pieces, reach, trim
@@ -157,9 +157,7 @@ MECHANISM = Mechanism(
     cross=True,
     decoder=WindowCache,
     gqa=True,
-    exact_full=lambda config, shape, causal, state, tensors: window_covers(
-        config.window, shape.queries, shape.keys, causal
-    ),
+    exact_full=window_covers_all,
     examples=(
         {},
         {"window": 5},

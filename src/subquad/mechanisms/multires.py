@@ -268,6 +268,11 @@ def _example_logits(q: Tensor, k: Tensor, v: Tensor, config: Config, generator: 
     return {"router_logits": logits.to(device=q.device, dtype=q.dtype)}
 
 
+def _softmax_similarity(config: MultiresConfig) -> bool:
+    """``Mechanism.scaled``: the softmax similarity has a scale, the kernel one none."""
+    return config.similarity == "softmax"
+
+
 MECHANISM = Mechanism(
     name="multires",
     fn=multires_attention,
@@ -288,6 +293,6 @@ MECHANISM = Mechanism(
     inputs=MultiresInputs,
     example_tensors=_example_logits,
     decoder=KVCache,
-    scaled=lambda config: config.similarity == "softmax",
+    scaled=_softmax_similarity,
     plain_backward=True,
 )

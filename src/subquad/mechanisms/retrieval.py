@@ -53,7 +53,7 @@ from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder, room_for
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
-from subquad.masks import window_covers
+from subquad.masks import window_covers_all
 from subquad.ops.far_all import every_block
 from subquad.ops.far_blocks import attend_rows, block_bounds, kernel_inputs
 from subquad.ops.far_step import one_query
@@ -288,9 +288,7 @@ MECHANISM = Mechanism(
     cross=True,
     decoder=RetrievalCache,  # exact: the output at p reads q_p and keys <= p only
     gqa=True,
-    exact_full=lambda config, shape, causal, state, tensors: window_covers(
-        config.window, shape.queries, shape.keys, causal
-    ),
+    exact_full=window_covers_all,
     state=LinearState,  # hedgehog's learned maps; other feature maps hold no tensor
     examples=(
         {},

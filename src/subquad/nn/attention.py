@@ -231,6 +231,8 @@ class Attention(HeadGroups, nn.Module):
         """
         key = query if key is None else key
         value = key if value is None else value
+        if not isinstance(is_causal, bool):  # anything else would be read as a causal bias, or dropped
+            raise ValueError(f"is_causal must be True or False, got {is_causal!r}")
         self._check_inputs(query, key, value)
         if cache is not None and (key is not query or key_padding_mask is not None or not is_causal):
             raise ValueError("a decoding cache needs causal self-attention without key_padding_mask")

@@ -242,8 +242,18 @@ class CausalLM(nn.Module):
     def forward(
         self, tokens: Tensor, *, key_padding_mask: Tensor | None = None, cache: DecodeCache | None = None
     ) -> Tensor:
-        """Next-token logits ``(B, N, V)``; with ``cache``, ``tokens`` continue the cached sequence."""
-        return self.head(self.backbone.features(tokens, key_padding_mask, is_causal=True, cache=cache))
+        """Next-token logits ``(B, N, V)``; with ``cache``, ``tokens`` continue the cached sequence (a
+        refused step leaves the cache as it was)."""
+        history = None if cache is None else cache.conv_history
+        if history is not None and history.shape[0] != tokens.shape[0]:
+            raise ValueError(f"this cache holds a batch of {history.shape[0]}, got {tokens.shape[0]} rows; start a new "
+                             "cache (new_cache) for a new batch")  # fmt: skip
+        try:
+            return self.head(self.backbone.features(tokens, key_padding_mask, is_causal=True, cache=cache))
+        except Exception:
+            if cache is not None:  # the input convolution's history is written before the layers check the step
+                cache.conv_history = history
+            raise
 
     def loss(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         """Mean next-token cross-entropy over positions whose target is a real token."""
@@ -276,8 +286,8 @@ class CausalLM(nn.Module):
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if not temperature >= 0 or temperature == float("inf"):  # NaN fails the first test
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature}")
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
         if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[1] == 0:

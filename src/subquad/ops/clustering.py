@@ -356,19 +356,19 @@ def ema_centroids(centroids: Tensor, points: list[tuple[Tensor, Tensor, Tensor |
         The new centroids ``(H, C, D)``.
     """
     H, C, D = centroids.shape
-    sums = centroids.new_zeros(H, C, D)
-    counts = centroids.new_zeros(H, C)
+    work = torch.promote_types(centroids.dtype, torch.float32)  # half centroids: sums and counts in fp32
+    sums, counts = centroids.new_zeros(H, C, D, dtype=work), centroids.new_zeros(H, C, dtype=work)
     for x, cluster, real in points:
         B, _, N, _ = x.shape
-        weight = x.new_ones(B, 1, N) if real is None else real[:, None].to(x.dtype)
+        weight = x.new_ones(B, 1, N, dtype=work) if real is None else real[:, None].to(work)
         weight = weight.expand(B, H, N).transpose(0, 1).reshape(H, B * N)
         index = cluster.transpose(0, 1).reshape(H, B * N)
-        rows = x.transpose(0, 1).reshape(H, B * N, D) * weight[..., None]
+        rows = x.transpose(0, 1).reshape(H, B * N, D).to(work) * weight[..., None]
         sums.scatter_add_(1, index[..., None].expand(H, B * N, D), rows)
         counts.scatter_add_(1, index, weight)
-    means = sums / counts.clamp(min=1)[..., None]
-    moved = torch.where(counts[..., None] > 0, decay * centroids + (1 - decay) * means, centroids)
-    return F.normalize(moved, dim=-1)
+    means, old = sums / counts.clamp(min=1)[..., None], centroids.to(work)
+    moved = torch.where(counts[..., None] > 0, decay * old + (1 - decay) * means, old)
+    return F.normalize(moved, dim=-1).to(centroids.dtype)
 
 
 def commitment_loss(x: Tensor, cluster: Tensor, centroids: Tensor, real: Tensor | None) -> Tensor:

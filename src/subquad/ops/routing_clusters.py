@@ -54,6 +54,11 @@ class RoutingState(nn.Module):
         self.register_buffer("centroids", _initial_centroids(num_heads, config.clusters, head_dim, self.seed))
         self.loss: Tensor | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The state without ``loss``, the last forward's graph: a copy (``copy.deepcopy``: a snapshot
+        of the model, a decoding cache kept for reuse) or a pickle holds the centroids only."""
+        return {**super().__getstate__(), "loss": None}
+
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         saved = state_dict.get(prefix + "centroids")
         if saved is not None and saved.shape != self.centroids.shape:
