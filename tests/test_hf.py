@@ -350,3 +350,20 @@ def test_output_attentions_warns_that_there_are_none_and_restore_keeps_an_untouc
     eager.set_attn_implementation("eager")
     assert hf.restore(eager).config._attn_implementation == "eager"  # use() never touched it
     assert hf.restore(hf.use(eager, "local")).config._attn_implementation == "eager"
+
+
+def test_an_encoder_s_left_padding_with_sinks_sees_the_row_as_in_the_model_and_a_subclassed_attention_is_driven():
+    ids, mask = tokens(3, 16), padded(3, 16, left=True)
+    original, ours = bert(), hf.use(bert(), "local", window=64, sinks=2)
+    torch.testing.assert_close(outputs(ours, ids, mask), outputs(original, ids, mask), rtol=1e-5, atol=1e-5)
+
+    class Subclassed(transformers.models.llama.modeling_llama.LlamaAttention):  # a user's, defined here
+        pass
+
+    model = llama()
+    for layer in model.model.layers:
+        replaced = Subclassed(model.config, layer.self_attn.layer_idx)
+        replaced.load_state_dict(layer.self_attn.state_dict())
+        layer.self_attn = replaced
+    expected = outputs(model, tokens(1, 8))
+    torch.testing.assert_close(outputs(hf.use(model, "full"), tokens(1, 8)), expected)

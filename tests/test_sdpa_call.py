@@ -160,3 +160,12 @@ def test_sdpas_keyword_names_and_numpy_scalars_are_taken_as_torch_takes_them():
         assert torch.equal(ours, subquad.attention(q, k, v, scale=float(number), mechanism="local", window=4))
     with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\), got np.float32\(1.0\)"):
         subquad.attention(q, k, v, dropout_p=np.float32(1.0))
+
+
+def test_the_earlier_keywords_q_k_v_are_read_for_one_release_with_a_warning():
+    q, k, v = _qkv(H=2, Hkv=2)
+    with pytest.warns(DeprecationWarning, match=r"attention\(q=\.\.\.\) is now query=, as in torch's SDPA"):
+        old = subquad.attention(q=q, k=k, v=v)
+    assert torch.equal(old, subquad.attention(q, k, v))
+    with pytest.raises(TypeError, match=r"attention\(\) missing required argument\(s\): key, value"):
+        subquad.attention(q)

@@ -182,8 +182,9 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
         on = torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
     if not on:
         return None
-    get = getattr(torch, "get_autocast_dtype", None)
-    return get(device_type) if get is not None else torch.get_autocast_cpu_dtype()
+    if hasattr(torch, "get_autocast_dtype"):
+        return torch.get_autocast_dtype(device_type)
+    return torch.get_autocast_cpu_dtype() if device_type == "cpu" else torch.get_autocast_gpu_dtype()
 
 
 def _top_left(
@@ -292,6 +293,22 @@ def _check_call(
     return query_padding_mask, shape
 
 
+def _old_keywords(query: Any, key: Any, value: Any, options: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """``attention``'s inputs, where given by their earlier keywords ``q``, ``k``, ``v`` (read with a
+    warning for one release: they are SDPA's ``query``, ``key``, ``value`` now)."""
+    given = [query, key, value]
+    for i, (old, new) in enumerate((("q", "query"), ("k", "key"), ("v", "value"))):
+        if old in options:
+            if given[i] is not None:
+                raise TypeError(f"attention() got both {old}= and {new}=; pass {new}=")
+            warnings.warn(f"attention({old}=...) is now {new}=, as in torch's SDPA", DeprecationWarning, stacklevel=3)
+            given[i] = options.pop(old)
+    missing = [n for n, x in zip(("query", "key", "value"), given) if x is None]
+    if missing:
+        raise TypeError(f"attention() missing required argument(s): {', '.join(missing)}")
+    return given[0], given[1], given[2]
+
+
 def _tensor_arguments(mech: Mechanism, attn_mask: Any, options: dict[str, Any]) -> dict[str, Any]:
     """The call's extra tensor arguments, taken out of ``options``; a dense ``attn_mask`` is
     checked to be taken by the mechanism (else a ValueError naming what it takes)."""
@@ -319,9 +336,9 @@ def _positional_mechanism(name: str) -> str:
 
 
 def attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
+    query: Tensor = None,  # type: ignore[assignment]  # required: None only to read the old q=, k=, v= keywords
+    key: Tensor = None,  # type: ignore[assignment]
+    value: Tensor = None,  # type: ignore[assignment]
     attn_mask: Any = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
@@ -361,6 +378,7 @@ def attention(
     Returns:
         ``(B, H, L, Dv)``, in the dtype of ``query``.
     """
+    query, key, value = _old_keywords(query, key, value, options)
     if isinstance(attn_mask, str):  # the spelling of 0.1: attention(q, k, v, "linear", ...)
         mechanism, attn_mask = _positional_mechanism(attn_mask), None
     mech = get_mechanism(mechanism)

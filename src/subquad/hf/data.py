@@ -116,11 +116,12 @@ def load_model(path: str | Path) -> tuple[nn.Module, Any, bool]:
 
 
 def check_window(model: nn.Module, tokens: int) -> None:
-    """Refuse windows longer than a model's table of positions (an embedding of
-    ``max_position_embeddings`` rows: BERT's, GPT-2's), which would fail deep in it; rotary positions
+    """Refuse windows longer than ``max_position_embeddings`` where a model has a table of positions
+    (an embedding named as BERT's, GPT-2's or OPT's), which would fail deep in it; rotary positions
     (Llama's) have no table and run on past their trained length."""
     most = getattr(model.config, "max_position_embeddings", None)
-    table = any(isinstance(m, nn.Embedding) and m.num_embeddings == most for m in model.modules())
+    named = ("position_embeddings", "wpe", "embed_positions")  # BERT's, GPT-2's, OPT's tables
+    table = any(isinstance(m, nn.Embedding) and n.endswith(named) for n, m in model.named_modules())
     if isinstance(most, int) and table and tokens > most:
         raise ValueError(f"--window-tokens {tokens} is longer than the {most} positions this model reads "
                          f"(max_position_embeddings); pass at most {most}")  # fmt: skip

@@ -328,8 +328,8 @@ def _parallel(
     """The mechanism's parallel pass, ``(B, H, L, Dv)``. Under causality the queries continue the
     keys (a cache's prefix first): the end-aligned form. Rows with padding before real tokens run
     with their real tokens first when the mechanism has sinks, so a row's sinks are its first
-    real tokens (and its output that of the row alone); the padding before them sees no key (zeros),
-    as where nothing is reordered."""
+    real tokens (and its output that of the row alone); under causality the padding before them sees
+    no key (zeros), as where nothing is reordered."""
     queries, keys = query.shape[2], key.shape[2]
     sinks = getattr(spec.config, spec.mechanism.sinks) if spec.mechanism.sinks else 0
     order = None
@@ -356,6 +356,8 @@ def _parallel(
     if order is None:
         return out
     out = torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
+    if not causal:  # bidirectional: padding queries see the row's real keys, as in the model
+        return out
     return out.masked_fill(unseen[:, None, :, None], 0.0)  # as without sinks (moved last, it would see the row)
 
 

@@ -32,8 +32,7 @@ def check_model(model: nn.Module) -> None:
             "interface: a mechanism set on it would never run; subquad.hf supports models whose attention "
             "modules call that interface (Llama, Qwen, Mistral, GPT-2, BERT and most others)"
         )
-    config = model.config
-    if config.is_encoder_decoder or getattr(config.get_text_config(decoder=True), "add_cross_attention", False):
+    if any(name.rsplit(".", 1)[-1] in _CROSS for name, _ in model.named_modules()):
         raise ValueError(
             f"{name} has cross-attention (its queries read another sequence's keys), which subquad's mechanisms, "
             "reading keys by position, have no form for; subquad.hf swaps attention in encoders and decoders "
@@ -41,7 +40,12 @@ def check_model(model: nn.Module) -> None:
         )
 
 
+_CROSS = {"encoder_attn", "crossattention", "EncDecAttention", "cross_attn", "cross_attention"}  # transformers' names
+
+
 def _interface_driven(module: nn.Module) -> bool:
-    """Whether ``module``'s code reaches transformers' attention interface: its modeling file
-    imports it (``ALL_ATTENTION_FUNCTIONS``), as every model that calls it does."""
-    return getattr(sys.modules.get(type(module).__module__), "ALL_ATTENTION_FUNCTIONS", None) is not None
+    """Whether ``module``'s code reaches transformers' attention interface: the modeling file of the
+    class that defines its forward (a user's subclass inherits it) imports the interface
+    (``ALL_ATTENTION_FUNCTIONS``), as every model that calls it does."""
+    owner = next((c for c in type(module).__mro__ if "forward" in vars(c)), type(module))
+    return getattr(sys.modules.get(owner.__module__), "ALL_ATTENTION_FUNCTIONS", None) is not None

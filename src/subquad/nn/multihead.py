@@ -19,7 +19,9 @@ Any other mechanism differs where it must, and says so:
   mechanism with positions (windows, strides, causal scans) has no place for.
 - In inference torch's ``TransformerEncoderLayer`` runs its own fused kernel on ``self_attn``'s
   projections instead of calling it; a no-op forward pre-hook keeps it on the path that calls this
-  forward, and the nested batch ``TransformerEncoder`` then passes is taken (``_nested``).
+  forward (torch >= 2.5 checks for hooks there; before, use the layer in training mode or with
+  gradients, or ``torch.backends.mha.set_fastpath_enabled(False)``), and the nested batch
+  ``TransformerEncoder`` then passes is taken (``_nested``).
 - Mechanisms that group their queries (clustered, routing) need the padded queries: in
   self-attention they are the padded keys; in cross-attention pass ``query_padding_mask``
   (True = padding, as ``key_padding_mask`` here).
