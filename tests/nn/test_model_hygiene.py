@@ -76,3 +76,23 @@ def test_a_refused_decoding_step_leaves_a_convolutional_input_s_history_as_it_wa
         with pytest.raises(ValueError, match=r"this cache holds a batch of 2, got 1 rows; start a new cache"):
             lm(nxt[:1], cache=cache)
         assert (lm(nxt, cache=cache) - expected).abs().max() < 1e-5
+
+
+def test_a_causal_model_of_a_mechanism_without_a_causal_form_and_bad_generate_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match="clustered has no causal form"):
+        CausalLM(vocab_size=17, dim=32, depth=1, num_heads=4, attention="clustered")
+    lm = CausalLM(vocab_size=17, dim=32, depth=1, num_heads=4, max_len=16)
+    prompt = torch.randint(0, 17, (1, 3))
+    with pytest.raises(ValueError, match="top_k must be a positive int or None, got True"):
+        lm.generate(prompt, 2, temperature=1.0, top_k=True)
+    with pytest.raises(ValueError, match="generator must be a torch.Generator"):
+        lm.generate(prompt, 2, temperature=1.0, generator=123)
+
+
+def test_an_integer_padding_mask_is_refused_as_torch_s_layer_takes_bool_or_float():
+    from subquad.nn import MultiheadAttention
+
+    layer = MultiheadAttention(16, 4, batch_first=True, mechanism="local")
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be bool \(True = padding\) or float .*torch.int64"):
+        layer(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.long))

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from subquad.nn.attention import AttentionSpec
 from subquad.nn.blocks import TransformerBlock
+from subquad.registry import no_causal_form
 
 __all__ = ["CausalLM", "DecodeCache", "Encoder"]
 
@@ -238,6 +239,10 @@ class CausalLM(nn.Module):
         )  # fmt: skip
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.backbone.embed.tokens.weight  # tied
+        for block in self.backbone.blocks:  # a causal model: refused when built, not at its first forward
+            for group in block.attn.groups:
+                if not group.mechanism.causal:
+                    raise ValueError(no_causal_form(group.mechanism.name))
 
     def forward(
         self, tokens: Tensor, *, key_padding_mask: Tensor | None = None, cache: DecodeCache | None = None
@@ -288,8 +293,10 @@ class CausalLM(nn.Module):
             raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
         if not temperature >= 0 or temperature == float("inf"):  # NaN fails the first test
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator (seeded to reproduce) or None, got {generator!r}")
         if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[1] == 0:
             got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
             raise ValueError(

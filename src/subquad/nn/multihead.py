@@ -256,6 +256,8 @@ def _real(name: str, mask: Tensor | None, batched: bool) -> Tensor | None:
         raise ValueError(f"{name} must be {'(B, S)' if batched else '(S,)'}, True = padding, got {got}")
     if mask.dtype == torch.bool:
         real = ~mask
+    elif not mask.is_floating_point():
+        raise ValueError(f"{name} must be bool (True = padding) or float (-inf = padding), got {mask.dtype}")
     else:
         real = mask == 0
         if not bool((real | (mask == float("-inf"))).all()):
