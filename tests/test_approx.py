@@ -208,3 +208,14 @@ def test_the_model_runs_in_the_dtype_and_on_the_device_asked_for(data, tmp_path)
         ap.approx(data / "encoder", data / "passages.jsonl", ["full"], tmp_path / "x", dtype="int8")
     with pytest.raises(ValueError, match=r"--device must be auto, cpu, cuda or cuda:N, got 'tpu'"):
         ap.approx(data / "encoder", data / "passages.jsonl", ["full"], tmp_path / "x", device="tpu")
+
+
+def test_a_converted_folder_of_a_mechanism_with_learned_inputs_gets_its_speed_row(data, tmp_path):
+    """The speed step rebuilt the folder's spec on the unconverted model and refused multires (its
+    router is learned): after the quality rows, no table was written."""
+    model = GPT2LMHeadModel.from_pretrained(data / "decoder")
+    hf.save(hf.convert(model, "multires"), tmp_path / "mr")
+    rows = ap.approx(data / "decoder", data / "passages.jsonl", [], tmp_path / "o", tokens=32, samples=4, batch=4,
+                     context=64, converted=[tmp_path / "mr"])  # fmt: skip
+    (row,) = [r for r in rows if r["spec"] == f"converted:{tmp_path / 'mr'}"]
+    assert row["time_ms"] > 0 and row["model_ms"] > 0 and (tmp_path / "o" / "approx.json").exists()
