@@ -219,3 +219,11 @@ def test_a_converted_folder_of_a_mechanism_with_learned_inputs_gets_its_speed_ro
                      context=64, converted=[tmp_path / "mr"])  # fmt: skip
     (row,) = [r for r in rows if r["spec"] == f"converted:{tmp_path / 'mr'}"]
     assert row["time_ms"] > 0 and row["model_ms"] > 0 and (tmp_path / "o" / "approx.json").exists()
+
+
+def test_a_converted_folder_of_another_model_class_is_refused_by_name(data, tmp_path):
+    encoder = BertModel.from_pretrained(data / "encoder")
+    hf.save(hf.convert(encoder, "local"), tmp_path / "enc")
+    with pytest.raises(ValueError, match=r"--converted .*enc is a BertModel, not this GPT2LMHeadModel"):
+        ap.approx(data / "decoder", data / "passages.jsonl", [], tmp_path / "o", tokens=32, samples=4, batch=4,
+                  speed=False, converted=[tmp_path / "enc"])  # fmt: skip

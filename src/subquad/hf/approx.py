@@ -197,8 +197,7 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
            passkey_samples: int = 4, probe: str = "passkey") -> list[dict[str, Any]]:  # fmt: skip
     """Measure each mechanism spec, and each converted model folder, against the original model;
     returns (and writes) the rows. ``device``: auto, cpu, cuda or cuda:N; ``dtype``: the model's
-    (float32, bfloat16, float16); quality is compared in float32 either way. The settings are
-    `ApproxConfig`'s."""
+    (float32, bfloat16, float16); quality is compared in float32 either way (`ApproxConfig`)."""
     config = ApproxConfig(str(model_path), str(data), str(out), tuple(specs), tuple(map(str, converted)), tokens,
                           samples, batch, context, calibration, speed, tuple(decode), new_tokens, tuple(passkey),
                           tuple(passkey_depths), passkey_samples, probe, seed, device, dtype)  # fmt: skip
@@ -283,7 +282,7 @@ class _Run:
                 rows.append(done[label])
                 continue
             if label in folders:
-                swapped = hf.from_pretrained(label.partition(":")[2]).to(self.where, self.kind)
+                swapped = self.converted(label.partition(":")[2])
             else:
                 swapped = hf.use(self.model, label)
                 self.calibrate(label)
@@ -305,9 +304,12 @@ class _Run:
         return setups
 
     def converted(self, folder: str) -> nn.Module:
-        from subquad import hf
+        from subquad.hf.io import from_pretrained  # transformers: imported at the call
 
-        return hf.from_pretrained(folder).to(self.where, self.kind)
+        model = from_pretrained(folder)  # measured against this model: converted from it
+        if type(model) is not type(self.model):
+            raise ValueError(f"--converted {folder} is a {type(model).__name__}, not this {type(self.model).__name__}")
+        return model.to(self.where, self.kind)
 
     def add_speed(self, rows: list[dict[str, Any]], folders: dict[str, str]) -> None:
         """Each row's attention time and memory, and the whole model's forward time, at the longest context."""
