@@ -257,19 +257,19 @@ class SubquadCache(Cache):
     the cache keeps every key as that cache would, rather than being refused."""
 
     def __init__(self, model: nn.Module, automatic: bool = False) -> None:
-        from subquad.hf.support import attention_modules
+        from subquad.hf.support import attention_modules, layer_index
 
-        modules = sorted(attention_modules(model), key=lambda m: m.layer_idx)
-        if [m.layer_idx for m in modules] != list(range(len(modules))):
+        modules = sorted(attention_modules(model), key=layer_index)
+        if [layer_index(m) for m in modules] != list(range(len(modules))):
             raise ValueError(
-                f"{type(model).__name__}'s attention modules are layers {[m.layer_idx for m in modules]}; "
+                f"{type(model).__name__}'s attention modules are layers {[layer_index(m) for m in modules]}; "
                 "SubquadCache needs one self-attention module per layer, numbered from 0"
             )
         layers = []
         for module in modules:
             spec = getattr(module, "subquad_attention", None)
             kind = MixLayer if getattr(spec, "groups", None) is not None else DecoderLayer
-            layers.append(kind(spec, module.layer_idx) if decodes_from_state(spec) else DynamicLayer())
+            layers.append(kind(spec, layer_index(module)) if decodes_from_state(spec) else DynamicLayer())
         super().__init__(layers=layers)
         self.automatic = automatic
 

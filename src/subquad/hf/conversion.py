@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from subquad.config import parse_spec
 from subquad.hf.interface import LayerAttention, _apply, _new_state, capturing, model_attention
 from subquad.hf.mixes import LayerMix, units
-from subquad.hf.support import attention_modules
+from subquad.hf.support import attention_modules, layer_index
 from subquad.ops.clustering import spherical_kmeans
 from subquad.registry import get_mechanism
 
@@ -65,7 +65,7 @@ def calibrate(model: nn.Module, batches: Iterable[dict[str, Tensor]], iterations
             raise ValueError("calibrate saw no batch; pass at least one")
         centroids = module.subquad_state.centroids
         points = torch.cat(captured[module], dim=1)
-        layer_seed = getattr(module, "subquad_seed", module.layer_idx)  # a mix's groups: seeds of their own
+        layer_seed = getattr(module, "subquad_seed", layer_index(module))  # a mix's groups: seeds of their own
         centroids.copy_(spherical_kmeans(points, centroids.shape[1], iterations, seed + layer_seed))
     return len(routed)
 
@@ -95,8 +95,10 @@ class ConvertedInputs(nn.Module):
         return {name: x.to(query.dtype) for name, x in self.inputs(flat(query), flat(key)).items()}
 
 
-def _heads(model: nn.Module) -> tuple[int, int]:
-    config = model.config
+def _heads(module: nn.Module, model: nn.Module) -> tuple[int, int]:
+    """An attention module's query heads and head size, from its own config (a two-tower model's
+    towers differ: CLIP's text and vision), else the model's."""
+    config = getattr(module, "config", None) or model.config
     heads = config.num_attention_heads
     return heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
@@ -144,17 +146,18 @@ def convert(
 def _add(model: nn.Module, spec: LayerAttention | LayerMix, layers: Iterable[int] | None, seed: int = 0):
     """``_apply``, then each unit's state and converted inputs (a mix's groups on their heads)."""
     modules = _apply(model, spec, layers)
-    heads, head_dim = _heads(model)
     reference = next(model.parameters())
-    for unit in units(modules):
-        spec, unit_heads = unit.subquad_attention, getattr(unit, "heads", heads)
-        if spec.mechanism.state is not None:
-            _new_state(unit, spec, unit_heads, head_dim, reference.device, reference.dtype)
-        if spec.mechanism.inputs is not None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed * 1_000_003 + int(getattr(unit, "subquad_seed", unit.layer_idx)))
-                inputs = ConvertedInputs(spec, unit_heads, head_dim)
-            unit.subquad_inputs = inputs.to(reference.device, reference.dtype)
+    for module in modules:
+        heads, head_dim = _heads(module, model)
+        for unit in units([module]):
+            spec, unit_heads = unit.subquad_attention, getattr(unit, "heads", heads)
+            if spec.mechanism.state is not None:
+                _new_state(unit, spec, unit_heads, head_dim, reference.device, reference.dtype)
+            if spec.mechanism.inputs is not None:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed * 1_000_003 + int(getattr(unit, "subquad_seed", layer_index(unit))))
+                    inputs = ConvertedInputs(spec, unit_heads, head_dim)
+                unit.subquad_inputs = inputs.to(reference.device, reference.dtype)
     return modules
 
 

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from subquad.files import out_folder
 from subquad.flags import DTYPES, named, setting
 from subquad.hf.data import check_window, load_model, read_passages, token_windows
+from subquad.hf.support import layer_index
 
 __all__ = ["AttentionTransfer", "DistillConfig", "distill"]
 
@@ -136,7 +137,7 @@ class AttentionTransfer:
             cache = bound.arguments.get(name)
             if cache is not None:
                 hidden = bound.arguments.get("hidden_states", args[0] if args else None)
-                if hasattr(cache, "get_seq_length") and cache.get_seq_length(module.layer_idx) > hidden.shape[-2]:
+                if hasattr(cache, "get_seq_length") and cache.get_seq_length(layer_index(module)) > hidden.shape[-2]:
                     raise ValueError(
                         "attention transfer compares whole sequences, not cached decoding steps: call the model "
                         "with use_cache=False"
@@ -226,7 +227,7 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     hf.save(job.model, out / "model", job.tokenizer)
     summary = {
         "settings": dataclasses.asdict(config),
-        "layers": [int(m.layer_idx) for m in job.modules],
+        "layers": [layer_index(m) for m in job.modules],
         "trained_parameters": sum(p.numel() for g in run.optimizer.param_groups for p in g["params"]),
         "heldout_error_before": run.history[0]["heldout_error"],
         "heldout_error_after": run.history[-1]["heldout_error"],
@@ -272,7 +273,7 @@ class _Job:
         self.transfer = AttentionTransfer(model)  # the teachers copy the original attention weights
         self.body = getattr(model, "base_model", model)  # no language-model head: its logits play no part
         self.extra = {"use_cache": False} if decoder else {}
-        self.container = nn.ModuleDict({str(m.layer_idx): m for m in self.modules})
+        self.container = nn.ModuleDict({str(layer_index(m)): m for m in self.modules})
 
     def batches(self, ids: Tensor) -> list[Tensor]:
         return [ids[i : i + self.config.batch] for i in range(0, len(ids), self.config.batch)]

@@ -61,8 +61,8 @@ from subquad.config import parse_spec
 from subquad.hf.automatic import install, uninstall
 from subquad.hf.cache import KEY
 from subquad.hf.masks import _key_padding, _mask
-from subquad.hf.mixes import LayerMix, build_mix, mixed_forward, shares
-from subquad.hf.support import attention_modules, check_model
+from subquad.hf.mixes import LayerMix, build_mix, check_heads, mixed_forward, shares
+from subquad.hf.support import attention_modules, check_model, layer_index
 from subquad.registry import Config, Mechanism, get_mechanism, make_config, mechanism_names
 
 NAME = "subquad"
@@ -175,22 +175,25 @@ def _apply(model: nn.Module, spec: LayerAttention | LayerMix, layers: Iterable[i
     register()
     check_model(model)
     modules = attention_modules(model)
-    indices = sorted({m.layer_idx for m in modules})
+    indices = sorted({layer_index(m) for m in modules})
     chosen = set(indices) if layers is None else set(layers)
     unknown = sorted(chosen - set(indices))
     if unknown:
         raise ValueError(f"{type(model).__name__} has no layer {unknown}; its layers are {indices[0]}..{indices[-1]}")
     for module in modules:
-        if module.layer_idx in chosen:
+        if layer_index(module) in chosen and isinstance(spec, LayerMix):
+            check_heads(model, module, spec)
+    for module in modules:
+        if layer_index(module) in chosen:
             module.subquad_attention = spec
             _clear(module, "subquad_state", "subquad_inputs", "subquad_shares")  # a new mechanism: a new state
             if isinstance(spec, LayerMix):
-                module.subquad_shares = shares(spec, module.layer_idx).train(module.training)
+                module.subquad_shares = shares(spec, layer_index(module)).train(module.training)
     if not hasattr(model, "subquad_previous"):
         model.subquad_previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
     install(model)  # model.generate builds subquad's cache
-    return [m for m in modules if m.layer_idx in chosen]
+    return [m for m in modules if layer_index(m) in chosen]
 
 
 def _clear(module: nn.Module, *names: str) -> None:
@@ -203,7 +206,7 @@ def restore(model: nn.Module, implementation: str | None = None) -> nn.Module:
     """Remove what ``use`` set and switch ``model`` back to ``implementation`` (by default the one
     it had before the first ``use``)."""
     for module in attention_modules(model):
-        _clear(module, "subquad_attention", "subquad_state", "subquad_inputs", "subquad_shares")
+        _clear(module, "subquad_attention", "subquad_state", "subquad_inputs", "subquad_shares", "subquad_layer")
     uninstall(model)
     current = model.config._attn_implementation or "sdpa"
     previous = model.__dict__.pop("subquad_previous", None) or ("sdpa" if current.startswith(NAME) else current)
@@ -244,7 +247,8 @@ def _state(module: nn.Module, spec: LayerAttention, query: Tensor) -> nn.Module 
 
 
 def _new_state(module: nn.Module, spec: LayerAttention, heads: int, head_dim: int, device, dtype) -> None:
-    seed = int(getattr(module, "subquad_seed", getattr(module, "layer_idx", 0)) or 0)
+    index = getattr(module, "layer_idx", None)  # a head share's seed, else the layer's index
+    seed = int(getattr(module, "subquad_seed", getattr(module, "subquad_layer", 0) if index is None else index))
     state = spec.mechanism.state(spec.config, heads, head_dim, seed).to(device)
     if any(p.is_floating_point() for p in state.parameters()):  # learned maps follow the model's dtype
         state = state.to(dtype)

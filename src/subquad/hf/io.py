@@ -22,7 +22,7 @@ from subquad.files import FileError, check_fields, check_gguf, json_checksum, lo
 from subquad.hf.conversion import _add, _converted
 from subquad.hf.interface import LayerAttention, check_spec, is_mix, model_attention
 from subquad.hf.mixes import LayerMix
-from subquad.hf.support import attention_modules
+from subquad.hf.support import attention_modules, layer_index
 
 SPEC_FILE, TENSOR_FILE = "subquad.json", "subquad.safetensors"
 
@@ -41,7 +41,7 @@ def save(model: nn.Module, folder: str | Path, tokenizer: Any = None) -> Path:
         spec = getattr(module, "subquad_attention", None)
         if spec is None:
             continue
-        index = int(module.layer_idx)
+        index = layer_index(module)
         if isinstance(spec, LayerMix):  # a head mix: its spec, whose options are in it
             layers[str(index)] = {"mechanism": spec.text, "options": {}}
         else:
@@ -126,7 +126,7 @@ def from_pretrained(folder: str | Path, *, model_class: Any = None, **kwargs: An
         except ValueError as error:
             raise FileError(spec_file, f"layer {index}: {error}", _RESAVE) from error
     tensors = load_safetensors(folder / TENSOR_FILE, fix=_RESAVE)
-    by_index = {int(m.layer_idx): m for m in attention_modules(model)}
+    by_index = {layer_index(m): m for m in attention_modules(model)}
     expected = set()
     for index, module in by_index.items():
         for name, part in _converted(module):

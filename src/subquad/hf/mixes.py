@@ -30,8 +30,9 @@ from torch import Tensor, nn
 
 from subquad.config import SpecGroup
 from subquad.hf.cache import KEY
+from subquad.hf.support import layer_index
 
-__all__ = ["HeadShare", "LayerMix", "build_mix", "mixed_forward", "units"]
+__all__ = ["HeadShare", "LayerMix", "build_mix", "check_heads", "mixed_forward", "units"]
 
 
 @dataclass
@@ -81,6 +82,17 @@ def build_mix(groups: tuple[SpecGroup, ...], text: str, heads: int, kv_heads: in
     return LayerMix(tuple(build(g.name, **dict(g.options)) for g in groups), counts, text)
 
 
+def check_heads(model: nn.Module, module: nn.Module, mix: LayerMix) -> None:
+    """Refuse a mix split for another head count than ``module``'s own (a two-tower model's towers differ)."""
+    heads = getattr(getattr(module, "config", None) or model.config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads != sum(mix.heads):
+        raise ValueError(
+            f"the head mix {mix.text!r} splits {sum(mix.heads)} query heads, but layer {layer_index(module)} "
+            f"({type(module).__name__}) has {heads}: {type(model).__name__}'s layers differ in heads; apply the mix "
+            "to the layers it fits (layers=...) or to each part of the model on its own"
+        )
+
+
 def shares(mix: LayerMix, layer_idx: int) -> nn.ModuleList:
     """A layer's ``HeadShare`` modules for ``mix``."""
     return nn.ModuleList(HeadShare(s, f, n, layer_idx) for s, f, n in zip(mix.groups, mix.firsts, mix.heads))
@@ -95,6 +107,11 @@ def mixed_forward(
     (``subquad.hf.cache.MixLayer``) if one is passed; the outputs ``(B, L, h, D)`` side by side."""
     per, layer = query.shape[1] // key.shape[1], kwargs.pop(KEY, None)
     shares = list(module.subquad_shares)
+    if sum(share.heads for share in shares) != query.shape[1]:
+        raise ValueError(
+            f"the head mix {module.subquad_attention.text!r} splits {sum(s.heads for s in shares)} query heads, but "
+            f"this layer's attention hands over {query.shape[1]}: apply the mix to layers of that many heads"
+        )
     outputs: list[Tensor | None] = [None] * len(shares)
     try:
         for index in range(len(shares)) if layer is None else layer.order():

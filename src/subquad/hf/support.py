@@ -7,19 +7,39 @@ import sys
 
 from torch import nn
 
-__all__ = ["attention_modules", "check_model"]
+__all__ = ["attention_modules", "check_model", "layer_index"]
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` that call transformers' attention interface (those with a
-    ``layer_idx`` and an ``is_causal``), in order."""
-    found = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "is_causal")]
+    """The modules of ``model`` that call transformers' attention interface (those with an
+    ``is_causal`` and a ``layer_idx``, or whose code calls the interface: ViT, CLIP, DistilBERT), in
+    order. Where the model's modules carry no ``layer_idx``, each is numbered by its order
+    (``subquad_layer``; ``layer_index`` reads either)."""
+    found = [
+        m for m in model.modules() if hasattr(m, "is_causal") and (hasattr(m, "layer_idx") or _interface_driven(m))
+    ]
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no attention modules that transformers' attention interface drives "
-            "(modules with layer_idx and is_causal); subquad.hf supports models whose attention modules call it"
+            "(modules with is_causal whose code calls it); subquad.hf supports models whose attention modules call it"
         )
+    numbered = [isinstance(getattr(m, "layer_idx", None), int) for m in found]
+    if not all(numbered):
+        if any(numbered):
+            raise ValueError(
+                f"{type(model).__name__}'s attention modules number their layers only in part (layer_idx on "
+                f"{sum(numbered)} of {len(found)}), so subquad.hf cannot tell its layers apart"
+            )
+        for i, module in enumerate(found):
+            module.subquad_layer = i
     return found
+
+
+def layer_index(module: nn.Module) -> int:
+    """The layer index of an attention module (``attention_modules``): its ``layer_idx``, or its
+    order among the model's where the model numbers none."""
+    index = getattr(module, "layer_idx", None)
+    return int(module.subquad_layer if index is None else index)
 
 
 def check_model(model: nn.Module) -> None:
