@@ -56,6 +56,12 @@ def test_settings_that_are_not_finite_numbers_are_refused_by_name(corpus, name):
         TrainConfig(data=str(corpus), **{name: float("nan")})
 
 
+def test_a_floor_above_the_learning_rate_is_refused(corpus):
+    with pytest.raises(ValueError, match=r"min_lr = 3e-05 is above lr = 1e-05: .* give min_lr 1e-05 or less"):
+        TrainConfig(data=str(corpus), lr=1e-5)
+    assert TrainConfig(data=str(corpus), lr=1e-5, min_lr=1e-5).min_lr == 1e-5
+
+
 def test_a_run_that_diverges_stops_and_says_so_instead_of_logging_nan(corpus, tmp_path, capsys):
     err = _error(capsys, ["train", "--data", str(corpus), *TINY, "--steps", "30", "--lr", "1e6", "--clip", "0",
                           "--out", str(tmp_path / "run")])  # fmt: skip

@@ -168,3 +168,14 @@ def test_a_head_mix_is_refused_where_a_tower_has_other_heads():
     with pytest.raises(ValueError, match=r"splits 4 query heads, but layer 1 \(CLIPAttention\) has 2"):
         hf.use(model, "local:window=2*2+full*2")  # layer 0: the text tower (4 heads), 1: the vision tower
     assert not any(hasattr(m, "subquad_attention") for m in hf.attention_modules(model))  # nothing half set
+
+
+def test_restore_after_convert_gives_back_the_weights_it_froze():
+    model = distilbert()
+    model.embeddings.word_embeddings.weight.requires_grad_(False)  # the user's own choice: kept
+    hf.convert(model, "linear", feature_map="hedgehog")
+    hf.convert(model, "linear", feature_map="hedgehog")  # twice: the first call's record stands
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".subquad_" not in n)
+    hf.restore(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in model.named_parameters()} - {"embeddings.word_embeddings.weight"}

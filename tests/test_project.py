@@ -24,6 +24,12 @@ def test_ci_runs_the_readme_test_command():
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
+def test_the_package_s_version_is_the_one_pip_installs_and_the_changelog_s_newest():
+    declared = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), flags=re.M).group(1)
+    newest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), flags=re.M).group(1)
+    assert subquad.__version__ == declared and declared.startswith(newest + ".")
+
+
 def test_readme_table_lists_every_registered_mechanism():
     rows = re.findall(r"^\| `([\w-]+)` \|", (ROOT / "README.md").read_text(), flags=re.M)
     assert rows == subquad.mechanism_names()

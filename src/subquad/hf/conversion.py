@@ -134,7 +134,9 @@ def convert(
             f"{mechanism}'s centroids are fitted by k-means on the model's own queries and keys: pass "
             "calibration=[{'input_ids': ...}, ...] (a few batches of real text)"
         )
-    if freeze:
+    if freeze:  # restore() gives back what this froze
+        frozen = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
+        model.subquad_frozen = sorted({*getattr(model, "subquad_frozen", ()), *frozen})
         for parameter in model.parameters():
             parameter.requires_grad_(False)
     _add(model, spec, layers, seed)

@@ -203,8 +203,12 @@ def _clear(module: nn.Module, *names: str) -> None:
 
 
 def restore(model: nn.Module, implementation: str | None = None) -> nn.Module:
-    """Remove what ``use`` set and switch ``model`` back to ``implementation`` (by default the one
-    it had before the first ``use``)."""
+    """Remove what ``use`` (or ``convert``) set and switch ``model`` back to ``implementation`` (by
+    default the one it had before the first ``use``); the weights ``convert`` froze train again."""
+    named = dict(model.named_parameters())
+    for name in model.__dict__.pop("subquad_frozen", ()):
+        if name in named:
+            named[name].requires_grad_(True)
     for module in attention_modules(model):
         _clear(module, "subquad_attention", "subquad_state", "subquad_inputs", "subquad_shares", "subquad_layer")
     uninstall(model)

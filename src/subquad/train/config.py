@@ -98,6 +98,11 @@ class TrainConfig:
                 raise ValueError(f"{named(self, name)} must be a finite number, got {getattr(self, name)}")
         if not 0 <= self.dropout < 1 or self.lr <= 0 or self.min_lr < 0 or self.warmup < 0 or self.clip < 0:
             raise ValueError("need 0 <= dropout < 1, lr > 0, min_lr >= 0, warmup >= 0 and clip >= 0")
+        if self.min_lr > self.lr:  # the cosine would climb from lr to min_lr
+            raise ValueError(
+                f"{named(self, 'min_lr')} = {self.min_lr} is above {named(self, 'lr')} = {self.lr}: the learning rate "
+                f"decays from lr to min_lr; give {named(self, 'min_lr')} {self.lr} or less"
+            )
         object.__setattr__(self, "layers", _frozen(self.layers))
         if self.layers and len(self.layers) not in (1, self.depth):
             raise ValueError(
