@@ -18,7 +18,7 @@ from pathlib import Path
 # Lowest first. A name is a top-level module or package of subquad.
 LAYERS = (
     ("config", "version", "flags"),
-    ("_validate", "masks", "files"),
+    ("_validate", "masks", "files", "ranks"),
     ("registry",),
     ("_contain", "hooks"),
     ("kernels",),

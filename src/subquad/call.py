@@ -39,6 +39,7 @@ from subquad._validate import AttentionShape, check_attention_inputs, check_dtyp
 from subquad.config import Config
 from subquad.kernels.profile import apply_for_threads
 from subquad.kernels.threads import adapted, backward_adapted
+from subquad.ranks import as_4d
 from subquad.registry import Mechanism, default_config, get_mechanism, make_config, mechanism_names, no_causal_form
 
 __all__ = ["attention", "call", "causal_lower_right"]
@@ -376,7 +377,8 @@ def attention(
         **options: the mechanism's config options, and its extra tensor arguments by name.
 
     Returns:
-        ``(B, H, L, Dv)``, in the dtype of ``query``.
+        ``(B, H, L, Dv)``, in the dtype of ``query``. Other ranks are taken as SDPA takes them,
+        ``(N, ..., H, L, E)``, ``(H, L, E)`` or ``(L, E)``, and answered in the query's (``subquad.ranks``).
     """
     query, key, value = _old_keywords(query, key, value, options)
     if isinstance(attn_mask, str):  # the spelling of 0.1: attention(q, k, v, "linear", ...)
@@ -387,7 +389,10 @@ def attention(
         raise ValueError(f"pass either config or options, not both (got options {sorted(options)})")
     if config is None:
         config = make_config(mech, **options)
-    return call(
+    query, key, value, attn_mask, key_padding_mask, shape = as_4d(query, key, value, attn_mask, key_padding_mask,
+                                                                  tensors)  # fmt: skip
+    out = call(
         mech, query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
         scale=scale, config=config, state=state, enable_gqa=enable_gqa, dropout_p=dropout_p, **tensors,
     )  # fmt: skip
+    return out if shape is None else out.reshape(shape)
