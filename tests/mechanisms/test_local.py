@@ -442,3 +442,22 @@ def test_bad_window_raises():
         subquad.attention(*qkv(), mechanism="local", window=0)
     with pytest.raises(ValueError, match="local option window must be an int, got 2.5"):
         subquad.attention(*qkv(), mechanism="local", window=2.5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_s_kernel_reads_grouped_query_keys_in_place_and_answers_as_repeated_heads(monkeypatch, causal):
+    """Where torch's CPU flash kernel takes fewer key heads (torch >= 2.5), the window's keys reach
+    it unrepeated (the repeat copied every window G times); the output is the repeated heads' exactly."""
+    from subquad.kernels import blocksparse_forward, softmax
+
+    if not softmax.fused_available(torch.device("cpu"), 8, 8) or not softmax.fused_reads_grouped():
+        pytest.skip("torch's CPU flash kernel does not take grouped-query keys here")
+    q, k, v = (randn(2, h, 64, 8, seed=s) for h, s in ((6, 1), (2, 2), (2, 3)))
+    heads = []
+    kernel = blocksparse_forward.fused_forward
+    monkeypatch.setattr(blocksparse_forward, "fused_forward", lambda *a: heads.append(a[1].shape[1]) or kernel(*a))
+    out = local_attention(q, k, v, is_causal=causal, config=LocalConfig(window=8, sinks=2), enable_gqa=True)
+    assert 2 * 2 in heads  # the band's calls: B · H_kv key heads, read in place (the sinks' part gathers rows)
+    repeated = local_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), is_causal=causal,
+                               config=LocalConfig(window=8, sinks=2))  # fmt: skip
+    assert torch.equal(out, repeated)

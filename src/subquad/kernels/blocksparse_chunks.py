@@ -98,10 +98,12 @@ class Chunk:
         heads = heads * (self.S + 2 * self.pad)
         return (heads + self.pad + self.keys.clamp(0, self.S - 1)).reshape(-1)
 
-    def gather(self, x: Tensor, sources: dict, name: str) -> Tensor:
+    def gather(self, x: Tensor, sources: dict, name: str, grouped: bool = False) -> Tensor:
         """This chunk's keys (or values) from ``x`` ``(B, H_kv, S + 2 pad, F)``: ``(B, H, n, W, F)``.
         ``sources`` keeps each ``key_source`` sequence for the whole pass (built once). With
-        grouped-query inputs each key head is repeated for its G query heads here, a chunk at a time.
+        grouped-query inputs each key head is repeated for its G query heads here, a chunk at a time;
+        with ``grouped``, a group read through views keeps its ``H_kv`` heads (for a kernel that
+        reads grouped keys in place: the repeat was a copy of every window).
         A gathered copy (not a view) is written into the thread's kept buffer ``name``
         (``memory.kept_buffer``): it lives until the next chunk's gather."""
         views = self.group.views
@@ -112,7 +114,7 @@ class Chunk:
                     sources[key] = views.key_source(x, self.pad)
                 x = sources[key]
             y = views.key_view(x, self.pad, self.start, self.stop)
-            if y.shape[1] == self.H:
+            if y.shape[1] == self.H or grouped:
                 return y
             B, Hkv = y.shape[:2]
             return y.unsqueeze(2).expand(B, Hkv, self.H // Hkv, *y.shape[2:]).flatten(1, 2)

@@ -24,7 +24,7 @@ from torch import Tensor
 from subquad.kernels import native as _native
 from subquad.kernels.blocksparse_chunks import Chunk, Part, as_batch, chunks, from_batch, padded, pads
 from subquad.kernels.memory import new_output
-from subquad.kernels.softmax import eager_forward, fused_forward, work_dtype
+from subquad.kernels.softmax import eager_forward, fused_forward, fused_reads_grouped, work_dtype
 from subquad.kernels.tuning import TUNING, block_elements
 
 __all__ = ["block_sparse_forward", "native_runs"]
@@ -39,7 +39,9 @@ def native_runs(queries: int, keys: int) -> bool:
 def _chunk_forward(q_ext, kf, vf, sources, c: Chunk, scale: float, kernel: str) -> tuple[Tensor, Tensor]:
     """One chunk's normalised output ``(B, H, n, bq, Dv)`` and log-sum-exp ``(B, H, n, bq)``."""
     B, H = q_ext.shape[:2]
-    qc, kc, vc = c.take(q_ext), c.gather(kf, sources, "blocksparse.keys"), c.gather(vf, sources, "blocksparse.values")
+    grouped = kernel == "fused" and fused_reads_grouped()  # torch's kernel reads a key/value head per G query heads
+    kc, vc = (c.gather(x, sources, f"blocksparse.{name}", grouped) for x, name in ((kf, "keys"), (vf, "values")))
+    qc = c.take(q_ext)
     if kernel == "native":  # lse = −inf already for a row with no key
         o, lse = _native.block_attention(as_batch(qc), as_batch(kc), as_batch(vc), *_native_masks(c, B, H), scale)
         return from_batch(o, B, H), from_batch(lse.squeeze(-1), B, H)

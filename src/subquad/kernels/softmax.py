@@ -22,6 +22,8 @@ A row that sees no key has ``lse = −inf`` and a zero output; in the backward i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -46,6 +48,18 @@ def fused_available(device: torch.device, head_dim: int | None = None, value_dim
         and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
         and (head_dim is None or head_dim == value_dim)
     )
+
+
+@functools.cache
+def fused_reads_grouped() -> bool:
+    """Whether torch's CPU flash kernel takes keys with fewer heads than the queries (grouped-query:
+    query head h reads key head h // G), as it does from torch 2.5; probed once on a tiny call."""
+    q, k = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8)
+    try:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, k, is_causal=False, attn_mask=None, scale=1.0)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
