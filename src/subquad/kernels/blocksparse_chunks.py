@@ -100,10 +100,8 @@ class Chunk:
 
     def gather(self, x: Tensor, sources: dict, name: str, grouped: bool = False) -> Tensor:
         """This chunk's keys (or values) from ``x`` ``(B, H_kv, S + 2 pad, F)``: ``(B, H, n, W, F)``.
-        ``sources`` keeps each ``key_source`` sequence for the whole pass (built once). With
-        grouped-query inputs each key head is repeated for its G query heads here, a chunk at a time;
-        with ``grouped``, a group read through views keeps its ``H_kv`` heads (for a kernel that
-        reads grouped keys in place: the repeat was a copy of every window).
+        ``sources`` keeps each ``key_source`` sequence for the whole pass (built once). Grouped-query
+        key heads are repeated for their G query heads here, but with ``grouped`` a view keeps H_kv.
         A gathered copy (not a view) is written into the thread's kept buffer ``name``
         (``memory.kept_buffer``): it lives until the next chunk's gather."""
         views = self.group.views
