@@ -14,8 +14,6 @@ hf = pytest.importorskip("subquad.hf")
 from transformers import (  # noqa: E402
     AlbertConfig,
     AlbertModel,
-    BertConfig,
-    BertModel,
     CLIPConfig,
     CLIPModel,
     CLIPTextConfig,
@@ -151,12 +149,26 @@ def test_each_tower_of_a_two_tower_model_gets_its_own_heads():
     assert torch.isfinite(out.logits_per_image).all()
 
 
-def test_layers_numbered_only_in_part_are_refused():
+def test_a_vision_language_model_keeps_its_numbered_decoder_layers_and_its_vision_tower_exact():
+    """LLaVA: the decoder's modules carry layer_idx, the CLIP vision tower's do not; as before the
+    numbering, only the decoder's layers are driven."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              intermediate_size=64)  # fmt: skip
+    text = LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=64)  # fmt: skip
     torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=96, **SIZES), add_pooling_layer=False).eval()
-    del model.encoder.layer[1].attention.self.layer_idx
-    with pytest.raises(ValueError, match=r"number their layers only in part \(layer_idx on 1 of 2\)"):
-        hf.use(model, "local")
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=127))
+    model.eval()
+    ids = torch.randint(3, 120, (1, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    hf.use(model, "full")
+    modules = hf.attention_modules(model)
+    assert [type(m).__name__ for m in modules] == ["LlamaAttention"] * 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference)
 
 
 def test_a_head_mix_is_refused_where_a_tower_has_other_heads():

@@ -97,3 +97,24 @@ def test_per_position_tensors_ask_for_4d_inputs():
     logits = torch.zeros(6, 4, 12, 2, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"\['key_logits', 'query_logits'\] are given per \(B, H, L\) position"):
         subquad.attention(q, k, v, mechanism="agglomerative", query_logits=logits, key_logits=logits)
+
+
+def test_a_causal_bias_and_a_mask_mod_pass_at_other_ranks():
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = _qkv(2, 3, L=6, S=10)
+    for a, b, c in ((q, k, v), (q[0, 0], k[0, 0], v[0, 0]), (q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])):
+        bias = causal_lower_right(6, 10)
+        assert (
+            subquad.attention(a, b, c, attn_mask=bias) - F.scaled_dot_product_attention(a, b, c, attn_mask=bias)
+        ).abs().max() <= 1e-12
+    three = q[0, 0], k[0, 0], v[0, 0]
+    near = subquad.attention(*three, mechanism="pattern", mask_mod=lambda b, h, i, j: (i - j).abs() < 3)
+    assert torch.equal(
+        near,
+        subquad.attention(
+            *(x[None] for x in three), mechanism="pattern", mask_mod=lambda b, h, i, j: (i - j).abs() < 3
+        )[0],
+    )
+    with pytest.raises(ValueError, match=r"\['mask_mod'\] index \(B, H, L, S\): pass query, key and value as 4-D"):
+        subquad.attention(q, k, v, mechanism="pattern", mask_mod=lambda b, h, i, j: i >= j)

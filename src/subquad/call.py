@@ -377,8 +377,7 @@ def attention(
         **options: the mechanism's config options, and its extra tensor arguments by name.
 
     Returns:
-        ``(B, H, L, Dv)``, in the dtype of ``query``. Other ranks are taken as SDPA takes them,
-        ``(N, ..., H, L, E)``, ``(H, L, E)`` or ``(L, E)``, and answered in the query's (``subquad.ranks``).
+        ``(B, H, L, Dv)`` in ``query``'s dtype; other ranks as SDPA's, in the query's (``subquad.ranks``).
     """
     query, key, value = _old_keywords(query, key, value, options)
     if isinstance(attn_mask, str):  # the spelling of 0.1: attention(q, k, v, "linear", ...)
@@ -389,8 +388,9 @@ def attention(
         raise ValueError(f"pass either config or options, not both (got options {sorted(options)})")
     if config is None:
         config = make_config(mech, **options)
-    query, key, value, attn_mask, key_padding_mask, shape = as_4d(query, key, value, attn_mask, key_padding_mask,
-                                                                  tensors)  # fmt: skip
+    dense = isinstance(attn_mask, Tensor) and not _is_causal_bias(attn_mask)
+    query, key, value, attn_mask, key_padding_mask, shape = as_4d(query, key, value, attn_mask, dense,
+                                                                  key_padding_mask, tensors)  # fmt: skip
     out = call(
         mech, query, key, value, attn_mask=attn_mask, key_padding_mask=key_padding_mask, is_causal=is_causal,
         scale=scale, config=config, state=state, enable_gqa=enable_gqa, dropout_p=dropout_p, **tensors,

@@ -19,10 +19,13 @@ from torch import Tensor
 __all__ = ["as_4d"]
 
 
-def as_4d(query: Any, key: Any, value: Any, attn_mask: Any, key_padding_mask: Any, extra: dict[str, Any]):
+def as_4d(
+    query: Any, key: Any, value: Any, attn_mask: Any, dense: bool, key_padding_mask: Any, extra: dict[str, Any]
+):  # fmt: skip
     """``(query, key, value, attn_mask, key_padding_mask, shape)`` in 4-D where ``query`` is a
     tensor of another rank ≥ 2 (``shape``: the output's, to reshape to), else the inputs as given
-    with ``shape`` None. Raises where the ranks or batch dimensions disagree."""
+    with ``shape`` None. ``dense``: ``attn_mask`` is a dense mask (a ``CausalBias`` names lengths
+    only and passes as it is). Raises where the ranks or batch dimensions disagree."""
     if not all(isinstance(x, Tensor) for x in (query, key, value)) or all(x.dim() == 4 for x in (query, key, value)):
         return query, key, value, attn_mask, key_padding_mask, None
     if query.dim() < 2:
@@ -34,13 +37,14 @@ def as_4d(query: Any, key: Any, value: Any, attn_mask: Any, key_padding_mask: An
                 f"query is {tuple(query.shape)} and {name} {tuple(x.shape)}: give them the same rank and the same "
                 "batch dimensions (those before the heads, L or S and the head size)"
             )
-    if extra:
+    tensors = sorted(name for name, x in extra.items() if isinstance(x, Tensor))
+    if tensors or (extra and rank > 4):  # a mask_mod's b would index the flattened batch
         raise ValueError(
-            f"{sorted(extra)} are given per (B, H, L) position: pass query, key and value as 4-D (B, H, L, D) "
-            f"with them, not {rank}-D"
+            f"{tensors or sorted(extra)} {'are given per (B, H, L) position' if tensors else 'index (B, H, L, S)'}: "
+            f"pass query, key and value as 4-D (B, H, L, D) with them, not {rank}-D"
         )
     flat = [_flat(x) for x in (query, key, value)]
-    if isinstance(attn_mask, Tensor):
+    if dense:
         attn_mask = _flat_mask(attn_mask, batch, rank)
     if key_padding_mask is not None:
         key_padding_mask = _flat_padding(key_padding_mask, batch, key.shape[-2])

@@ -446,7 +446,7 @@ def test_bad_window_raises():
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_torch_s_kernel_reads_grouped_query_keys_in_place_and_answers_as_repeated_heads(monkeypatch, causal):
-    """Where torch's CPU flash kernel takes fewer key heads (torch >= 2.5), the window's keys reach
+    """Where torch's CPU flash kernel takes fewer key heads (as recent torch does), the window's keys reach
     it unrepeated (the repeat copied every window G times); the output is the repeated heads' exactly."""
     from subquad.kernels import blocksparse_forward, softmax
 

@@ -134,12 +134,13 @@ def convert(
             f"{mechanism}'s centroids are fitted by k-means on the model's own queries and keys: pass "
             "calibration=[{'input_ids': ...}, ...] (a few batches of real text)"
         )
-    if freeze:  # restore() gives back what this froze
-        frozen = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
-        model.subquad_frozen = sorted({*getattr(model, "subquad_frozen", ()), *frozen})
-        for parameter in model.parameters():
-            parameter.requires_grad_(False)
+    before = dict(model.named_parameters())  # frozen once the conversion has gone through (a refusal leaves them)
     _add(model, spec, layers, seed)
+    if freeze:  # restore() gives back what this froze
+        frozen = [name for name, parameter in before.items() if parameter.requires_grad]
+        model.subquad_frozen = sorted({*getattr(model, "subquad_frozen", ()), *frozen})
+        for parameter in before.values():
+            parameter.requires_grad_(False)
     if calibration is not None and calibratable(spec):
         calibrate(model, calibration, seed=seed)
     return model

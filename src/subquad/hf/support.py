@@ -13,8 +13,9 @@ __all__ = ["attention_modules", "check_model", "layer_index"]
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The modules of ``model`` that call transformers' attention interface (those with an
     ``is_causal`` and a ``layer_idx``, or whose code calls the interface: ViT, CLIP, DistilBERT), in
-    order. Where the model's modules carry no ``layer_idx``, each is numbered by its order
-    (``subquad_layer``; ``layer_index`` reads either)."""
+    order. Where some carry a ``layer_idx``, those (as a vision-language model's decoder layers);
+    where none does, all, each numbered by its order (``subquad_layer``; ``layer_index`` reads
+    either)."""
     found = [
         m for m in model.modules() if hasattr(m, "is_causal") and (hasattr(m, "layer_idx") or _interface_driven(m))
     ]
@@ -23,15 +24,11 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
             f"{type(model).__name__} has no attention modules that transformers' attention interface drives "
             "(modules with is_causal whose code calls it); subquad.hf supports models whose attention modules call it"
         )
-    numbered = [isinstance(getattr(m, "layer_idx", None), int) for m in found]
-    if not all(numbered):
-        if any(numbered):
-            raise ValueError(
-                f"{type(model).__name__}'s attention modules number their layers only in part (layer_idx on "
-                f"{sum(numbered)} of {len(found)}), so subquad.hf cannot tell its layers apart"
-            )
-        for i, module in enumerate(found):
-            module.subquad_layer = i
+    numbered = [m for m in found if hasattr(m, "layer_idx")]
+    if numbered:  # the numbered ones are the layers (a vision-language model's decoder; its vision tower stays)
+        return numbered
+    for i, module in enumerate(found):
+        module.subquad_layer = i
     return found
 
 

@@ -52,14 +52,21 @@ def fused_available(device: torch.device, head_dim: int | None = None, value_dim
 
 @functools.cache
 def fused_reads_grouped() -> bool:
-    """Whether torch's CPU flash kernel takes keys with fewer heads than the queries (grouped-query:
-    query head h reads key head h // G), as it does from torch 2.5; probed once on a tiny call."""
-    q, k = torch.zeros(1, 2, 1, 8), torch.zeros(1, 1, 1, 8)
+    """Whether torch's CPU flash kernel reads keys with fewer heads than the queries as grouped-query
+    attention (query head h reads key head h // G), as recent torch does; probed once on a tiny call
+    whose answer is compared with the repeated heads'. An older kernel that takes the call but reads
+    a key head per query head reads the probe's spare heads (a view into a larger buffer): it
+    answers otherwise, and the heads are repeated as before."""
+    g = torch.Generator().manual_seed(0)
+    q, spare = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 4, 5, 8, generator=g)
+    k = spare[:, :2]  # 2 key heads for 4 query heads, heads 2 and 3 of the buffer unused
+    run = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     try:
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, k, is_causal=False, attn_mask=None, scale=1.0)
+        grouped = run(q, k, k, is_causal=False, attn_mask=None, scale=1.0)[0]
     except (RuntimeError, ValueError):
         return False
-    return True
+    repeated = k.repeat_interleave(2, dim=1)
+    return bool(torch.allclose(grouped, run(q, repeated, repeated, is_causal=False, attn_mask=None, scale=1.0)[0]))
 
 
 def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
