@@ -26,6 +26,7 @@ __all__ = [
     "causal_mask",
     "contract_mask",
     "dense_mask",
+    "not_mask",
     "or_masks",
     "padding_mask",
     "visible_queries",
@@ -90,6 +91,15 @@ def or_masks(*mask_mods: MaskMod) -> MaskMod:
         return out
 
     return mask_mod
+
+
+def not_mask(mask_mod: MaskMod) -> MaskMod:
+    """A key is visible iff ``mask_mod`` hides it."""
+
+    def mask_mod_not(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return ~mask_mod(b, h, q_idx, kv_idx)
+
+    return mask_mod_not
 
 
 def dense_mask(mask_mod: MaskMod, B: int, H: int, L: int, S: int, device: torch.device | str | None = None) -> Tensor:

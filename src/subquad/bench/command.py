@@ -35,15 +35,18 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         help=f"mechanisms to run, each NAME or NAME:option=value,... (default: all: {' '.join(names)}); "
         "full always runs as baseline",
     )  # fmt: skip
+    defaults = {f.name: f.default for f in fields(BenchSettings)}
     unset = {
-        name: "from --grid, " + "; ".join(f"{grid}: {_shown(values[name])}" for grid, values in GRIDS.items())
-        for name in GRIDS["default"]
+        name: "from --grid, "
+        + "; ".join(f"{grid}: {_shown(values.get(name, defaults[name]))}" for grid, values in GRIDS.items())
+        for name in dict.fromkeys(name for values in GRIDS.values() for name in values)
     }
     add_flags(parser, BenchSettings, skip=("variants",), unset=unset)
     parser.add_argument(
         "--grid", choices=list(GRIDS), default="default",
         help="default: N = 256 … 4096 with short warm-ups, about 4 minutes on 2 CPU cores; full: N up to 16384 "
-        "with 2 s warm-ups, half an hour or more (default: %(default)s)",
+        "with 2 s warm-ups, half an hour or more; gpu: bf16 on CUDA, B = 1, H = 16, D = 64, N = 4k … 128k "
+        "(default: %(default)s)",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("subquad-bench"),
                         help="folder for results.csv, results.json and the plots (default: %(default)s)")  # fmt: skip
@@ -79,6 +82,7 @@ def settings_from(args: argparse.Namespace) -> Any:
 
     values = flag_values(args, BenchSettings, skip=("variants",))
     values.update({k: v for k, v in GRIDS[args.grid].items() if values.get(k) is None})
+    values = {k: v for k, v in values.items() if v is not None}  # set by neither: the field's default
     return BenchSettings(variants=_variants(args), **values)
 
 
@@ -122,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
     from subquad.bench.runner import run_bench
 
     settings = settings_from(args)
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {settings.device}: torch {torch.__version__} sees no CUDA device here; run on a machine "
+            "with a GPU and a CUDA build of torch, or give --device cpu (the gpu grid sets cuda)"
+        )
     out_folder(args.out)  # before the run, so a bad folder fails at once
     threads = settings.threads or torch.get_num_threads()
     title = f"B={settings.batch} H={settings.heads} D={settings.head_dim} {settings.dtype} {settings.device}"
@@ -135,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"tuning profile: {tuning}", file=sys.stderr)
     meta = {
         "subquad": __version__, "torch": torch.__version__, "python": platform.python_version(),
-        "machine": machine(), "threads": threads, "tuning_profile": tuning,
+        "machine": machine(), "threads": threads, "tuning_profile": tuning, "device": _device_name(settings.device),
         "settings": {k: v for k, v in vars(args).items() if k not in ("run", "out") and not callable(v)},
     }  # fmt: skip
     started = time.time()
@@ -194,6 +203,13 @@ def _report(rows: list[dict], settings: Any, args: argparse.Namespace, title: st
     if failed:
         print(f"{len(failed)} of {len(rows)} cells failed; see the table", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _device_name(device: str) -> str:
+    """The accelerator the cells ran on (its name, as torch reports it), or "cpu"."""
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
 
 
 def machine() -> str:

@@ -7,8 +7,9 @@ runs: it is the baseline of every ratio, measured in the same run as what it is 
 in each other cell it is timed again, call for call with the mechanism (the worker's ``paired``
 cells), so a ratio does not depend on how busy the machine was between two cells.
 
-Two grids: ``GRIDS["default"]`` (N = 256 … 4096, short warm-ups: a few minutes on 2 CPU cores) and
-``GRIDS["full"]`` (N = 256 … 16384, the longer warm-ups of a fresh process per length).
+Three grids: ``GRIDS["default"]`` (N = 256 … 4096, short warm-ups: a few minutes on 2 CPU cores),
+``GRIDS["full"]`` (N = 256 … 16384, the longer warm-ups of a fresh process per length) and
+``GRIDS["gpu"]`` (bf16 on a CUDA device, B = 1, H = 16, D = 64, N = 4k … 128k).
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ GRIDS: dict[str, dict[str, Any]] = {
     "default": {"lengths": (256, 512, 1024, 2048, 4096), "repeats": 30, "warmup_seconds": 0.5, "max_seconds": 0.6},
     "full": {"lengths": (256, 512, 1024, 2048, 4096, 8192, 16384), "repeats": 20, "warmup_seconds": 2.0,
              "max_seconds": 2.0},
+    # Long-context training's shape on one GPU, SDPA's flash kernel as the baseline; the first call
+    # of a cell compiles FlexAttention's kernels (local, sparse, pattern), outside the timed calls.
+    "gpu": {"lengths": (4096, 16384, 65536, 131072), "batch": 1, "heads": 16, "head_dim": 64, "dtype": "bfloat16",
+            "device": "cuda", "repeats": 10, "warmup_seconds": 0.5, "max_seconds": 1.0, "timeout": 300.0},
 }  # fmt: skip
 _DEFAULT = GRIDS["default"]
 

@@ -8,6 +8,7 @@
   (``blocksparse_backward``) in modules of their own.
 - ``tiles``: exact attention of query blocks to windows of a key table (routing), one Function.
 - ``band``: the sliding window (and sinks) on the block-sparse engine.
+- ``flex``: on CUDA, torch's FlexAttention (compiled) for the mask mechanisms instead of the engine.
 - ``cluster_tiles``: routing's layouts, balanced tiles and causal cluster tiles.
 - ``native``: the opt-in C kernel for short blocks (compiled on first use).
 - ``memory``: output assembly and buffers that cost no page faults.

@@ -45,9 +45,8 @@ class Tuning:
         "0: calls run on the threads the caller set, which a library call never changes; 1 (opt-in): on fewer "
         "while other processes keep cores busy (kernels.threads), a help on busy VMs, none measured on quiet ones",
     )
-    accelerator_scale: int = _knob(
-        32, "element budgets are this many times larger off the CPU: fewer launches, memory still bounded"
-    )
+    flex: int = _switch(1, "1: on CUDA, local, sparse and pattern's fused kernel is FlexAttention (kernels.flex)")
+    accelerator_scale: int = _knob(32, "element budgets are this many times larger off the CPU: fewer launches")
     kept_buffer: int = _knob(1 << 22, "CPU working buffers of up to this many elements kept by a thread between calls")
     huge_page_mib: int = _knob(2, "new CPU outputs of this many MiB or more go in huge pages (not tuned: see memory)")
     # block-sparse engine (sparse, pattern, local)

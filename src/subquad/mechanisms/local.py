@@ -51,8 +51,10 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
+from subquad.kernels import flex
 from subquad.kernels.band import window_attention, window_mask
-from subquad.masks import window_covers_all
+from subquad.kernels.layouts import sink_mask
+from subquad.masks import MaskMod, or_masks, window_covers_all
 from subquad.mechanisms._options import kernel_option
 from subquad.ops.causal_blocks import in_query_blocks
 from subquad.ops.kept_window import Kept, extend, kept_from_prompt, one_step, pieces, reach, trim
@@ -61,7 +63,7 @@ from subquad.registry import Config, Mechanism, option
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["LocalConfig", "WindowCache", "local_attention", "window_mask"]
+__all__ = ["LocalConfig", "WindowCache", "local_attention", "local_mask_mod", "window_mask"]
 
 
 @dataclass(frozen=True)
@@ -101,12 +103,24 @@ def local_attention(
     config = config or LocalConfig()
     check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
     w, s = config.window, config.sinks
+    if flex.usable(q, k, v, config.kernel):  # CUDA: FlexAttention under the same mask
+        mask = local_mask_mod(config, q.shape[2], k.shape[2], is_causal)
+        return flex.masked_attention(q, k, v, mask, (config, is_causal), key_padding_mask, scale, enable_gqa)
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, initial: None = None) -> Tensor:
         return window_attention(q, k, v, mask, is_causal, scale, w, s, config.kernel, enable_gqa)
 
     out = in_query_blocks(q, k, v, key_padding_mask, s, w, run) if is_causal else None  # inference: by blocks
     return run(q, k, v, key_padding_mask) if out is None else out
+
+
+def local_mask_mod(config: LocalConfig, num_queries: int, num_keys: int, is_causal: bool) -> MaskMod:
+    """The keys ``local`` lets each query see, sinks included: its dense oracle, and its block
+    mask under FlexAttention."""
+    window = window_mask(config.window, is_causal, num_keys - num_queries)
+    if not config.sinks:
+        return window
+    return or_masks(window, sink_mask(config.sinks, window, is_causal, num_keys - num_queries))
 
 
 class WindowCache(Decoder):

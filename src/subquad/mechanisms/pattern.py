@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from subquad._validate import AttentionShape, check_grouped_inputs
+from subquad.kernels import flex
 from subquad.kernels.blocksparse import block_sparse_attention
 from subquad.kernels.layouts import Group
 from subquad.kernels.tuning import TUNING, block_elements
@@ -135,6 +136,13 @@ def _occupancy(mask_mod: MaskMod, shape: AttentionShape, block: int, head_offset
     return torch.cat(tiles, dim=1)
 
 
+def _from_layer_head(mask_mod: MaskMod, head_offset: int) -> MaskMod:
+    """``mask_mod`` as FlexAttention calls it, with the call's head h: the layer head h + head_offset."""
+    if not head_offset:
+        return mask_mod
+    return lambda b, h, q_idx, kv_idx: mask_mod(b, h + head_offset, q_idx, kv_idx)
+
+
 def _pattern_groups(
     mask_mod: MaskMod, shape: AttentionShape, block: int, head_offset: int, device, kept: bool = False
 ) -> list[Group]:
@@ -212,6 +220,17 @@ def pattern_attention(
     if mask_mod is not None and not callable(mask_mod):
         raise ValueError(
             f"mask_mod must be a function mask_mod(b, h, q_idx, kv_idx) -> bool tensor, got {type(mask_mod).__name__}"
+        )
+    if flex.usable(q, k, v, config.kernel):  # CUDA: FlexAttention under the same mask
+        mod = pattern_mask_mod(config, shape.queries, shape.keys, is_causal, mask_mod)
+        layer_mod = _from_layer_head(mod, config.head_offset)
+        if mask_mod is not None:  # the engine's checks of a user's function, on a 2 × 2 probe
+            zero, two = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device), torch.arange(2, device=q.device)
+            _evaluate(layer_mod, zero, zero, two.view(1, 1, 2, 1), two.view(1, 1, 1, 2))
+        named = None if mask_mod is not None else PATTERNS[config.name]  # a factory may be replaced
+        key = None if named is None else (named, dataclasses.replace(config, block=1), is_causal)
+        return flex.masked_attention(
+            q, k, v, layer_mod, key, key_padding_mask, scale, enable_gqa, heads_vary=True, batch_varies=key is None
         )
     if mask_mod is None:  # a named pattern's layout depends only on these: computed once
         groups = _named_pattern_groups(config, PATTERNS[config.name], shape, is_causal, q.device)

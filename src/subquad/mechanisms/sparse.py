@@ -38,15 +38,17 @@ from torch import Tensor
 
 from subquad._validate import AttentionShape, check_grouped_inputs
 from subquad.decoding import KVCache
+from subquad.kernels import flex
 from subquad.kernels import native as _native
 from subquad.kernels.blocksparse import band_blocks, block_sparse_attention
 from subquad.kernels.layouts import Group, sink_mask
-from subquad.masks import MaskMod, or_masks, window_covers
+from subquad.masks import MaskMod, and_masks, not_mask, or_masks, window_covers
 from subquad.mechanisms._options import head_offset_option, kernel_option
 from subquad.ops.strided_patterns import (
     fixed_mask,
     pattern_mask,
     pattern_parts,
+    same_block_mask,
     strided_column_mask,
     strided_local_mask,
     summary_spans,
@@ -165,6 +167,10 @@ def sparse_attention(
             f"sparse places query i at key position i + S - L, so it needs L <= S, got L={shape.queries} and "
             f"S={shape.keys}; pass the whole sequence as keys, or use the pattern mechanism with a mask_mod"
         )
+    if flex.usable(q, k, v, config.kernel):  # CUDA: FlexAttention under the same mask
+        parts = _flex_parts(config, shape.queries, shape.keys, is_causal)
+        heads_vary = config.pattern == "fixed" and config.groups > 1
+        return flex.union_attention(q, k, v, parts, key_padding_mask, scale, enable_gqa, heads_vary)
     native = config.kernel == "native" and _native.supports(q, k, v) is None
     layout_shape = dataclasses.replace(shape, scale=1.0)
     backward = None
@@ -180,6 +186,30 @@ def sparse_attention(
             config_backward = dataclasses.replace(config, block=blocks.backward or blocks.forward)
             backward = _sparse_parts(config_backward, layout_shape, is_causal, q.device, native, blocks.transposed)
     return block_sparse_attention(q, k, v, parts, key_padding_mask, shape.scale, config.kernel, backward)
+
+
+def _flex_parts(config: SparseConfig, num_queries: int, num_keys: int, is_causal: bool) -> list[flex.Part]:
+    """The pattern as FlexAttention's parts. The column step, and fixed's summary positions, meet
+    every block of keys in order, so they run on positions regrouped by residue mod l
+    (``flex.Part.stride``), where the column step is block-diagonal and the summaries c·n
+    consecutive keys: the transposition that makes strided attention block-sparse (Child et al.
+    §5.5). The local step, fixed's own block and the sinks keep the order; one softmax over the
+    disjoint parts."""
+    key = (dataclasses.replace(config, block=0), is_causal)  # block sizes the engine only
+    if config.pattern == "strided" and config.step == "local":
+        return [flex.Part(sparse_mask_mod(config, num_queries, num_keys, is_causal), key)]
+    offset = num_keys - num_queries
+    if config.pattern == "fixed":  # own block in order; the summaries, c residues mod l, regrouped
+        near = [same_block_mask(config.stride, is_causal, offset)]
+        far = and_masks(pattern_mask(config, num_queries, num_keys, is_causal), not_mask(near[0]))
+    else:
+        column = strided_column_mask(config.stride, is_causal, offset)
+        near = [strided_local_mask(config.stride, is_causal, offset)] if config.step == "merged" else []
+        far = and_masks(column, not_mask(near[0])) if near else column  # the column keys the local step leaves
+    if config.sinks:
+        near.append(sink_mask(config.sinks, pattern_mask(config, num_queries, num_keys, is_causal), is_causal, offset))
+    parts = [flex.Part(or_masks(*near), (*key, "near"))] if near else []
+    return [*parts, flex.Part(far, (*key, "far"), config.stride)]
 
 
 def _exactly_full(config: SparseConfig, shape: AttentionShape, is_causal: bool, state: None, tensors: dict) -> bool:

@@ -50,13 +50,14 @@ from subquad.kernels.layouts import (
 )
 from subquad.kernels.softmax import fused_available
 from subquad.kernels.tuning import TUNING, block_elements
-from subquad.masks import MaskMod, and_masks, or_masks
+from subquad.masks import MaskMod, and_masks, not_mask, or_masks
 from subquad.registry import Config
 
 __all__ = [
     "fixed_mask",
     "pattern_mask",
     "pattern_parts",
+    "same_block_mask",
     "strided_column_mask",
     "strided_local_mask",
     "summary_groups",
@@ -119,17 +120,15 @@ def pattern_mask(config: Config, num_queries: int, num_keys: int, is_causal: boo
     return {"local": local, "column": column, "merged": or_masks(local, column)}[config.step]
 
 
-def _same_block_mask(stride: int, causal: bool, offset: int) -> MaskMod:
+def same_block_mask(stride: int, causal: bool, offset: int) -> MaskMod:
+    """The fixed pattern's own-block part: ``⌊p / l⌋ = ⌊j / l⌋`` (and ``j ≤ p`` when causal)."""
+
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         position = q_idx + offset
         same = torch.div(position, stride, rounding_mode="floor") == torch.div(kv_idx, stride, rounding_mode="floor")
         return same & (kv_idx <= position) if causal else same
 
     return mask_mod
-
-
-def _not(mask_mod: MaskMod) -> MaskMod:
-    return lambda b, h, q_idx, kv_idx: ~mask_mod(b, h, q_idx, kv_idx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +235,7 @@ def pattern_parts(
     if config.pattern == "fixed":
         blocks = -(-S // l)
         own = torch.arange(blocks * l, device=device).view(blocks, l)
-        same_block = _same_block_mask(l, causal, offset)
+        same_block = same_block_mask(l, causal, offset)
         return [
             segment_groups(own, L, offset, block, causal, same_block, (l, 1), whole),
             summary_groups(config, shape, causal, device, spans),
@@ -247,7 +246,7 @@ def pattern_parts(
     if config.step in ("local", "merged"):
         right = 0 if causal else l - 1
         if config.step == "merged":  # j = p belongs to the column part
-            local = and_masks(local, _not(column))
+            local = and_masks(local, not_mask(column))
         if transposed_band is None:
             parts.append(band_groups(L, offset, l - 1, right, block, local, device, kept=True))
         else:

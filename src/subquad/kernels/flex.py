@@ -1,0 +1,242 @@
+"""FlexAttention for the mask mechanisms on CUDA: ``local`` (with sinks), ``sparse`` and ``pattern``.
+
+Each of those mechanisms is a ``mask_mod`` (``subquad.masks``). On a CUDA device their ``fused``
+kernel is torch's ``flex_attention``, compiled, forward and backward, under a ``BlockMask`` built
+from that mask_mod: only the 128 × 128 tiles the mask touches are computed, and the mask is
+evaluated element by element only on tiles it cuts. Off CUDA nothing changes: the block-sparse
+engine (``kernels.blocksparse``) runs, as it does on CUDA for ``kernel="eager"``/``"native"``,
+with ``TUNING.flex = 0``, and for inputs flex does not take (``unsupported``).
+
+Choices, and why:
+
+- **Block masks are built once per shape** and kept (``_MASKS``, the last ``_KEPT`` of them): a
+  layer calls with the same sizes again and again, and building one evaluates the mask at every
+  (query, key) pair (compiled on CUDA, so no L × S tensor is made). A key padding mask is data, so
+  a padded call builds its own mask with the padding as one more term (``masks.padding_mask``),
+  per batch row, and keeps none.
+- **Recompiles.** ``torch.compile`` specialises on the first length (and window, stride…) it
+  sees and compiles a dynamic kernel at the second (its automatic dynamic shapes), so a model run
+  at many lengths compiles twice per mask, not once per length. Each mask of different code, and
+  each grad mode, is a compile of its own, and past torch's limit of 8 per function (a model with
+  local and sparse layers, causal and not, trained and evaluated, reaches it) torch runs flex
+  uncompiled, materialising every score: these calls raise the limit to ``_RECOMPILES`` while
+  they compile (``torch._dynamo.config.patch``: restored after each call, nothing global kept).
+- **What flex does not take runs on the engine:** float64 (the engine's reference dtype), head
+  dims other than 16, 32, 64, 128 or 256 or differing between keys and values, and a torch
+  without FlexAttention.
+- Rows whose mask leaves no key come back as zeros, as the contract asks; FlexAttention returns
+  exactly that.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from subquad.kernels.tuning import TUNING
+from subquad.masks import MaskMod, and_masks, padding_mask
+
+__all__ = ["Part", "masked_attention", "union_attention", "unsupported", "usable"]
+
+DEVICES = ("cuda",)  # where the fused kernel is flex; tests add "cpu" to run its forward eagerly
+_KEPT = 32  # block masks kept: a model's distinct (mask, length) pairs, each O((L/128)·(S/128)) ints
+_MASKS: OrderedDict[tuple, Any] = OrderedDict()
+_RECOMPILES = 64  # compiled masks × grad modes × (static, dynamic) one process may hold
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _flex() -> tuple[Any, Any] | None:
+    """torch's ``(flex_attention, create_block_mask)``, or None where this torch has none."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    return flex_attention, create_block_mask
+
+
+def unsupported(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why flex cannot compute this call, or None where it can."""
+    if _flex() is None:
+        return f"torch {torch.__version__} has no FlexAttention"
+    if q.dtype not in _DTYPES:
+        return f"dtype {q.dtype} (flex takes float16, bfloat16 and float32)"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D != Dv or D not in _HEAD_DIMS:
+        return f"head dims D={D}, Dv={Dv} (flex takes equal dims of {', '.join(map(str, _HEAD_DIMS))})"
+    return None
+
+
+def usable(q: Tensor, k: Tensor, v: Tensor, kernel: str) -> bool:
+    """Whether a mask mechanism's call runs on flex: the fused kernel, on a CUDA device, with
+    ``TUNING.flex`` on, and inputs flex takes."""
+    return kernel == "fused" and bool(TUNING.flex) and q.device.type in DEVICES and unsupported(q, k, v) is None
+
+
+class Part(NamedTuple):
+    """One of the disjoint key sets of a pattern: its mask_mod (raw indices, query i at i), what
+    decides it besides (L, S) and the device (None: built for one call), and its layout: ``stride``
+    0 keeps positions in order; ``l`` regroups them by residue mod l (``_regroup``), so that the
+    Sparse Transformer's column step, which meets every block in order, is block-diagonal."""
+
+    mask_mod: MaskMod
+    key: Hashable | None
+    stride: int = 0
+
+
+def masked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_mod: MaskMod,
+    key: Hashable | None,
+    key_padding_mask: Tensor | None,
+    scale: float | None,
+    enable_gqa: bool,
+    heads_vary: bool = False,
+    batch_varies: bool = False,
+) -> Tensor:
+    """Softmax attention of q ``(B, H, L, D)`` over k, v ``(B, Hkv, S, D)`` under ``mask_mod``.
+
+    Args:
+        mask_mod: which keys each query sees (``subquad.masks``), raw indices, query i at i.
+        key: what decides the mask besides (L, S) and the device (e.g. a frozen config): its block
+            mask is built once and kept; None builds it for this call only (a user's function).
+        key_padding_mask: bool ``(B, S)``, True marks a real key; a mask term of the call's own.
+        heads_vary, batch_varies: whether the mask reads ``h`` or ``b``.
+
+    Returns:
+        ``(B, H, L, D)``; zero rows for queries that see no key.
+    """
+    parts = [Part(mask_mod, key)]
+    return union_attention(q, k, v, parts, key_padding_mask, scale, enable_gqa, heads_vary, batch_varies)
+
+
+def union_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    parts: Sequence[Part],
+    key_padding_mask: Tensor | None,
+    scale: float | None,
+    enable_gqa: bool,
+    heads_vary: bool = False,
+    batch_varies: bool = False,
+) -> Tensor:
+    """One softmax over the union of ``parts`` (disjoint key sets): a flex call per part, joined by
+    their log-sum-exps (``_merge``, differentiable through both). Arguments as ``masked_attention``."""
+    lse = len(parts) > 1
+    done = [_part(q, k, v, part, key_padding_mask, scale, enable_gqa, heads_vary, batch_varies, lse) for part in parts]
+    return done[0][0] if not lse else _merge(done).to(q.dtype)
+
+
+def _part(q, k, v, part: Part, key_padding_mask, scale, enable_gqa, heads_vary, batch_varies, lse):
+    """``(out, lse or None)`` of one part, in the queries' order."""
+    mask_mod, key, L, S = part.mask_mod, part.key, q.shape[2], k.shape[2]
+    if key_padding_mask is not None:
+        mask_mod, key, batch_varies = and_masks(mask_mod, padding_mask(key_padding_mask)), None, True
+    if part.stride:
+        mask_mod = _regrouped(mask_mod, part.stride, L, S)
+        q, k, v = (_regroup(x, part.stride) for x in (q, k, v))
+    shape = (q.shape[0] if batch_varies else None, q.shape[1] if heads_vary else None, q.shape[2], k.shape[2])
+    block_mask = _block_mask(mask_mod, None if key is None else (key, part.stride), shape, q.device)
+    kwargs = {"block_mask": block_mask, "scale": scale, "enable_gqa": enable_gqa, **_lse_request(lse)}
+    if q.device.type != "cuda":  # the tests' CPU runs: flex's eager forward
+        result = _flex()[0](q, k, v, **kwargs)
+    else:
+        with _recompiles_allowed():
+            result = _compiled()(q, k, v, **kwargs)
+    out, logsumexp = (result[0], getattr(result[1], "lse", result[1])) if lse else (result, None)
+    if part.stride:
+        out = _ungroup(out, part.stride, L)
+        logsumexp = None if logsumexp is None else _ungroup(logsumexp[..., None], part.stride, L)[..., 0]
+    return out, logsumexp
+
+
+def _merge(done: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Σ_p out_p · exp(lse_p − lse) with lse = log Σ_p exp(lse_p), in float32: the softmax over the
+    parts' union. A part with no key for a row has lse −inf and weight 0; a row no part reaches is 0.
+    The shift by the largest lse is detached (it cancels), so no gradient meets −inf − (−inf)."""
+    outs, lses = zip(*done)
+    lses = [x.float() for x in lses]
+    top = torch.stack(lses).amax(0).detach()
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    weights = [torch.exp(x - top) for x in lses]  # (B, H, L)
+    total = sum(weights)
+    total = torch.where(total > 0, total, 1.0)
+    return sum(o.float() * (w / total)[..., None] for o, w in zip(outs, weights))
+
+
+def _regroup(x: Tensor, stride: int) -> Tensor:
+    """Positions regrouped by residue: ``(B, H, N, D)`` → ``(B, H, l·n, D)`` with n = ⌈N/l⌉, row
+    ``r·n + a`` holding position ``a·l + r`` (zeros past N)."""
+    B, H, N, D = x.shape
+    n = -(-N // stride)
+    x = torch.nn.functional.pad(x, (0, 0, 0, n * stride - N))
+    return x.view(B, H, n, stride, D).transpose(2, 3).reshape(B, H, n * stride, D)
+
+
+def _ungroup(x: Tensor, stride: int, N: int) -> Tensor:
+    """``_regroup``'s inverse on ``(B, H, l·n, D)``: positions back in order, the first N."""
+    B, H, M, D = x.shape
+    return x.view(B, H, stride, M // stride, D).transpose(2, 3).reshape(B, H, M, D)[:, :, :N]
+
+
+def _regrouped(mask_mod: MaskMod, stride: int, L: int, S: int) -> MaskMod:
+    """``mask_mod`` on regrouped indices (``_regroup`` of queries and keys); rows and keys past the
+    ends are masked (their positions clamped, so a mask reading a tensor by index stays in it)."""
+    nq, nk = -(-L // stride), -(-S // stride)
+
+    def mask_mod_regrouped(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        query = (q_idx % nq) * stride + q_idx // nq
+        key = (kv_idx % nk) * stride + kv_idx // nk
+        inside = (query < L) & (key < S)
+        return inside & mask_mod(b, h, query.clamp(max=L - 1), key.clamp(max=S - 1))
+
+    return mask_mod_regrouped
+
+
+def _lse_request(lse: bool) -> dict[str, Any]:
+    """flex's argument asking for the log-sum-exp: ``return_aux`` where torch has it (from 2.9;
+    ``return_lse`` is deprecated there), else ``return_lse``."""
+    if not lse:
+        return {}
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
+def _recompiles_allowed() -> Any:
+    """``torch._dynamo.config.patch`` raising the recompile limit to ``_RECOMPILES`` (its name
+    before torch 2.7: ``cache_size_limit``), for one call."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(_RECOMPILES, getattr(config, name))})
+
+
+def _block_mask(mask_mod: MaskMod, key: Hashable | None, shape: tuple, device: torch.device) -> Any:
+    """The BlockMask of ``mask_mod`` at ``shape`` = (B or None, H or None, L, S): kept by ``key``."""
+    _, create_block_mask = _flex()
+    kept = None if key is None else (key, shape, str(device))
+    if kept is not None and kept in _MASKS:
+        _MASKS.move_to_end(kept)
+        return _MASKS[kept]
+    block_mask = create_block_mask(mask_mod, *shape, device=device, _compile=device.type == "cuda")
+    if kept is not None:
+        _MASKS[kept] = block_mask
+        while len(_MASKS) > _KEPT:
+            _MASKS.popitem(last=False)
+    return block_mask
+
+
+@functools.cache
+def _compiled() -> Any:
+    """``flex_attention`` under ``torch.compile``, made once (its eager form materialises the scores)."""
+    return torch.compile(_flex()[0])
