@@ -122,9 +122,9 @@ def test_the_routing_cache_without_a_state_on_cuda_equals_the_parallel_form():
     torch.testing.assert_close(steps, call(mech, q, k, v, is_causal=True, config=config), rtol=1e-9, atol=1e-10)
 
 
-# Mechanisms with a discrete choice (clusters, resolution) that rounding can flip; the others are
-# close to float64 in every dtype.
-DISCRETE = {"clustered", "improved-clustered", "routing", "multires"}
+# Mechanisms with a discrete choice (clusters, resolution, retrieval's far blocks) that rounding can
+# flip; the others are close to float64 in every dtype.
+DISCRETE = {"clustered", "improved-clustered", "routing", "multires", "retrieval"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
