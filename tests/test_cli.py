@@ -1,10 +1,12 @@
 import argparse
 import json
+import re
 import subprocess
 import sys
 from dataclasses import fields, replace
 
 import pytest
+import torch
 
 import subquad
 from subquad import registry
@@ -159,6 +161,26 @@ def test_the_grid_gives_lengths_and_warm_ups_that_are_not_set():
     assert tuple(mixed.lengths) == (64,) and mixed.warmup_seconds == 0 and mixed.max_seconds == 2.0
     with pytest.raises(SystemExit):
         parse("--grid", "huge")
+    gpu = parse("--grid", "gpu")
+    assert (gpu.device, gpu.dtype, gpu.heads, gpu.batch, gpu.head_dim) == ("cuda", "bfloat16", 16, 1, 64)
+    assert tuple(gpu.lengths) == (4096, 16384, 65536, 131072) and gpu.timeout == 300
+    own = parse("--grid", "gpu", "--heads", "8", "--dtype", "float16", "--device", "cuda:1")
+    assert (own.heads, own.dtype, own.device, own.batch) == (8, "float16", "cuda:1", 1)
+    assert parse("--heads", "4").device == "cpu" and parse().dtype == "float32"  # the default grid sets neither
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of a machine without a CUDA device")
+def test_bench_refuses_a_cuda_device_it_does_not_have(tmp_path, capsys):
+    refusals = {
+        ("--grid", "gpu"): r"sees no CUDA device here; .*\(the gpu grid needs one; on a CPU, give --grid default",
+        ("--device", "cuda:0"): r"--device cuda:0: torch .* sees no CUDA device here; .*\(or --device cpu\)",
+        ("--device", "gpu"): r"--device 'gpu' is not a device torch knows; give cpu, cuda or cuda:N",
+    }
+    for argv, message in refusals.items():
+        with pytest.raises(SystemExit):
+            main(["bench", *argv, "--out", str(tmp_path)])
+        assert re.search(message, capsys.readouterr().err)
+    assert not any(tmp_path.iterdir())
 
 
 def test_list_and_bench_need_no_train_or_hf_extra_and_train_says_which_to_install(tmp_path):

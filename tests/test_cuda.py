@@ -210,9 +210,6 @@ def test_flex_on_cuda_equals_the_engine_forward_and_backward(case, dtype, monkey
     name, options = FLEX[case]
     mech = get_mechanism(name)
     config = make_config(mech, **options)
-    q, _, _ = qkv(2, 6, 300, 300, 64, seed=11)
-    _, k, v = qkv(2, 2, 300, 300, 64, seed=12)
-    kpm = padding(2, 300, seed=13).cuda()
     calls = []
     union = flex.union_attention
 
@@ -220,21 +217,42 @@ def test_flex_on_cuda_equals_the_engine_forward_and_backward(case, dtype, monkey
         calls.append(case)
         return union(*args, **kwargs)
 
-    def run(is_causal, mask):
+    def run(q, k, v, is_causal, mask):
         inputs = [x.cuda().to(dtype).requires_grad_() for x in (q, k, v)]
         out = call(mech, *inputs, key_padding_mask=mask, is_causal=is_causal, config=config, enable_gqa=True)
         grads = torch.autograd.grad(out, inputs, torch.ones_like(out).cos())
         return [x.float() for x in (out, *grads)]
 
     tol = 2e-4 if dtype == torch.float32 else 3e-2
-    for is_causal in (False, True):
-        for mask in (None, kpm):
-            with monkeypatch.context() as patched:
-                patched.setattr(flex, "union_attention", counted)
-                got = run(is_causal, mask)
-            with tuned(flex=0):
-                want = run(is_causal, mask)
-            for g, w in zip(got, want):
-                assert torch.isfinite(g).all()
-                torch.testing.assert_close(g, w, rtol=tol, atol=tol)
-    assert len(calls) == 4
+    for L, S in ((300, 300), (200, 300)):  # lengths off flex's 128-blocks; queries at the end of the keys
+        q, _, _ = qkv(2, 6, L, S, 64, seed=11)
+        _, k, v = qkv(2, 2, L, S, 64, seed=12)
+        empty = padding(2, S, seed=13)
+        empty[1] = False  # a row with no key: zero output and gradients, through the parts' log-sum-exps
+        for is_causal in (False, True):
+            for mask in (None, padding(2, S, seed=13).cuda(), empty.cuda()):
+                with monkeypatch.context() as patched:
+                    patched.setattr(flex, "union_attention", counted)
+                    got = run(q, k, v, is_causal, mask)
+                with tuned(flex=0):
+                    want = run(q, k, v, is_causal, mask)
+                for g, w in zip(got, want):
+                    assert torch.isfinite(g).all()
+                    torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    assert len(calls) == 12
+
+
+@pytest.mark.parametrize("spec", ["local:window=40,sinks=4", "sparse:stride=16", "sparse:stride=32,pattern=fixed"])
+def test_flex_on_cuda_decodes_as_it_computes_in_parallel(spec):
+    """A model on FlexAttention (float32) generates the same tokens with its cache as without, and
+    its logits equal the engine's: decoding steps of one query, each at another length."""
+    from subquad.kernels.tuning import tuned
+
+    torch.manual_seed(0)
+    model = CausalLM(40, 64, 2, 4, attention=spec, max_len=160).cuda().eval()
+    tokens = torch.randint(0, 40, (2, 150), generator=torch.Generator().manual_seed(1)).cuda()
+    logits = model(tokens)
+    with tuned(flex=0):
+        torch.testing.assert_close(logits, model(tokens), rtol=2e-4, atol=2e-4)
+    prompt = tokens[:, :100]
+    assert torch.equal(model.generate(prompt, 30, use_cache=True), model.generate(prompt, 30, use_cache=False))

@@ -80,14 +80,17 @@ def test_flex_equals_the_engine(on_cpu, case, is_causal, L, S):
     assert len(on_cpu) == 2
 
 
-@pytest.mark.parametrize("case", ["local-sinks", "sparse-fixed-offset", "pattern"])
-def test_grouped_query_heads_equal_the_engine(on_cpu, case):
+@pytest.mark.parametrize("case", ["local-sinks", "sparse-merged", "sparse-fixed-offset", "pattern"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_grouped_query_heads_equal_the_engine(on_cpu, case, is_causal):
     fn, config = CASES[case]
     q, _, _ = qkv(2, 6, 50, 50, 32, dtype=torch.float32, seed=3)
     _, k, v = qkv(2, 2, 50, 50, 32, dtype=torch.float32, seed=4)
-    flexed, engine = _both(fn, q, k, v, is_causal=True, config=config, enable_gqa=True, scale=0.3)
-    torch.testing.assert_close(flexed, engine, atol=2e-6, rtol=1e-5)
-    assert len(on_cpu) == 1
+    for mask in (None, padding(2, 50, seed=5)):
+        args = dict(is_causal=is_causal, config=config, enable_gqa=True, scale=0.3, key_padding_mask=mask)
+        flexed, engine = _both(fn, q, k, v, **args)
+        torch.testing.assert_close(flexed, engine, atol=2e-6, rtol=1e-5)
+    assert len(on_cpu) == 2
 
 
 def test_rows_that_see_no_key_are_zero(on_cpu):
@@ -280,3 +283,84 @@ def test_strided_sparse_runs_as_two_parts(monkeypatch, on_cpu):
     parts.clear()
     sparse_attention(q, k, v, config=SparseConfig(pattern="fixed", stride=16, summary=2), is_causal=True)
     assert [p.stride for p in parts] == [0, 16]
+
+
+def test_kept_masks_are_told_apart_by_the_real_lengths(on_cpu):
+    """Regrouped lengths round up to the stride: 57 and 64 keys share a padded size, and so do the
+    keys of successive decoding steps; each must still get its own mask."""
+    config = SparseConfig(stride=8, step="column")
+    for L in (57, 64, 60):
+        q, k, v = qkv(1, 2, L, L, 16, dtype=torch.float32, seed=L)
+        flexed, engine = _both(sparse_attention, q, k, v, config=config, is_causal=True)
+        torch.testing.assert_close(flexed, engine, atol=2e-6, rtol=1e-5)
+    config = SparseConfig(stride=8)
+    for S in (17, 18, 19, 20, 25):  # one query a step, as a decoder's cache calls it
+        q, k, v = qkv(1, 2, 1, S, 16, dtype=torch.float32, seed=S)
+        flexed, engine = _both(sparse_attention, q, k, v, config=config, is_causal=True)
+        torch.testing.assert_close(flexed, engine, atol=2e-6, rtol=1e-5)
+    assert all(key[0][3] > 1 for key in flex._MASKS)  # the single-query steps kept none
+
+
+def test_a_regrouped_row_that_sees_no_key_is_zero(on_cpu):
+    q, k, v = qkv(2, 2, 40, 40, 16, dtype=torch.float32, seed=2)
+    kpm = torch.ones(2, 40, dtype=torch.bool)
+    kpm[1] = False
+    for config in (SparseConfig(stride=8), SparseConfig(stride=8, step="column", sinks=2)):
+        out, engine = _both(sparse_attention, q, k, v, config=config, key_padding_mask=kpm, is_causal=True)
+        assert torch.isfinite(out).all() and out[1].abs().max() == 0
+        torch.testing.assert_close(out, engine, atol=2e-6, rtol=1e-5)
+
+
+def test_a_user_mask_mod_over_one_query_and_one_key(on_cpu):
+    document = torch.tensor([0])
+    q, k, v = qkv(1, 2, 1, 1, 16, dtype=torch.float32)
+    mask_mod = lambda b, h, q_idx, kv_idx: document[q_idx] == document[kv_idx]
+    flexed, engine = _both(pattern_attention, q, k, v, mask_mod=mask_mod)
+    torch.testing.assert_close(flexed, engine)
+
+
+@pytest.fixture
+def compiled_on_cpu(on_cpu, monkeypatch):
+    """The compiled path on the CPU, with torch's eager backend (no C++ compiler needed)."""
+    import torch._dynamo
+
+    monkeypatch.setattr(flex, "COMPILED", ("cuda", "cpu"))
+    monkeypatch.setattr(flex, "BACKEND", "eager")
+    for made in (flex._compiled, flex._compiled_builder):
+        made.cache_clear()
+    torch._dynamo.reset()
+    yield on_cpu
+    for made in (flex._compiled, flex._compiled_builder):
+        made.cache_clear()
+    torch._dynamo.reset()
+
+
+def test_past_the_recompile_limit_the_engine_runs_and_the_limit_is_put_back(compiled_on_cpu, monkeypatch):
+    import torch._dynamo.config
+
+    monkeypatch.setattr(flex, "_RECOMPILES", 2)
+    q, k, v = qkv(1, 2, 30, 30, 16, dtype=torch.float32)
+    outputs = []
+    caller = torch._dynamo.config.patch(recompile_limit=1)  # the caller's limit, below subquad's 2
+    with caller, pytest.warns(RuntimeWarning, match="FlexAttention has compiled 2 masks in this process"):
+        for config in (LocalConfig(window=3), SparseConfig(stride=4, step="local"), PatternConfig(window=5)):
+            fn = {"local": local_attention, "sparse": sparse_attention, "pattern": pattern_attention}[config.mechanism]
+            for is_causal in (False, True):  # six masks of different code or flags: past a limit of 2
+                flexed, engine = _both(fn, q, k, v, config=config, is_causal=is_causal)
+                outputs.append((flexed, engine))
+        assert torch._dynamo.config.recompile_limit == 1 and not flex._RAISED
+    for flexed, engine in outputs:
+        torch.testing.assert_close(flexed, engine, atol=2e-6, rtol=1e-5)
+
+
+def test_the_raised_limit_is_put_back_after_an_error():
+    import torch._dynamo.config
+
+    limit = torch._dynamo.config.recompile_limit
+    with pytest.raises(KeyError), flex._recompiles_allowed():
+        assert torch._dynamo.config.recompile_limit == max(limit, flex._RECOMPILES)
+        with flex._recompiles_allowed():  # a nested call keeps it raised
+            pass
+        assert torch._dynamo.config.recompile_limit == max(limit, flex._RECOMPILES)
+        raise KeyError
+    assert torch._dynamo.config.recompile_limit == limit and not flex._RAISED

@@ -7,6 +7,7 @@ dataclass; several values sweep the option, and the sweeps of one mechanism comb
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import platform
 import sys
@@ -126,11 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from subquad.bench.runner import run_bench
 
     settings = settings_from(args)
-    if settings.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(
-            f"--device {settings.device}: torch {torch.__version__} sees no CUDA device here; run on a machine "
-            "with a GPU and a CUDA build of torch, or give --device cpu (the gpu grid sets cuda)"
-        )
+    _check_device(settings.device, args.grid)
     out_folder(args.out)  # before the run, so a bad folder fails at once
     threads = settings.threads or torch.get_num_threads()
     title = f"B={settings.batch} H={settings.heads} D={settings.head_dim} {settings.dtype} {settings.device}"
@@ -144,8 +141,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"tuning profile: {tuning}", file=sys.stderr)
     meta = {
         "subquad": __version__, "torch": torch.__version__, "python": platform.python_version(),
-        "machine": machine(), "threads": threads, "tuning_profile": tuning, "device": _device_name(settings.device),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("run", "out") and not callable(v)},
+        "machine": machine(), "threads": threads, "tuning_profile": tuning, "grid": args.grid,
+        "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "variants"},
+        "mechanisms": [v.label for v in settings.all_variants()],
     }  # fmt: skip
     started = time.time()
     done: list[dict] = []
@@ -154,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         """results.csv and results.json as they stand: after each cell, so a stopped run keeps its rows."""
         done[:] = rows
         elapsed = round(time.time() - started, 1)
+        meta["device"] = next((r["device_name"] for r in rows if r.get("device_name")), settings.device)
         report.write_csv(rows, args.out / "results.csv")
         report.write_json(rows, {**meta, "elapsed_s": elapsed, "cells_done": len(rows), "cells": len(cells)},
                           args.out / "results.json")  # fmt: skip
@@ -205,11 +204,26 @@ def _report(rows: list[dict], settings: Any, args: argparse.Namespace, title: st
     return 1 if failed else 0
 
 
-def _device_name(device: str) -> str:
-    """The accelerator the cells ran on (its name, as torch reports it), or "cpu"."""
+def _check_device(device: str, grid: str) -> None:
+    """Refuse, with the fix, a device the workers could not run on (this process starts no CUDA
+    context: the workers do, and report the device's name)."""
     import torch
 
-    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device torch knows; give cpu, cuda or cuda:N") from None
+    if parsed.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        where = "the gpu grid needs one; on a CPU, give --grid default or full" if grid == "gpu" else "or --device cpu"
+        raise ValueError(
+            f"--device {device}: torch {torch.__version__} sees no CUDA device here; run on a machine with a GPU and "
+            f"a CUDA build of torch ({where})"
+        )
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
 
 
 def machine() -> str:

@@ -86,6 +86,8 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"])
     out, result, timing = _timed_calls(call, baseline, q, k, v, device, cell)
     result.update(time_s=statistics.median(timing.times), times_s=timing.times, threads=torch.get_num_threads())
+    if device.type == "cuda":
+        result["device_name"] = torch.cuda.get_device_name(device)
     if probe_before is not None:
         result["short_op_speedup"] = [probe_before, short_op_speedup()]
     if timing.paired:
@@ -144,7 +146,8 @@ def _timed_calls(
         except Exception as exc:
             baseline, result["paired_error"] = None, f"{type(exc).__name__}: {exc}"[:200]
     own, base = 0.0, 0.0  # the latest warm-up times of a call of each (a paired cell times one at least)
-    while time.perf_counter() - warmup_start < cell["warmup_seconds"] or (baseline is not None and not own):
+    # At least one untimed call after the first, which may have compiled a kernel (FlexAttention on CUDA).
+    while time.perf_counter() - warmup_start < cell["warmup_seconds"] or not own:
         out, own = _timed(call, q, k, v, device)
         if baseline is not None:
             base = _timed(baseline, q, k, v, device)[1]

@@ -13,14 +13,18 @@ Choices, and why:
   layer calls with the same sizes again and again, and building one evaluates the mask at every
   (query, key) pair (compiled on CUDA, so no L × S tensor is made). A key padding mask is data, so
   a padded call builds its own mask with the padding as one more term (``masks.padding_mask``),
-  per batch row, and keeps none.
+  per batch row, and keeps none; nor is one kept for a single query (a decoding step: each has
+  another length).
 - **Recompiles.** ``torch.compile`` specialises on the first length (and window, stride…) it
   sees and compiles a dynamic kernel at the second (its automatic dynamic shapes), so a model run
   at many lengths compiles twice per mask, not once per length. Each mask of different code, and
   each grad mode, is a compile of its own, and past torch's limit of 8 per function (a model with
-  local and sparse layers, causal and not, trained and evaluated, reaches it) torch runs flex
-  uncompiled, materialising every score: these calls raise the limit to ``_RECOMPILES`` while
-  they run (``_recompiles_allowed``: restored after each call, nothing global kept).
+  local and sparse layers, causal and not, trained and evaluated, reaches it) torch would run flex
+  uncompiled, materialising every score. So subquad compiles functions of its own (their compiles
+  are not a caller's ``torch.compile(flex_attention)``'s), allows them ``_RECOMPILES`` while its
+  calls run (``_recompiles_allowed``: the limit is put back after each, nothing global kept), and
+  compiles them ``fullgraph``: past that limit torch raises instead of running uncompiled, and the
+  call runs on the block engine, with one warning.
 - **What flex does not take runs on the engine:** float64 (the engine's reference dtype), head
   dims other than 16, 32, 64, 128 or 256 or differing between keys and values, and a torch
   without FlexAttention.
@@ -32,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -45,6 +51,10 @@ from subquad.masks import MaskMod, and_masks, padding_mask
 __all__ = ["Part", "masked_attention", "union_attention", "unsupported", "usable"]
 
 DEVICES = ("cuda",)  # where the fused kernel is flex; tests add "cpu" to run its forward eagerly
+COMPILED = ("cuda",)  # where flex and the mask builder run compiled; tests add "cpu" (backend "eager")
+BACKEND = "inductor"
+_LOCK = threading.Lock()  # the kept masks and the raised recompile limit, between threads
+_RAISED: list[int | None] = []  # the limit before subquad's calls raised it, then one entry per call running
 _KEPT = 32  # block masks kept: a model's distinct (mask, length) pairs, each O((L/128)·(S/128)) ints
 _MASKS: OrderedDict[tuple, Any] = OrderedDict()
 _RECOMPILES = 64  # compiled masks × grad modes × (static, dynamic) one process may hold
@@ -101,7 +111,7 @@ def masked_attention(
     enable_gqa: bool,
     heads_vary: bool = False,
     batch_varies: bool = False,
-) -> Tensor:
+) -> Tensor | None:
     """Softmax attention of q ``(B, H, L, D)`` over k, v ``(B, Hkv, S, D)`` under ``mask_mod``.
 
     Args:
@@ -112,7 +122,8 @@ def masked_attention(
         heads_vary, batch_varies: whether the mask reads ``h`` or ``b``.
 
     Returns:
-        ``(B, H, L, D)``; zero rows for queries that see no key.
+        ``(B, H, L, D)``; zero rows for queries that see no key. None where torch refuses another
+        compile (``union_attention``): the caller's engine runs.
     """
     parts = [Part(mask_mod, key)]
     return union_attention(q, k, v, parts, key_padding_mask, scale, enable_gqa, heads_vary, batch_varies)
@@ -128,26 +139,32 @@ def union_attention(
     enable_gqa: bool,
     heads_vary: bool = False,
     batch_varies: bool = False,
-) -> Tensor:
+) -> Tensor | None:
     """One softmax over the union of ``parts`` (disjoint key sets): a flex call per part, joined by
-    their log-sum-exps (``_merge``, differentiable through both). Arguments as ``masked_attention``."""
+    their log-sum-exps (``_merge``, differentiable through both). Arguments as ``masked_attention``.
+    None where torch refuses another compile (``_RECOMPILES`` reached): the caller's engine runs."""
     lse = len(parts) > 1
-    done = [_part(q, k, v, part, key_padding_mask, scale, enable_gqa, heads_vary, batch_varies, lse) for part in parts]
-    return done[0][0] if not lse else _merge(done).to(q.dtype)
+    try:
+        done = [_part(q, k, v, p, key_padding_mask, scale, enable_gqa, heads_vary, batch_varies, lse) for p in parts]
+    except _limit_hit():
+        _warn_limit()
+        return None
+    return done[0][0].contiguous() if not lse else _merge(done).to(q.dtype)  # regrouped: a slice
 
 
 def _part(q, k, v, part: Part, key_padding_mask, scale, enable_gqa, heads_vary, batch_varies, lse):
     """``(out, lse or None)`` of one part, in the queries' order."""
-    mask_mod, key, L, S = part.mask_mod, part.key, q.shape[2], k.shape[2]
+    mask_mod, L, S = part.mask_mod, q.shape[2], k.shape[2]
+    key = None if part.key is None or L == 1 else (part.key, part.stride, L, S)  # a decoding step: not kept
     if key_padding_mask is not None:
         mask_mod, key, batch_varies = and_masks(mask_mod, padding_mask(key_padding_mask)), None, True
     if part.stride:
         mask_mod = _regrouped(mask_mod, part.stride, L, S)
         q, k, v = (_regroup(x, part.stride) for x in (q, k, v))
     shape = (q.shape[0] if batch_varies else None, q.shape[1] if heads_vary else None, q.shape[2], k.shape[2])
-    block_mask = _block_mask(mask_mod, None if key is None else (key, part.stride), shape, q.device)
+    block_mask = _block_mask(mask_mod, key, shape, q.device)
     kwargs = {"block_mask": block_mask, "scale": scale, "enable_gqa": enable_gqa, **_lse_request(lse)}
-    if q.device.type != "cuda":  # the tests' CPU runs: flex's eager forward
+    if q.device.type not in COMPILED:  # the tests' CPU runs: flex's eager forward
         result = _flex()[0](q, k, v, **kwargs)
     else:
         with _recompiles_allowed():
@@ -217,42 +234,80 @@ def _lse_request(lse: bool) -> dict[str, Any]:
 @contextlib.contextmanager
 def _recompiles_allowed() -> Iterator[None]:
     """The recompile limit raised to ``_RECOMPILES`` (its name before torch 2.7:
-    ``cache_size_limit``) for one call, and put back (``config.patch`` costs 0.1 ms a call)."""
+    ``cache_size_limit``) while subquad's calls run, and put back when the last of them ends
+    (``config.patch`` costs 0.1 ms a call; a count under a lock keeps threads from restoring it
+    under each other)."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    before = getattr(config, name)
-    setattr(config, name, max(_RECOMPILES, before))
+    with _LOCK:
+        if not _RAISED:
+            _RAISED.append(getattr(config, name))
+            setattr(config, name, max(_RECOMPILES, _RAISED[0]))
+        _RAISED.append(None)
     try:
         yield
     finally:
-        setattr(config, name, before)
+        with _LOCK:
+            _RAISED.pop()
+            if len(_RAISED) == 1:
+                setattr(config, name, _RAISED.pop())
 
 
 def _block_mask(mask_mod: MaskMod, key: Hashable | None, shape: tuple, device: torch.device) -> Any:
     """The BlockMask of ``mask_mod`` at ``shape`` = (B or None, H or None, L, S): kept by ``key``."""
     kept = None if key is None else (key, shape, str(device))
-    if kept is not None and kept in _MASKS:
-        _MASKS.move_to_end(kept)
-        return _MASKS[kept]
-    if device.type != "cuda":  # the tests' CPU runs
+    with _LOCK:
+        block_mask = None if kept is None else _MASKS.get(kept)
+        if block_mask is not None:
+            _MASKS.move_to_end(kept)
+            return block_mask
+    if device.type not in COMPILED:  # the tests' CPU runs
         block_mask = _flex()[1](mask_mod, *shape, device=device)
     else:  # compiled, the mask is evaluated tile by tile: no (L, S) tensor
         with _recompiles_allowed():
             block_mask = _compiled_builder()(mask_mod, *shape, device=device)
     if kept is not None:
-        _MASKS[kept] = block_mask
-        while len(_MASKS) > _KEPT:
-            _MASKS.popitem(last=False)
+        with _LOCK:
+            _MASKS[kept] = block_mask
+            while len(_MASKS) > _KEPT:
+                _MASKS.popitem(last=False)
     return block_mask
 
 
 @functools.cache
 def _compiled_builder() -> Any:
-    """``create_block_mask`` under ``torch.compile``, made once (what its deprecated ``_compile`` did)."""
-    return torch.compile(_flex()[1])
+    """``create_block_mask`` under ``torch.compile`` in a function of subquad's own (its compiles
+    are its own), made once: what ``create_block_mask``'s deprecated ``_compile`` did, the mask
+    evaluated tile by tile."""
+    create_block_mask = _flex()[1]
+
+    def build(mask_mod: MaskMod, B: int | None, H: int | None, L: int, S: int, device: torch.device) -> Any:
+        return create_block_mask(mask_mod, B, H, L, S, device=device)
+
+    return torch.compile(build, fullgraph=True, backend=BACKEND)
 
 
 @functools.cache
 def _compiled() -> Any:
-    """``flex_attention`` under ``torch.compile``, made once (its eager form materialises the scores)."""
-    return torch.compile(_flex()[0])
+    """``flex_attention`` under ``torch.compile``, likewise (its eager form materialises the scores)."""
+    flex_attention = _flex()[0]
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
+        return flex_attention(q, k, v, **kwargs)
+
+    return torch.compile(attend, fullgraph=True, backend=BACKEND)
+
+
+def _limit_hit() -> tuple[type[Exception], ...]:
+    """What torch raises past the recompile limit of a ``fullgraph`` compile (none before 2.5)."""
+    return tuple(getattr(torch._dynamo.exc, n) for n in ("FailOnRecompileLimitHit",) if hasattr(torch._dynamo.exc, n))
+
+
+def _warn_limit() -> None:
+    warnings.warn(
+        f"FlexAttention has compiled {_RECOMPILES} masks in this process (torch's recompile limit, raised to that for "
+        "subquad's calls), so this call of local, sparse or pattern runs on the block engine (slower on a GPU); "
+        "fewer distinct masks, lengths or dtypes per process avoid it",
+        RuntimeWarning,
+        stacklevel=4,
+    )

@@ -18,7 +18,8 @@ def kernel_option() -> Any:
     """The ``kernel`` option of the mechanisms computed here (a fresh field for each config)."""
     return option(
         "fused",
-        "fused: torch's CPU flash kernel per chunk of blocks (else eager); eager: matmul-softmax-matmul "
+        "fused: torch's CPU flash kernel per chunk of blocks, FlexAttention (compiled) on CUDA (else eager); "
+        "eager: matmul-softmax-matmul "
         "(reference); native: opt-in C kernel for the forward, compiled on first use (fp32, AVX2 CPUs; "
         "else the PyTorch kernels)",
         choices=("fused", "eager", "native"),

@@ -101,11 +101,13 @@ def local_attention(
         ``(B, H, L, Dv)``; zero rows for queries whose window holds no real key.
     """
     config = config or LocalConfig()
-    check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
+    shape = check_grouped_inputs(q, k, v, key_padding_mask, is_causal, scale, enable_gqa)
     w, s = config.window, config.sinks
     if flex.usable(q, k, v, config.kernel):  # CUDA: FlexAttention under the same mask
-        mask = local_mask_mod(config, q.shape[2], k.shape[2], is_causal)
-        return flex.masked_attention(q, k, v, mask, (config, is_causal), key_padding_mask, scale, enable_gqa)
+        mask = local_mask_mod(config, shape.queries, shape.keys, is_causal)
+        out = flex.masked_attention(q, k, v, mask, (config, is_causal), key_padding_mask, shape.scale, enable_gqa)
+        if out is not None:
+            return out
 
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, initial: None = None) -> Tensor:
         return window_attention(q, k, v, mask, is_causal, scale, w, s, config.kernel, enable_gqa)

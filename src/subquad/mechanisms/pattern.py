@@ -224,14 +224,17 @@ def pattern_attention(
     if flex.usable(q, k, v, config.kernel):  # CUDA: FlexAttention under the same mask
         mod = pattern_mask_mod(config, shape.queries, shape.keys, is_causal, mask_mod)
         layer_mod = _from_layer_head(mod, config.head_offset)
-        if mask_mod is not None:  # the engine's checks of a user's function, on a 2 × 2 probe
-            zero, two = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device), torch.arange(2, device=q.device)
-            _evaluate(layer_mod, zero, zero, two.view(1, 1, 2, 1), two.view(1, 1, 1, 2))
+        if mask_mod is not None:  # the engine's checks of a user's function, on a probe of 2 × 2 at most
+            zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
+            rows, cols = (torch.arange(min(2, n), device=q.device) for n in (shape.queries, shape.keys))
+            _evaluate(layer_mod, zero, zero, rows.view(1, 1, -1, 1), cols.view(1, 1, 1, -1))
         named = None if mask_mod is not None else PATTERNS[config.name]  # a factory may be replaced
         key = None if named is None else (named, dataclasses.replace(config, block=1), is_causal)
-        return flex.masked_attention(
-            q, k, v, layer_mod, key, key_padding_mask, scale, enable_gqa, heads_vary=True, batch_varies=key is None
+        out = flex.masked_attention(
+            q, k, v, layer_mod, key, key_padding_mask, shape.scale, enable_gqa, heads_vary=True, batch_varies=True
         )
+        if out is not None:
+            return out
     if mask_mod is None:  # a named pattern's layout depends only on these: computed once
         groups = _named_pattern_groups(config, PATTERNS[config.name], shape, is_causal, q.device)
     else:  # a user's function may close over anything: its layout is evaluated on every call

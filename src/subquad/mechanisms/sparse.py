@@ -170,7 +170,9 @@ def sparse_attention(
     if flex.usable(q, k, v, config.kernel):  # CUDA: FlexAttention under the same mask
         parts = _flex_parts(config, shape.queries, shape.keys, is_causal)
         heads_vary = config.pattern == "fixed" and config.groups > 1
-        return flex.union_attention(q, k, v, parts, key_padding_mask, scale, enable_gqa, heads_vary)
+        out = flex.union_attention(q, k, v, parts, key_padding_mask, shape.scale, enable_gqa, heads_vary)
+        if out is not None:
+            return out
     native = config.kernel == "native" and _native.supports(q, k, v) is None
     layout_shape = dataclasses.replace(shape, scale=1.0)
     backward = None
