@@ -298,7 +298,7 @@ def test_kept_masks_are_told_apart_by_the_real_lengths(on_cpu):
         q, k, v = qkv(1, 2, 1, S, 16, dtype=torch.float32, seed=S)
         flexed, engine = _both(sparse_attention, q, k, v, config=config, is_causal=True)
         torch.testing.assert_close(flexed, engine, atol=2e-6, rtol=1e-5)
-    assert all(key[0][3] > 1 for key in flex._MASKS)  # the single-query steps kept none
+    assert all(key[0][2] > 1 for key in flex._MASKS)  # (part key, stride, L, S): the single-query steps kept none
 
 
 def test_a_regrouped_row_that_sees_no_key_is_zero(on_cpu):
@@ -341,14 +341,19 @@ def test_past_the_recompile_limit_the_engine_runs_and_the_limit_is_put_back(comp
     monkeypatch.setattr(flex, "_RECOMPILES", 2)
     q, k, v = qkv(1, 2, 30, 30, 16, dtype=torch.float32)
     outputs = []
-    caller = torch._dynamo.config.patch(recompile_limit=1)  # the caller's limit, below subquad's 2
-    with caller, pytest.warns(RuntimeWarning, match="FlexAttention has compiled 2 masks in this process"):
+    warned = []
+    with torch._dynamo.config.patch(recompile_limit=1):  # the caller's limit, below subquad's 2
         for config in (LocalConfig(window=3), SparseConfig(stride=4, step="local"), PatternConfig(window=5)):
             fn = {"local": local_attention, "sparse": sparse_attention, "pattern": pattern_attention}[config.mechanism]
             for is_causal in (False, True):  # six masks of different code or flags: past a limit of 2
-                flexed, engine = _both(fn, q, k, v, config=config, is_causal=is_causal)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    flexed, engine = _both(fn, q, k, v, config=config, is_causal=is_causal)
+                message = "FlexAttention has compiled 2 masks in this process"
+                warned.append(any(message in str(w.message) for w in caught))
                 outputs.append((flexed, engine))
-        assert torch._dynamo.config.recompile_limit == 1 and not flex._RAISED
+        assert torch._dynamo.config.recompile_limit == 1 and not flex._ACTIVE[0]
+    assert warned == [False, False, True, True, True, True]  # two compiles under subquad's limit, not the caller's 1
     for flexed, engine in outputs:
         torch.testing.assert_close(flexed, engine, atol=2e-6, rtol=1e-5)
 
@@ -363,4 +368,41 @@ def test_the_raised_limit_is_put_back_after_an_error():
             pass
         assert torch._dynamo.config.recompile_limit == max(limit, flex._RECOMPILES)
         raise KeyError
-    assert torch._dynamo.config.recompile_limit == limit and not flex._RAISED
+    assert torch._dynamo.config.recompile_limit == limit and not flex._ACTIVE[0]
+
+
+def test_threads_each_get_the_raised_limit_and_put_back_what_they_found():
+    """Two overlapping calls in two threads (as nn.DataParallel's replicas run): each runs with the
+    raised limit, and each thread's limit afterwards is what it was before, whether torch keeps the
+    value per thread or for the process."""
+    import threading
+
+    import torch._dynamo.config
+
+    limit = torch._dynamo.config.recompile_limit
+    raised = max(limit, flex._RECOMPILES)
+    first_in, second_done = threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with flex._recompiles_allowed():
+            seen["first, during"] = torch._dynamo.config.recompile_limit
+            first_in.set()
+            second_done.wait(10)  # the second call starts and ends inside this one
+        seen["first, after"] = torch._dynamo.config.recompile_limit
+
+    def second():
+        first_in.wait(10)
+        with flex._recompiles_allowed():
+            seen["second, during"] = torch._dynamo.config.recompile_limit
+        seen["second, after"] = torch._dynamo.config.recompile_limit
+        second_done.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen["first, during"] == seen["second, during"] == raised
+    assert seen["first, after"] == seen["second, after"] == limit
+    assert torch._dynamo.config.recompile_limit == limit and not flex._ACTIVE[0]

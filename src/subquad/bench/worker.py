@@ -146,8 +146,9 @@ def _timed_calls(
         except Exception as exc:
             baseline, result["paired_error"] = None, f"{type(exc).__name__}: {exc}"[:200]
     own, base = 0.0, 0.0  # the latest warm-up times of a call of each (a paired cell times one at least)
-    # At least one untimed call after the first, which may have compiled a kernel (FlexAttention on CUDA).
-    while time.perf_counter() - warmup_start < cell["warmup_seconds"] or not own:
+    # On a GPU, one untimed call after the first at least: the first may have compiled a kernel (FlexAttention).
+    again = device.type != "cpu" or baseline is not None
+    while time.perf_counter() - warmup_start < cell["warmup_seconds"] or (again and not own):
         out, own = _timed(call, q, k, v, device)
         if baseline is not None:
             base = _timed(baseline, q, k, v, device)[1]

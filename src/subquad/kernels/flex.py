@@ -54,7 +54,8 @@ DEVICES = ("cuda",)  # where the fused kernel is flex; tests add "cpu" to run it
 COMPILED = ("cuda",)  # where flex and the mask builder run compiled; tests add "cpu" (backend "eager")
 BACKEND = "inductor"
 _LOCK = threading.Lock()  # the kept masks and the raised recompile limit, between threads
-_RAISED: list[int | None] = []  # the limit before subquad's calls raised it, then one entry per call running
+_THREAD = threading.local()  # this thread's calls running (depth) and the limit it found (saved)
+_ACTIVE: list[Any] = [0, None]  # calls running in all threads, and the limit before the first of them
 _KEPT = 32  # block masks kept: a model's distinct (mask, length) pairs, each O((L/128)·(S/128)) ints
 _MASKS: OrderedDict[tuple, Any] = OrderedDict()
 _RECOMPILES = 64  # compiled masks × grad modes × (static, dynamic) one process may hold
@@ -234,23 +235,33 @@ def _lse_request(lse: bool) -> dict[str, Any]:
 @contextlib.contextmanager
 def _recompiles_allowed() -> Iterator[None]:
     """The recompile limit raised to ``_RECOMPILES`` (its name before torch 2.7:
-    ``cache_size_limit``) while subquad's calls run, and put back when the last of them ends
-    (``config.patch`` costs 0.1 ms a call; a count under a lock keeps threads from restoring it
-    under each other)."""
+    ``cache_size_limit``) while subquad's calls run, and put back when a thread's last one ends
+    (``config.patch`` costs 0.1 ms a call). torch keeps the value per thread in recent versions
+    and for the process in older ones: each thread puts back what it found, and a thread that
+    finds the value another thread raised puts back the value from before the first raise."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    with _LOCK:
-        if not _RAISED:
-            _RAISED.append(getattr(config, name))
-            setattr(config, name, max(_RECOMPILES, _RAISED[0]))
-        _RAISED.append(None)
+    entered = False
     try:
+        with _LOCK:
+            if not getattr(_THREAD, "depth", 0):
+                found = getattr(config, name)
+                raised = _ACTIVE[0] and found == max(_RECOMPILES, _ACTIVE[1])  # another thread's raise
+                if not _ACTIVE[0]:
+                    _ACTIVE[1] = found
+                _THREAD.saved = _ACTIVE[1] if raised else found
+                setattr(config, name, max(_RECOMPILES, _THREAD.saved))
+            _THREAD.depth = getattr(_THREAD, "depth", 0) + 1
+            _ACTIVE[0] += 1
+            entered = True
         yield
     finally:
-        with _LOCK:
-            _RAISED.pop()
-            if len(_RAISED) == 1:
-                setattr(config, name, _RAISED.pop())
+        if entered:
+            with _LOCK:
+                _THREAD.depth -= 1
+                _ACTIVE[0] -= 1
+                if not _THREAD.depth:
+                    setattr(config, name, _THREAD.saved)
 
 
 def _block_mask(mask_mod: MaskMod, key: Hashable | None, shape: tuple, device: torch.device) -> Any:
@@ -299,8 +310,10 @@ def _compiled() -> Any:
 
 
 def _limit_hit() -> tuple[type[Exception], ...]:
-    """What torch raises past the recompile limit of a ``fullgraph`` compile (none before 2.5)."""
-    return tuple(getattr(torch._dynamo.exc, n) for n in ("FailOnRecompileLimitHit",) if hasattr(torch._dynamo.exc, n))
+    """What torch raises past the recompile limit of a ``fullgraph`` compile (named for the cache
+    size limit in older versions)."""
+    names = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+    return tuple(getattr(torch._dynamo.exc, n) for n in names if hasattr(torch._dynamo.exc, n))
 
 
 def _warn_limit() -> None:

@@ -230,7 +230,7 @@ def pattern_attention(
             _evaluate(layer_mod, zero, zero, rows.view(1, 1, -1, 1), cols.view(1, 1, 1, -1))
         named = None if mask_mod is not None else PATTERNS[config.name]  # a factory may be replaced
         key = None if named is None else (named, dataclasses.replace(config, block=1), is_causal)
-        out = flex.masked_attention(
+        out = flex.masked_attention(  # a registered factory's mask_mod, like a user's, may read b and h
             q, k, v, layer_mod, key, key_padding_mask, shape.scale, enable_gqa, heads_vary=True, batch_varies=True
         )
         if out is not None:
