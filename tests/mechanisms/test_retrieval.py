@@ -374,6 +374,7 @@ def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share
     of 2, of different lengths) stepping in turn, each step's gather overwriting the other's, still
     give each step the parallel pass's last query, with and without a kernel part over the rest,
     and no output shares memory with a kept buffer."""
+    from types import SimpleNamespace
     from unittest import mock
 
     import subquad.kernels.memory as memory
@@ -390,9 +391,8 @@ def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share
         runs.append(((q, k, v), decoder, []))
     gathered = []
     gather = far_step._gathered
-    # 2 heads × 34+ keys > 1 × (2 rows × 4 heads × 2 blocks × 4 keys): the chosen blocks are gathered
-    with (
-        tuned(retrieval_step_dense=1),
+    with (  # the chosen blocks gathered at every length (0, below the knob's range)
+        mock.patch.object(far_step, "TUNING", SimpleNamespace(retrieval_step_dense=0)),
         mock.patch.object(far_step, "_gathered", lambda *a: gathered.append(a[-1]) or gather(*a)),
     ):
         for p in range(6, 0, -1):
@@ -404,6 +404,32 @@ def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share
     for (q, k, v), _, outs in runs:
         expected = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -6:]
         torch.testing.assert_close(torch.cat(outs, dim=2), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("S, gathers", [(144, False), (145, True), (200, True)])
+def test_a_step_reads_in_place_up_to_its_blocks_keys_plus_32_per_block_then_gathers(S, gathers):
+    """The step's crossover (``retrieval_step_dense`` = 1): 2 key/value heads × S keys read in place
+    while at most 4 heads × 2 chosen blocks × (4 keys + 32), that is S ≤ 144; past it the blocks are
+    gathered. Either way the output is the parallel pass's last query."""
+    from unittest import mock
+
+    import subquad.ops.far_step as far_step
+    from subquad.mechanisms.retrieval import RetrievalCache
+
+    config = RetrievalConfig(window=8, sinks=2, blocks=2, block=4)
+    q, k, v = qkv(1, 4, S, S, 8, 8, seed=S)
+    k, v = k[:, :2], v[:, :2]
+    decoder = RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
+    decoder.absorb(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1])
+    paths, gather = [], far_step._gathered
+    with (
+        tuned(retrieval_step_dense=1),
+        mock.patch.object(far_step, "_gathered", lambda *a: paths.append(a[-1]) or gather(*a)),
+    ):
+        out = decoder.step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:])
+    assert paths == (["retrieval.keys", "retrieval.values"] if gathers else [])
+    expected = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -1:]
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("S, sinks", [(20, 2), (18, 2), (9, 3)])

@@ -105,8 +105,9 @@ class Tuning:
     retrieval_rows: int = _knob(64, "retrieval: query rows scored together against one far block (a segment)")
     retrieval_window_block: int = _knob(64, "retrieval with gradients: queries scored together against their window")
     retrieval_step_dense: int = _knob(
-        2, "retrieval's decoding step reads every key in place under a mask (one sdpa call) where the keys of all "
-        "key/value heads number at most this many times the chosen blocks' keys of all units; else it gathers them",
+        1, "retrieval's decoding step reads every key in place under a mask (one sdpa call) where the keys of all "
+        "key/value heads number at most this many times the chosen blocks' keys of all units, plus 32 keys per "
+        "chosen block (a gather's own cost); else it gathers them",
     )  # fmt: skip
     retrieval_dense: int = _knob(
         2, "retrieval's parallel pass: a query whose keys (up to its own; all, non-causal) number at most its window "

@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 
 __all__ = ["one_query"]
 
+# What gathering one chosen block costs beyond its keys, in keys read in place: a step reads every key
+# in place while they number at most ``TUNING.retrieval_step_dense`` times the chosen blocks' keys
+# plus this per block (SmolLM2, ms per token in one process: docs/performance.md). Blocks of 64 keys
+# gather at a lower cost per key than blocks of 32, which a count of keys alone missed.
+_GATHER_KEYS = 32
+
 
 def one_query(
     q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, scale: float | None, config: Config,
@@ -48,7 +54,7 @@ def one_query(
         if taken is not None:
             return taken.to(q.dtype)
     picked = _step_blocks(q, bounds, config, lo // size)
-    if picked is not None and kernel is None and Hk * S <= TUNING.retrieval_step_dense * picked[0][0].numel() * size:
+    if picked is not None and kernel is None and Hk * S <= TUNING.retrieval_step_dense * _gathered_cost(picked, size):
         return _one_query_dense(q, k, v, *picked, scale, (w, s, size)).to(q.dtype)
     mine = q.to(work) * (D**-0.5 if scale is None else scale)
     near = [torch.cat([x[:, :, : min(s, lo)], x[:, :, lo:]], dim=2).to(work) for x in (k, v)]  # (B, Hk, m, ·)
@@ -110,6 +116,12 @@ def _step_blocks(q: Tensor, bounds: Tensor, config: Config, e: int) -> tuple[Ten
         bound = bound.repeat_interleave(config.shared // shared, dim=1)
     index = bound.view(B, H // shared, -1).topk(min(config.blocks, e - first), dim=-1, sorted=False).indices
     return index + first, shared
+
+
+def _gathered_cost(picked: tuple[Tensor, int], size: int) -> int:
+    """What a row's gather of its chosen blocks costs, in keys read in place: each chosen block
+    (per unit) its ``size`` keys plus ``_GATHER_KEYS``."""
+    return picked[0][0].numel() * (size + _GATHER_KEYS)
 
 
 def _one_query_dense(
