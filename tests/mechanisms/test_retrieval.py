@@ -361,7 +361,9 @@ def test_a_one_token_step_is_the_parallel_pass_s_last_query(S, window, sinks, bl
     decoder = retrieval.RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
     if S > 1:
         decoder.absorb(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1])
-    with mock.patch.object(far_step, "TUNING", SimpleNamespace(retrieval_step_dense=dense)):
+    with mock.patch.object(
+        far_step, "TUNING", SimpleNamespace(retrieval_step_dense=dense, retrieval_step_gather_keys=32)
+    ):
         out = decoder.step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:])
     expected = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -1:]
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
@@ -392,7 +394,7 @@ def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share
     gathered = []
     gather = far_step._gathered
     with (  # the chosen blocks gathered at every length (0, below the knob's range)
-        mock.patch.object(far_step, "TUNING", SimpleNamespace(retrieval_step_dense=0)),
+        mock.patch.object(far_step, "TUNING", SimpleNamespace(retrieval_step_dense=0, retrieval_step_gather_keys=32)),
         mock.patch.object(far_step, "_gathered", lambda *a: gathered.append(a[-1]) or gather(*a)),
     ):
         for p in range(6, 0, -1):
@@ -408,9 +410,10 @@ def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share
 
 @pytest.mark.parametrize("S, gathers", [(144, False), (145, True), (200, True)])
 def test_a_step_reads_in_place_up_to_its_blocks_keys_plus_32_per_block_then_gathers(S, gathers):
-    """The step's crossover (``retrieval_step_dense`` = 1): 2 key/value heads × S keys read in place
-    while at most 4 heads × 2 chosen blocks × (4 keys + 32), that is S ≤ 144; past it the blocks are
-    gathered. Either way the output is the parallel pass's last query."""
+    """The step's crossover (``retrieval_step_dense`` 1, ``retrieval_step_gather_keys`` 32): 2
+    key/value heads × S keys read in place while at most 4 heads × 2 chosen blocks × (4 keys + 32),
+    that is S ≤ 144; past it the blocks are gathered. Either way the output is the parallel pass's
+    last query."""
     from unittest import mock
 
     import subquad.ops.far_step as far_step

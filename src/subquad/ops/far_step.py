@@ -25,12 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["one_query"]
 
-# What gathering one chosen block costs beyond its keys, in keys read in place: a step reads every key
-# in place while they number at most ``TUNING.retrieval_step_dense`` times the chosen blocks' keys
-# plus this per block (SmolLM2, ms per token in one process: docs/performance.md). Blocks of 64 keys
-# gather at a lower cost per key than blocks of 32, which a count of keys alone missed.
-_GATHER_KEYS = 32
-
 
 def one_query(
     q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, scale: float | None, config: Config,
@@ -119,9 +113,11 @@ def _step_blocks(q: Tensor, bounds: Tensor, config: Config, e: int) -> tuple[Ten
 
 
 def _gathered_cost(picked: tuple[Tensor, int], size: int) -> int:
-    """What a row's gather of its chosen blocks costs, in keys read in place: each chosen block
-    (per unit) its ``size`` keys plus ``_GATHER_KEYS``."""
-    return picked[0][0].numel() * (size + _GATHER_KEYS)
+    """What a row's gather of its chosen blocks costs, in keys read in place: each chosen block of
+    each unit its ``size`` keys plus ``TUNING.retrieval_step_gather_keys`` (the cost is partly per
+    block: SmolLM2's steps in docs/performance.md). A step reads every key in place while the keys
+    of all key/value heads number at most ``TUNING.retrieval_step_dense`` times this."""
+    return picked[0][0].numel() * (size + TUNING.retrieval_step_gather_keys)
 
 
 def _one_query_dense(
