@@ -361,9 +361,7 @@ def test_a_one_token_step_is_the_parallel_pass_s_last_query(S, window, sinks, bl
     decoder = retrieval.RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
     if S > 1:
         decoder.absorb(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1])
-    with mock.patch.object(
-        far_step, "TUNING", SimpleNamespace(retrieval_step_dense=dense, retrieval_step_gather_keys=32)
-    ):
+    with mock.patch.object(far_step, "TUNING", SimpleNamespace(retrieval_step_dense=dense, retrieval_step_in_place=0)):
         out = decoder.step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:])
     expected = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -1:]
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
@@ -394,7 +392,7 @@ def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share
     gathered = []
     gather = far_step._gathered
     with (  # the chosen blocks gathered at every length (0, below the knob's range)
-        mock.patch.object(far_step, "TUNING", SimpleNamespace(retrieval_step_dense=0, retrieval_step_gather_keys=32)),
+        mock.patch.object(far_step, "TUNING", SimpleNamespace(retrieval_step_dense=0, retrieval_step_in_place=0)),
         mock.patch.object(far_step, "_gathered", lambda *a: gathered.append(a[-1]) or gather(*a)),
     ):
         for p in range(6, 0, -1):
@@ -408,12 +406,14 @@ def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share
         torch.testing.assert_close(torch.cat(outs, dim=2), expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("knobs", [dict(retrieval_step_dense=9, retrieval_step_in_place=1),
+                                   dict(retrieval_step_dense=1, retrieval_step_in_place=144)])  # fmt: skip
 @pytest.mark.parametrize("S, gathers", [(144, False), (145, True), (200, True)])
-def test_a_step_reads_in_place_up_to_its_blocks_keys_plus_32_per_block_then_gathers(S, gathers):
-    """The step's crossover (``retrieval_step_dense`` 1, ``retrieval_step_gather_keys`` 32): 2
-    key/value heads × S keys read in place while at most 4 heads × 2 chosen blocks × (4 keys + 32),
-    that is S ≤ 144; past it the blocks are gathered. Either way the output is the parallel pass's
-    last query."""
+def test_a_step_reads_a_short_cache_or_few_keys_per_chosen_key_in_place_then_gathers(knobs, S, gathers):
+    """The step's crossover: 2 key/value heads × S keys read in place while S is at most
+    ``retrieval_step_in_place`` or 2 · S at most ``retrieval_step_dense`` × 4 heads × 2 chosen
+    blocks × 4 keys (here each term alone puts it at S = 144); past it the blocks are gathered.
+    Either way the output is the parallel pass's last query."""
     from unittest import mock
 
     import subquad.ops.far_step as far_step
@@ -425,10 +425,7 @@ def test_a_step_reads_in_place_up_to_its_blocks_keys_plus_32_per_block_then_gath
     decoder = RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
     decoder.absorb(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1])
     paths, gather = [], far_step._gathered
-    with (
-        tuned(retrieval_step_dense=1),
-        mock.patch.object(far_step, "_gathered", lambda *a: paths.append(a[-1]) or gather(*a)),
-    ):
+    with tuned(**knobs), mock.patch.object(far_step, "_gathered", lambda *a: paths.append(a[-1]) or gather(*a)):
         out = decoder.step(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:])
     assert paths == (["retrieval.keys", "retrieval.values"] if gathers else [])
     expected = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -1:]

@@ -106,11 +106,10 @@ class Tuning:
     retrieval_window_block: int = _knob(64, "retrieval with gradients: queries scored together against their window")
     retrieval_step_dense: int = _knob(
         1, "retrieval's decoding step reads every key in place under a mask (one sdpa call) where the keys of all "
-        "key/value heads number at most this many times (the chosen blocks' keys of all units plus "
-        "retrieval_step_gather_keys per chosen block); else it gathers them",
+        "key/value heads number at most this many times the chosen blocks' keys of all units; else it gathers them",
     )  # fmt: skip
-    retrieval_step_gather_keys: int = _knob(32, "retrieval's decoding step: what gathering a chosen block costs "
-                                            "beyond its keys, in keys read in place (docs/performance.md)")  # fmt: skip
+    retrieval_step_in_place: int = _knob(1024, "retrieval's decoding step reads a cache of up to this many "
+                                         "keys in place whatever it chose (a gather's fixed cost)")  # fmt: skip
     retrieval_dense: int = _knob(
         2, "retrieval's parallel pass: a query whose keys (up to its own; all, non-causal) number at most its window "
         "and sinks plus this many times its blocks' keys reads them all in place under its mask (one sdpa call)",

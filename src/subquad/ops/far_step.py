@@ -48,7 +48,7 @@ def one_query(
         if taken is not None:
             return taken.to(q.dtype)
     picked = _step_blocks(q, bounds, config, lo // size)
-    if picked is not None and kernel is None and Hk * S <= TUNING.retrieval_step_dense * _gathered_cost(picked, size):
+    if picked is not None and kernel is None and _in_place(Hk, S, picked[0][0].numel() * size):
         return _one_query_dense(q, k, v, *picked, scale, (w, s, size)).to(q.dtype)
     mine = q.to(work) * (D**-0.5 if scale is None else scale)
     near = [torch.cat([x[:, :, : min(s, lo)], x[:, :, lo:]], dim=2).to(work) for x in (k, v)]  # (B, Hk, m, ·)
@@ -112,12 +112,13 @@ def _step_blocks(q: Tensor, bounds: Tensor, config: Config, e: int) -> tuple[Ten
     return index + first, shared
 
 
-def _gathered_cost(picked: tuple[Tensor, int], size: int) -> int:
-    """What a row's gather of its chosen blocks costs, in keys read in place: each chosen block of
-    each unit its ``size`` keys plus ``TUNING.retrieval_step_gather_keys`` (the cost is partly per
-    block: SmolLM2's steps in docs/performance.md). A step reads every key in place while the keys
-    of all key/value heads number at most ``TUNING.retrieval_step_dense`` times this."""
-    return picked[0][0].numel() * (size + TUNING.retrieval_step_gather_keys)
+def _in_place(Hk: int, S: int, gathered: int) -> bool:
+    """Whether a step reads all its ``S`` keys per key/value head in place rather than gathering
+    its chosen blocks (``gathered`` keys for all units of a row): for a short cache
+    (``TUNING.retrieval_step_in_place``: a gather's fixed cost), or where the keys of all key/value
+    heads number at most ``TUNING.retrieval_step_dense`` times those gathered (SmolLM2's steps in
+    docs/performance.md)."""
+    return S <= TUNING.retrieval_step_in_place or Hk * S <= TUNING.retrieval_step_dense * gathered
 
 
 def _one_query_dense(
