@@ -46,6 +46,10 @@ class Tuning:
         "while other processes keep cores busy (kernels.threads), a help on busy VMs, none measured on quiet ones",
     )
     flex: int = _switch(1, "1: on CUDA, local, sparse and pattern's fused kernel is FlexAttention (kernels.flex)")
+    whole_scan: int = _switch(
+        1, "1: off the CPU, the causal scans (linear, multires, agglomerative) and non-causal linear run as "
+        "whole-sequence ops under autograd (ops.scan), not block by block: a block there is a few launches",
+    )  # fmt: skip
     accelerator_scale: int = _knob(32, "element budgets are this many times larger off the CPU: fewer launches")
     kept_buffer: int = _knob(1 << 22, "CPU working buffers of up to this many elements kept by a thread between calls")
     huge_page_mib: int = _knob(2, "new CPU outputs of this many MiB or more go in huge pages (not tuned: see memory)")
@@ -67,9 +71,8 @@ class Tuning:
         "query rows (B·H·queries) per call: its output (2 MB at Dv = 64, fp32) and any gathered queries "
         "exist beside the result's",
     )
-    blocksparse_kept_mask: int = _knob(
-        1 << 20, "the largest element mask a kept layout group keeps between calls (Group.memo): 4 MB additive"
-    )
+    blocksparse_kept_mask: int = _knob(1 << 20, "the largest element mask a kept layout group keeps between calls "
+                                       "(Group.memo): 4 MB additive")  # fmt: skip
     blocksparse_kept_masks: int = _knob(256, "masks a kept layout group holds before it starts again (Group.memo)")
     native_queries: int = _knob(128, "the native kernel's gain is on short blocks; longer ones go to torch's kernel")
     native_keys: int = _knob(1024, "as native_queries, for the keys a block sees")
@@ -122,13 +125,11 @@ class Tuning:
     routing_query_block: int = _knob(64, "causal routing: queries sharing a window, computed together")
     routing_assign: int = _knob(1 << 19, "position × centroid scores held at once while routing")
     # clustered
-    clustered_tile: int = _knob(
-        16, "improved-clustered: queries per tile sharing their cluster's top-k keys (twice that for large clusters)"
-    )
+    clustered_tile: int = _knob(16, "improved-clustered: queries per tile sharing their cluster's top-k keys "
+                                "(twice that for large clusters)")  # fmt: skip
     clustered_group: int = _knob(1 << 22, "(C × S) score elements per group of (batch × head) rows")
-    clustered_tiles: int = _knob(
-        1 << 23, "improved-clustered: tile elements (queries, top keys and values) per group of rows"
-    )
+    clustered_tiles: int = _knob(1 << 23, "improved-clustered: tile elements (queries, top keys and values) per "
+                                 "group of rows")  # fmt: skip
     clustered_chunk: int = _knob(
         1 << 20, "improved-clustered without autograd: tile elements gathered and multiplied at once, about 4 MB"
     )

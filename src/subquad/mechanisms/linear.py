@@ -74,8 +74,8 @@ from subquad._validate import check_attention_inputs, work_dtype
 from subquad.decoding import Decoder
 from subquad.ops.causal_blocks import in_query_blocks
 from subquad.ops.kept_window import Kept, kept_from_prompt, pieces
-from subquad.ops.linear_blocks import Causal, NonCausal, features, normalise
-from subquad.ops.scan import causal_dot_forward
+from subquad.ops.linear_blocks import Causal, NonCausal, causal_whole, features, noncausal_whole, normalise
+from subquad.ops.scan import causal_dot_forward, whole_scan
 from subquad.ops.windowed_linear import LinearState, far_sums, learned_features, learned_state, windowed, windowed_step
 from subquad.registry import Config, Mechanism, option
 
@@ -143,8 +143,10 @@ def linear_attention(
     if learned is not None:  # φ in autograd; the kernels' ReLU passes positive features through
         q, k, name = learned_features(q, learned), learned_features(k, learned), "relu"
         v = v.to(q.dtype)
+    whole = whole_scan(q.device)  # off the CPU: whole-sequence ops, not blocks (ops.scan)
     if not is_causal:
-        return NonCausal.apply(q, k, v, key_padding_mask, name, config.eps).to(dtype)
+        run = noncausal_whole if whole else NonCausal.apply
+        return run(q, k, v, key_padding_mask, name, config.eps).to(dtype)
     offset = S - L  # query i sits at key position i + offset
     initial, mask = None, key_padding_mask
     if offset > 0:  # keys before the first query: every query sees them
@@ -156,7 +158,7 @@ def linear_attention(
         q = q[:, :, -offset:]
     work = work_dtype(q.dtype)
     mask = None if mask is None else mask.to(work)
-    out = Causal.apply(q, k, v, mask, initial, name, config.eps, config.chunk)
+    out = (causal_whole if whole else Causal.apply)(q, k, v, mask, initial, name, config.eps, config.chunk)
     if offset < 0:
         out = torch.cat([out.new_zeros(B, H, -offset, Dv), out], dim=2)
     return out.to(dtype)

@@ -4,6 +4,11 @@
 the backward recomputes φ block by block. ``Causal``: the chunked causal product fused with the
 features and the normalisation, over blocks of positions in time order. Neither holds a full-size
 feature or product tensor. The maths and the choice of chunk are in ``mechanisms.linear``.
+
+Off the CPU (``ops.scan.whole_scan``) both forms run instead as whole-sequence ops under autograd
+(``causal_whole``, ``noncausal_whole``): a few large kernels rather than a loop of small blocks. bf16
+inputs then enter the matrix products as bf16 (fp32 accumulation inside them), while the running
+states, the normaliser and the features are kept in fp32.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from subquad.kernels.softmax import work_dtype
 from subquad.kernels.threads import adapted_backward
 from subquad.kernels.tuning import TUNING, block_elements
 from subquad.ops.features import LOG2E, elu_from_scaled, feature_grad, feature_map, features_into
-from subquad.ops.scan import add_matmul_, chunk_states, chunked
+from subquad.ops.scan import add_matmul_, chunk_states, chunked, entering
 
-__all__ = ["Causal", "NonCausal", "features", "normalise"]
+__all__ = ["Causal", "NonCausal", "causal_whole", "features", "noncausal_whole", "normalise"]
 
 
 def features(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, name: str):
@@ -301,3 +306,42 @@ def _block_inputs(q, k, v, mask, s: int, e: int, name: str, work: torch.dtype, c
     v1 = torch.cat([v[:, :, s:e].to(work), v.new_ones(*v.shape[:2], e - s, 1, dtype=work)], dim=-1)
     fq = None if q is None else chunked(feature_map(q[:, :, s:e].to(work), name), chunk)
     return fq, chunked(fk, chunk), chunked(v1, chunk)
+
+
+def _product_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The matrix products' operand dtype in the whole-sequence forms: bf16 for bf16 inputs (its
+    range is fp32's), else the work dtype (fp16 features could overflow)."""
+    return dtype if dtype == torch.bfloat16 else work_dtype(dtype)
+
+
+def _whole_features(x: Tensor, name: str, mask: Tensor | None = None) -> Tensor:
+    fx = feature_map(x.to(work_dtype(x.dtype)), name)
+    return fx if mask is None else fx * mask[:, None, :, None].to(fx.dtype)
+
+
+def noncausal_whole(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, name: str, eps: float) -> Tensor:
+    """``NonCausal`` as whole-sequence ops under autograd: Σ φ(k) vᵀ and Σ φ(k) in one product and
+    one sum, then every query against them."""
+    mm = _product_dtype(q.dtype)
+    fq, fk = _whole_features(q, name), _whole_features(k, name, mask)
+    kv = torch.matmul(fk.to(mm).transpose(-1, -2), v.to(mm)).to(fq.dtype)  # (B, H, D, Dv)
+    den = (fq * fk.sum(2, keepdim=True)).sum(-1, keepdim=True) + eps  # (B, H, L, 1)
+    return torch.matmul(fq.to(mm), kv.to(mm)).to(fq.dtype) / den
+
+
+def causal_whole(q, k, v, mask, initial, name: str, eps: float, chunk: int) -> Tensor:
+    """``Causal`` as whole-sequence ops under autograd: every chunk's masked (chunk × chunk) product
+    at once, and the states ``S = Σ φ(k) vᵀ``, ``z = Σ φ(k)`` entering each chunk from one cumulative
+    sum over the chunks (``ops.scan.entering``), with ``initial`` ``(B, H, D, Dv + 1)`` before them."""
+    N, Dv = q.shape[2], v.shape[-1]
+    mm = _product_dtype(q.dtype)
+    chunk = max(1, min(chunk, N))
+    fq, fk = (chunked(x, chunk) for x in (_whole_features(q, name), _whole_features(k, name, mask)))
+    a, b, c = fq.to(mm), fk.to(mm), chunked(v.to(mm), chunk)  # (B, H, m, chunk, ·)
+    scores = torch.matmul(a, b.transpose(-1, -2)).tril()
+    state, z = (None, None) if initial is None else (initial[..., :Dv].to(fq.dtype), initial[..., Dv].to(fq.dtype))
+    before = entering(torch.matmul(b.transpose(-1, -2), c).to(fq.dtype), state, 2)  # (B, H, m, D, Dv)
+    num = torch.matmul(scores, c).to(fq.dtype) + torch.matmul(a, before.to(mm)).to(fq.dtype)
+    z_before = entering(fk.sum(3), z, 2)  # (B, H, m, D)
+    den = scores.sum(-1, dtype=fq.dtype) + (fq * z_before.unsqueeze(-2)).sum(-1) + eps
+    return (num / den.unsqueeze(-1)).flatten(2, 3)[:, :, :N]

@@ -4,6 +4,12 @@ Kernel attention's causal form (linear, multires) is the causal product with a =
 c = [v, 1]; agglomerative attention's is a running sum of class-weighted values. Both are computed
 in chunks: inside a chunk by a masked (chunk × chunk) product, across chunks through a running
 state, so the work is linear in N and vectorises (a ``cumsum`` along a middle dim does not, on CPU).
+
+On the CPU the chunks run in blocks sized for its caches, with a backward of their own that saves
+only the inputs. Off the CPU (``whole_scan``) a block is a handful of kernel launches, so the scans
+run as whole-sequence ops under autograd instead: every chunk's masked product at once, the states
+entering the chunks by one cumulative sum (flash-linear-attention's chunked form, written in
+PyTorch). They save the chunked features and products, O(N·(D + chunk)) per head, never O(N²).
 """
 
 from __future__ import annotations
@@ -16,7 +22,41 @@ from subquad.kernels.memory import Scratch
 from subquad.kernels.threads import adapted_backward
 from subquad.kernels.tuning import TUNING, block_elements
 
-__all__ = ["add_matmul_", "causal_dot", "causal_dot_forward", "chunk_states", "chunked", "prefix_sums"]
+__all__ = [
+    "add_matmul_",
+    "causal_dot",
+    "causal_dot_forward",
+    "causal_dot_whole",
+    "chunk_states",
+    "chunked",
+    "entering",
+    "prefix_sums",
+    "whole_scan",
+]
+
+
+def whole_scan(device: torch.device) -> bool:
+    """Whether causal scans on ``device`` run as whole-sequence ops (off the CPU, ``TUNING.whole_scan``)."""
+    return device.type != "cpu" and TUNING.whole_scan == 1
+
+
+def entering(updates: Tensor, first: Tensor | None, dim: int) -> Tensor:
+    """The state entering each chunk along ``dim`` of ``updates``: ``first`` (zero if None; its shape
+    without ``dim``) plus the updates of the chunks before it. Differentiable."""
+    earlier = updates.narrow(dim, 0, updates.shape[dim] - 1).cumsum(dim)
+    states = torch.cat([torch.zeros_like(updates.narrow(dim, 0, 1)), earlier], dim)
+    return states if first is None else states + first.unsqueeze(dim)
+
+
+def causal_dot_whole(a: Tensor, b: Tensor, c: Tensor, initial: Tensor | None, chunk: int) -> Tensor:
+    """``causal_dot`` as whole-sequence ops under autograd (``whole_scan``): each chunk's masked
+    product at once, plus each chunk's entering state from one cumulative sum."""
+    N = a.shape[1]
+    chunk = max(1, min(chunk, N))
+    ac, bc, cc = (chunked(x.unsqueeze(0), chunk)[0] for x in (a, b, c))  # (R, m, chunk, ·)
+    y = torch.matmul(torch.matmul(ac, bc.transpose(-1, -2)).tril(), cc)
+    y = y + torch.matmul(ac, entering(torch.matmul(bc.transpose(-1, -2), cc), initial, 1))
+    return y.flatten(1, 2)[:, :N]
 
 
 def causal_dot_forward(a: Tensor, b: Tensor, c: Tensor, initial: Tensor | None, chunk: int) -> Tensor:
@@ -86,6 +126,8 @@ def causal_dot(a: Tensor, b: Tensor, c: Tensor, initial: Tensor | None = None, c
     Returns:
         ``(R, N, Dc)``.
     """
+    if whole_scan(a.device):
+        return causal_dot_whole(a, b, c, initial, chunk)
     return _CausalDot.apply(a, b, c, initial, chunk)
 
 
@@ -122,7 +164,10 @@ def prefix_sums(x: Tensor, carry: Tensor | None, scratch: Scratch | None = None,
     """Inclusive prefix sums of ``x`` ``(B, H, n, F)`` along n, plus ``carry`` ``(B, H, 1, F)``: a
     lower-triangular matmul within chunks of ``TUNING.agglomerative_chunk`` and a cumulative sum
     of the chunk totals (much faster on CPU than ``cumsum`` along a middle dim); written into
-    ``scratch(name)`` if given."""
+    ``scratch(name)`` if given. Off the CPU (``whole_scan``) one ``cumsum``."""
+    if whole_scan(x.device):
+        sums = torch.cumsum(x, dim=2)
+        return sums if carry is None else sums + carry
     B, H, n, F = x.shape
     chunk = min(TUNING.agglomerative_chunk, n)
     pad = -n % chunk

@@ -1,0 +1,132 @@
+"""The whole-sequence scans that run off the CPU (``ops.scan.whole_scan``) compute what the CPU's
+block-by-block scans compute.
+
+On a GPU the causal scans of linear, multires and agglomerative attention and non-causal linear
+attention run as whole-sequence ops under autograd. Here they are forced on the CPU and compared in
+float64 with the block forms (each checked against full attention under its dense mask by the
+mechanism's own tests): outputs and gradients, with padding, cross shapes (L < S and L > S), an
+initial state and partial last chunks. ``tests/test_cuda.py`` runs the same calls on a GPU.
+"""
+
+import pytest
+import torch
+
+from subquad.call import call
+from subquad.kernels.tuning import tuned
+from subquad.mechanisms import linear as linear_module
+from subquad.ops import scan
+from subquad.ops.linear_blocks import causal_whole
+from subquad.registry import get_mechanism, make_config
+
+from .conftest import padding, qkv, randn
+
+# case -> (mechanism, options): every path that goes through a whole-sequence scan off the CPU
+CASES = {
+    "linear": ("linear", {"chunk": 5}),
+    "linear-relu": ("linear", {"feature_map": "relu", "chunk": 3}),
+    "linear-hedgehog": ("linear", {"feature_map": "hedgehog", "chunk": 4}),
+    "linear-window": ("linear", {"window": 3, "sinks": 2, "chunk": 2}),
+    "multires": ("multires", {"rates": (0.5, 0.25, 0.2, 0.1)}),
+    "agglomerative": ("agglomerative", {}),
+}
+
+
+def _force(monkeypatch) -> None:
+    """Force the whole-sequence forms on the CPU (where they are otherwise never taken)."""
+    for module in (scan, linear_module):
+        monkeypatch.setattr(module, "whole_scan", lambda device: True)
+
+
+@pytest.fixture
+def whole(monkeypatch):
+    _force(monkeypatch)
+
+
+def _run(case, is_causal, L, S, dtype=torch.float64):
+    """One call and its gradients (q, k, v and any logits), as float64."""
+    mech = get_mechanism(CASES[case][0])
+    config = make_config(mech, **CASES[case][1])
+    q, k, v = qkv(2, 4, L, S, 8, seed=1)
+    tensors = (
+        {} if mech.example_tensors is None else mech.example_tensors(q, k, v, config, torch.Generator().manual_seed(5))
+    )
+    if "query_padding_mask" in mech.tensor_args:
+        tensors["query_padding_mask"] = padding(2, L, seed=6)
+    tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+    inputs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    inputs += [t.requires_grad_() for t in tensors.values() if t.is_floating_point()]
+    state = mech.state(config, 4, 8, 7).to(dtype) if mech.state is not None else None
+    out = call(mech, *inputs[:3], key_padding_mask=padding(2, S, seed=2), is_causal=is_causal, config=config,
+               state=state, **tensors)  # fmt: skip
+    grads = torch.autograd.grad(out, inputs, torch.ones_like(out).cos(), allow_unused=True, materialize_grads=True)
+    return out.detach().double(), [g.double() for g in grads]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(("L", "S"), [(23, 23), (9, 23), (23, 9)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_whole_sequence_form_equals_the_block_form(case, L, S, is_causal, monkeypatch):
+    blocks = _run(case, is_causal, L, S)
+    _force(monkeypatch)
+    whole = _run(case, is_causal, L, S)
+    torch.testing.assert_close(whole[0], blocks[0], rtol=1e-10, atol=1e-12)
+    for g_whole, g_blocks in zip(whole[1], blocks[1]):
+        torch.testing.assert_close(g_whole, g_blocks, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 30])
+def test_the_whole_causal_product_equals_the_chunked_function_with_an_initial_state(chunk):
+    a, b, c = randn(3, 22, 5, seed=1), randn(3, 22, 5, seed=2), randn(3, 22, 4, seed=3)
+    initial = randn(3, 5, 4, seed=4)
+    inputs = [x.clone().requires_grad_() for x in (a, b, c, initial)]
+    expected = scan.causal_dot(*inputs, chunk=chunk)  # the CPU's Function
+    expected_grads = torch.autograd.grad(expected, inputs, torch.ones_like(expected).sin())
+    dense = torch.einsum("rid,rjd->rij", a, b).tril() @ c + a @ initial  # the product's definition
+    torch.testing.assert_close(expected, dense, rtol=1e-10, atol=1e-12)
+    got = scan.causal_dot_whole(*inputs, chunk)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    for g, e in zip(torch.autograd.grad(got, inputs, torch.ones_like(got).sin()), expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+def test_the_whole_prefix_sums_equal_the_chunked_ones(whole):
+    x, carry = randn(2, 3, 75, 4, seed=5), randn(2, 3, 1, 4, seed=6)
+    expected = torch.cumsum(x, dim=2) + carry
+    torch.testing.assert_close(scan.prefix_sums(x, carry), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(scan.prefix_sums(x, None), torch.cumsum(x, dim=2), rtol=1e-12, atol=1e-12)
+
+
+def test_entering_states_start_from_the_first_and_add_the_earlier_chunks():
+    updates, first = randn(2, 5, 3, seed=7), randn(2, 3, seed=8)
+    states = scan.entering(updates, first, 1)
+    torch.testing.assert_close(states[:, 0], first)
+    for j in range(1, 5):
+        torch.testing.assert_close(states[:, j], first + updates[:, :j].sum(1))
+    torch.testing.assert_close(scan.entering(updates, None, 1)[:, 0], torch.zeros(2, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_with_fp32_states_stay_close_to_float64(is_causal, dtype, whole):
+    # bf16 inputs enter the whole form's products as bf16, fp16 ones as fp32; states and normaliser stay fp32
+    ref, _ = _run("linear", is_causal, 200, 200)
+    out, grads = _run("linear", is_causal, 200, 200, dtype=dtype)
+    torch.testing.assert_close(out, ref, rtol=3e-2, atol=3e-2)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_the_whole_causal_form_reads_its_initial_state_as_the_block_form_does():
+    from subquad.ops.linear_blocks import Causal
+
+    q, k, v = qkv(1, 2, 17, 17, 6, seed=9)
+    initial = randn(1, 2, 6, 7, seed=10).abs()  # (D, Dv + 1): S and z of keys before the queries
+    expected = Causal.apply(q, k, v, None, initial, "elu", 1e-6, 4)
+    torch.testing.assert_close(causal_whole(q, k, v, None, initial, "elu", 1e-6, 4), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_whole_scans_run_off_the_cpu_while_the_switch_is_on():
+    assert not scan.whole_scan(torch.device("cpu"))
+    assert scan.whole_scan(torch.device("cuda"))
+    assert scan.whole_scan(torch.device("mps"))
+    with tuned(whole_scan=0):
+        assert not scan.whole_scan(torch.device("cuda"))
