@@ -50,3 +50,53 @@ def test_what_a_mechanism_does_not_read_cannot_mark_an_output():
     clean = subquad.attention(q, k, v, mechanism="agglomerative", key_padding_mask=real, **logits)
     q[0, :, 2], k[0, :, 2] = float("nan"), float("nan")
     assert torch.equal(subquad.attention(q, k, v, mechanism="agglomerative", key_padding_mask=real, **logits), clean)
+
+
+def test_off_the_cpu_only_large_inputs_are_checked_before_they_are_sanitised(monkeypatch):
+    """Off the CPU a check waits for the device, so it runs from TUNING.contain_check elements of q
+    (where sanitised copies cost far more); the CPU always checks first."""
+    from subquad._contain import checks_first
+    from subquad.kernels.tuning import TUNING, tuned
+
+    small, large = (
+        torch.empty(TUNING.contain_check - 1, device="meta"),
+        torch.empty(TUNING.contain_check, device="meta"),
+    )
+    assert not checks_first(small, TUNING.contain_check) and checks_first(large, TUNING.contain_check)
+    assert checks_first(torch.empty(1), 1 << 40)  # the CPU, however small
+    seen = []
+    real = subquad._contain.checks_first
+    monkeypatch.setattr(subquad._contain, "checks_first", lambda q, n: seen.append(n) or real(q, n))
+    q = _randn(1, 1, 4, 2)
+    with tuned(contain_check=7):
+        subquad.attention(q, q, q, mechanism="local", window=2, is_causal=True)
+    assert seen == [7]  # the call path passes the table's value
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_check_finds_a_non_finite_entry_in_any_input(bad, dtype):
+    from subquad._contain import _all_finite
+
+    xs = [_randn(2, 3, 5, seed=s).to(dtype) for s in range(3)]
+    if bad is not None:
+        xs[2][1, 2, 3] = bad
+    assert _all_finite(xs) is (bad is None)
+
+
+def test_the_sanitised_path_answers_as_the_checked_one(monkeypatch):
+    """Which path the gate picks changes no output: finite inputs give the same values, and a NaN
+    key marks the same rows (its position and later, causal), the earlier ones unchanged."""
+    import subquad._contain as contain
+
+    q, k, v = (_randn(1, 2, 10, 4, seed=s) for s in range(3))
+    bad = k.clone()
+    bad[0, :, 6] = float("nan")
+    run = lambda k: subquad.attention(q, k, v, mechanism="local", is_causal=True, window=3)
+    checked = run(k), run(bad)
+    monkeypatch.setattr(contain, "checks_first", lambda q, check_from: False)
+    sanitised = run(k), run(bad)
+    torch.testing.assert_close(sanitised[0], checked[0])
+    for out in (checked[1], sanitised[1]):
+        assert _nan_rows(out)[0, 6:].all() and not _nan_rows(out)[0, :6].any()
+        torch.testing.assert_close(out[:, :, :6], checked[0][:, :, :6])

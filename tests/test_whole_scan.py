@@ -1,8 +1,8 @@
 """The whole-sequence scans that run off the CPU (``ops.scan.whole_scan``) compute what the CPU's
 block-by-block scans compute.
 
-On a GPU the causal scans of linear, multires and agglomerative attention and non-causal linear
-attention run as whole-sequence ops under autograd. Here they are forced on the CPU and compared in
+On a GPU the causal products of linear and multires attention and non-causal linear attention run
+as whole-sequence ops under autograd. Here they are forced on the CPU and compared in
 float64 with the block forms (each checked against full attention under its dense mask by the
 mechanism's own tests): outputs and gradients, with padding, cross shapes (L < S and L > S), an
 initial state and partial last chunks. ``tests/test_cuda.py`` runs the same calls on a GPU.
@@ -27,7 +27,6 @@ CASES = {
     "linear-hedgehog": ("linear", {"feature_map": "hedgehog", "chunk": 4}),
     "linear-window": ("linear", {"window": 3, "sinks": 2, "chunk": 2}),
     "multires": ("multires", {"rates": (0.5, 0.25, 0.2, 0.1)}),
-    "agglomerative": ("agglomerative", {}),
 }
 
 
@@ -87,13 +86,6 @@ def test_the_whole_causal_product_equals_the_chunked_function_with_an_initial_st
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     for g, e in zip(torch.autograd.grad(got, inputs, torch.ones_like(got).sin()), expected_grads):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
-
-
-def test_the_whole_prefix_sums_equal_the_chunked_ones(whole):
-    x, carry = randn(2, 3, 75, 4, seed=5), randn(2, 3, 1, 4, seed=6)
-    expected = torch.cumsum(x, dim=2) + carry
-    torch.testing.assert_close(scan.prefix_sums(x, carry), expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(scan.prefix_sums(x, None), torch.cumsum(x, dim=2), rtol=1e-12, atol=1e-12)
 
 
 def test_entering_states_start_from_the_first_and_add_the_earlier_chunks():

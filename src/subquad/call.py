@@ -39,6 +39,7 @@ from subquad._validate import AttentionShape, check_attention_inputs, check_dtyp
 from subquad.config import Config
 from subquad.kernels.profile import apply_for_threads
 from subquad.kernels.threads import adapted, backward_adapted
+from subquad.kernels.tuning import TUNING
 from subquad.ranks import as_4d
 from subquad.registry import Mechanism, default_config, get_mechanism, make_config, mechanism_names, no_causal_form
 
@@ -134,7 +135,7 @@ def call(
         return contained(
             run, q, k, v, tensors, positions=mech.positions, key_padding_mask=key_padding_mask,
             query_padding_mask=query_padding_mask, is_causal=is_causal, uses_qk=mech.uses_qk,
-            groups_queries=mech.groups_queries,
+            groups_queries=mech.groups_queries, check_from=TUNING.contain_check,
         )  # fmt: skip
 
 

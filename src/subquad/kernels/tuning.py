@@ -47,25 +47,25 @@ class Tuning:
     )
     flex: int = _switch(1, "1: on CUDA, local, sparse and pattern's fused kernel is FlexAttention (kernels.flex)")
     whole_scan: int = _switch(
-        1, "1: off the CPU, the causal scans (linear, multires, agglomerative) and non-causal linear run as "
-        "whole-sequence ops under autograd (ops.scan), not block by block: a block there is a few launches",
+        1, "1: off the CPU, the causal products (linear, multires) and non-causal linear run as whole-sequence "
+        "ops under autograd (ops.scan), not block by block: a block there is a few launches",
     )  # fmt: skip
     accelerator_scale: int = _knob(32, "element budgets are this many times larger off the CPU: fewer launches")
+    contain_check: int = _knob(1 << 22, "off the CPU, a masked call whose q has this many elements checks its "
+                               "inputs for NaN with one wait for the device rather than sanitising copies")  # fmt: skip
     kept_buffer: int = _knob(1 << 22, "CPU working buffers of up to this many elements kept by a thread between calls")
     huge_page_mib: int = _knob(2, "new CPU outputs of this many MiB or more go in huge pages (not tuned: see memory)")
     # block-sparse engine (sparse, pattern, local)
-    blocksparse_tile: int = _knob(
-        1 << 19, "eager kernel: scores (B·H·blocks·bq·W) held at once, about 2 MB in fp32, within L2"
-    )
+    blocksparse_tile: int = _knob(1 << 19, "eager kernel: scores (B·H·blocks·bq·W) held at once, about 2 MB "
+                                  "in fp32, within L2")  # fmt: skip
     blocksparse_fused_tile: int = _knob(
         1 << 20, "torch's flash kernel: a gathered chunk's keys, values and additive mask (scores-sized) in cache"
     )
     blocksparse_backward_tile: int = _knob(
         1 << 20, "the fused backward returns key gradients per block before they are summed: keep them small"
     )
-    blocksparse_view_tile: int = _knob(
-        1 << 28, "view groups with one block's mask hold only their output: few calls per group"
-    )
+    blocksparse_view_tile: int = _knob(1 << 28, "view groups with one block's mask hold only their output: "
+                                       "few calls per group")  # fmt: skip
     blocksparse_rows: int = _knob(
         1 << 13,
         "query rows (B·H·queries) per call: its output (2 MB at Dv = 64, fp32) and any gathered queries "

@@ -5,11 +5,13 @@ c = [v, 1]; agglomerative attention's is a running sum of class-weighted values.
 in chunks: inside a chunk by a masked (chunk × chunk) product, across chunks through a running
 state, so the work is linear in N and vectorises (a ``cumsum`` along a middle dim does not, on CPU).
 
-On the CPU the chunks run in blocks sized for its caches, with a backward of their own that saves
-only the inputs. Off the CPU (``whole_scan``) a block is a handful of kernel launches, so the scans
-run as whole-sequence ops under autograd instead: every chunk's masked product at once, the states
-entering the chunks by one cumulative sum (flash-linear-attention's chunked form, written in
-PyTorch). They save the chunked features and products, O(N·(D + chunk)) per head, never O(N²).
+On the CPU the chunks of the causal product run in blocks sized for its caches, with a backward of
+their own that saves only the inputs. Off the CPU (``whole_scan``) a block is a handful of kernel
+launches, so the product runs as whole-sequence ops under autograd instead: every chunk's masked
+product at once, the states entering the chunks by one cumulative sum over the chunks
+(flash-linear-attention's chunked form, written in PyTorch). It saves the chunked features and
+products, O(N·(D + chunk)) per head, never O(N²). The prefix sums keep their chunked form on every
+device (``prefix_sums``).
 """
 
 from __future__ import annotations
@@ -164,10 +166,9 @@ def prefix_sums(x: Tensor, carry: Tensor | None, scratch: Scratch | None = None,
     """Inclusive prefix sums of ``x`` ``(B, H, n, F)`` along n, plus ``carry`` ``(B, H, 1, F)``: a
     lower-triangular matmul within chunks of ``TUNING.agglomerative_chunk`` and a cumulative sum
     of the chunk totals (much faster on CPU than ``cumsum`` along a middle dim); written into
-    ``scratch(name)`` if given. Off the CPU (``whole_scan``) one ``cumsum``."""
-    if whole_scan(x.device):
-        sums = torch.cumsum(x, dim=2)
-        return sums if carry is None else sums + carry
+    ``scratch(name)`` if given. Off the CPU too: a ``cumsum`` along a middle dim is CUDA's slow
+    scan as well (one thread per column, 77 of 85 ms of agglomerative's causal call at 64k on an
+    H200, against 10 ms for the whole call in this form)."""
     B, H, n, F = x.shape
     chunk = min(TUNING.agglomerative_chunk, n)
     pad = -n % chunk
