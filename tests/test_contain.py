@@ -53,35 +53,46 @@ def test_what_a_mechanism_does_not_read_cannot_mark_an_output():
 
 
 def test_off_the_cpu_only_large_inputs_are_checked_before_they_are_sanitised(monkeypatch):
-    """Off the CPU a check waits for the device, so it runs from TUNING.contain_check elements of q
-    (where sanitised copies cost far more); the CPU always checks first."""
+    """Off the CPU a check waits for the device, so it runs from TUNING.contain_check elements of q,
+    k and v together (where sanitised copies cost far more: a decoding step's cache counts), and
+    never while torch.compile traces; the CPU always checks first."""
     from subquad._contain import checks_first
     from subquad.kernels.tuning import TUNING, tuned
+    from subquad.registry import get_mechanism, make_config
 
-    small, large = (
-        torch.empty(TUNING.contain_check - 1, device="meta"),
-        torch.empty(TUNING.contain_check, device="meta"),
-    )
-    assert not checks_first(small, TUNING.contain_check) and checks_first(large, TUNING.contain_check)
-    assert checks_first(torch.empty(1), 1 << 40)  # the CPU, however small
+    n = TUNING.contain_check
+
+    def meta(size):
+        return torch.empty(size, device="meta")
+
+    assert not checks_first(meta(1), meta(n // 2 - 1), meta(n // 2 - 1), n)  # n - 1 elements
+    assert checks_first(meta(1), meta(n // 2), meta(n // 2 - 1), n)  # one query against a long cache
+    assert checks_first(torch.empty(1), torch.empty(1), torch.empty(1), 1 << 40)  # the CPU, however small
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not checks_first(meta(n), meta(n), meta(n), n)
+    monkeypatch.undo()
     seen = []
     real = subquad._contain.checks_first
-    monkeypatch.setattr(subquad._contain, "checks_first", lambda q, n: seen.append(n) or real(q, n))
+    monkeypatch.setattr(subquad._contain, "checks_first", lambda q, k, v, n: seen.append(n) or real(q, k, v, n))
     q = _randn(1, 1, 4, 2)
     with tuned(contain_check=7):
         subquad.attention(q, q, q, mechanism="local", window=2, is_causal=True)
-    assert seen == [7]  # the call path passes the table's value
+        sparse = get_mechanism("sparse")  # its decoder keeps the keys (KVCache), whose steps are contained
+        sparse.decoder(sparse, make_config(sparse, stride=2), None).step(q[:, :, :1], q[:, :, :1], q[:, :, :1])
+    assert seen == [7, 7]  # the call path and the decoding path pass the table's value
 
 
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_check_finds_a_non_finite_entry_in_any_input(bad, dtype):
+@pytest.mark.parametrize("together", [False, True])
+def test_the_check_finds_a_non_finite_entry_in_any_input(bad, dtype, together):
+    """Read back one sum at a time (the CPU) or all together (off the CPU: one wait)."""
     from subquad._contain import _all_finite
 
-    xs = [_randn(2, 3, 5, seed=s).to(dtype) for s in range(3)]
+    xs = [_randn(2, 3, 5, seed=s).to(dtype) for s in range(3)] + [_randn(4, seed=4).double()]
     if bad is not None:
         xs[2][1, 2, 3] = bad
-    assert _all_finite(xs) is (bad is None)
+    assert _all_finite(xs, together=together) is (bad is None)
 
 
 def test_the_sanitised_path_answers_as_the_checked_one(monkeypatch):
@@ -94,7 +105,7 @@ def test_the_sanitised_path_answers_as_the_checked_one(monkeypatch):
     bad[0, :, 6] = float("nan")
     run = lambda k: subquad.attention(q, k, v, mechanism="local", is_causal=True, window=3)
     checked = run(k), run(bad)
-    monkeypatch.setattr(contain, "checks_first", lambda q, check_from: False)
+    monkeypatch.setattr(contain, "checks_first", lambda q, k, v, check_from: False)
     sanitised = run(k), run(bad)
     torch.testing.assert_close(sanitised[0], checked[0])
     for out in (checked[1], sanitised[1]):

@@ -264,3 +264,28 @@ def test_flex_on_cuda_decodes_as_it_computes_in_parallel(spec):
         torch.testing.assert_close(logits, model(tokens), rtol=2e-4, atol=2e-4)
     prompt = tokens[:, :100]
     assert torch.equal(model.generate(prompt, 30, use_cache=True), model.generate(prompt, 30, use_cache=False))
+
+
+@pytest.mark.parametrize("case", ["local", "linear", "sparse", "multires"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e30])
+def test_a_checked_call_on_cuda_keeps_padding_out_as_a_sanitised_one_does(case, bad):
+    """From TUNING.contain_check elements a call off the CPU checks its inputs (one read back)
+    instead of running on sanitised copies: finite padding is then excluded by the masks alone, and
+    a non-finite entry sends the call to the copies. Either way the real outputs are the clean ones."""
+    from subquad._contain import _all_finite
+    from subquad.kernels.tuning import tuned
+
+    mech = get_mechanism(_mechanism(case))
+    config = make_config(mech, **CASES[case][1])
+    q, k, v = (x.cuda().float() for x in qkv(B, H, 60, 60, D, seed=3))
+    mask = padding(B, 60, seed=4).cuda()
+    tensors = (
+        {} if mech.example_tensors is None else mech.example_tensors(q, k, v, config, torch.Generator().manual_seed(5))
+    )
+    clean = call(mech, q, k, v, key_padding_mask=mask, is_causal=True, config=config, **tensors)
+    k_bad, v_bad = (x.masked_fill(~mask[:, None, :, None], bad) for x in (k, v))
+    assert _all_finite([q, k_bad, v_bad], together=True) is (bad == 1e30)
+    for check_from in (1, 1 << 40):  # checked, sanitised
+        with tuned(contain_check=check_from):
+            out = call(mech, q, k_bad, v_bad, key_padding_mask=mask, is_causal=True, config=config, **tensors)
+        torch.testing.assert_close(out, clean, rtol=1e-5, atol=1e-5)

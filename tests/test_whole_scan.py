@@ -8,9 +8,12 @@ mechanism's own tests): outputs and gradients, with padding, cross shapes (L < S
 initial state and partial last chunks. ``tests/test_cuda.py`` runs the same calls on a GPU.
 """
 
+import collections
+
 import pytest
 import torch
 
+import subquad
 from subquad.call import call
 from subquad.kernels.tuning import tuned
 from subquad.mechanisms import linear as linear_module
@@ -30,10 +33,30 @@ CASES = {
 }
 
 
-def _force(monkeypatch) -> None:
-    """Force the whole-sequence forms on the CPU (where they are otherwise never taken)."""
+# (case, is_causal) -> the whole form the call must go through (None: it has no scan)
+_WHOLE = {(case, causal): "causal_whole" if causal else "noncausal_whole" for case in CASES for causal in (False, True)}
+_WHOLE.update({("linear-window", False): "causal_dot_whole", ("linear-window", True): "causal_dot_whole",
+               ("multires", False): None, ("multires", True): "causal_dot_whole"})  # fmt: skip
+
+
+def _force(monkeypatch) -> collections.Counter:
+    """Force the whole-sequence forms on the CPU (where they are otherwise never taken); returns
+    the count of calls of each whole form, so a test sees that they ran."""
+    calls = collections.Counter()
     for module in (scan, linear_module):
         monkeypatch.setattr(module, "whole_scan", lambda device: True)
+    for module, name in ((linear_module, "causal_whole"), (linear_module, "noncausal_whole"),
+                         (scan, "causal_dot_whole")):  # fmt: skip
+        monkeypatch.setattr(module, name, _counted(getattr(module, name), name, calls))
+    return calls
+
+
+def _counted(fn, name, calls):
+    def wrapper(*args):
+        calls[name] += 1
+        return fn(*args)
+
+    return wrapper
 
 
 @pytest.fixture
@@ -66,8 +89,13 @@ def _run(case, is_causal, L, S, dtype=torch.float64):
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_the_whole_sequence_form_equals_the_block_form(case, L, S, is_causal, monkeypatch):
     blocks = _run(case, is_causal, L, S)
-    _force(monkeypatch)
+    calls = _force(monkeypatch)
     whole = _run(case, is_causal, L, S)
+    expected = _WHOLE[case, is_causal]
+    if expected is not None:
+        assert calls[expected], f"{case}: the whole form {expected} did not run ({dict(calls)})"
+    else:
+        assert not calls, calls
     torch.testing.assert_close(whole[0], blocks[0], rtol=1e-10, atol=1e-12)
     for g_whole, g_blocks in zip(whole[1], blocks[1]):
         torch.testing.assert_close(g_whole, g_blocks, rtol=1e-10, atol=1e-12)
@@ -122,3 +150,40 @@ def test_whole_scans_run_off_the_cpu_while_the_switch_is_on():
     assert scan.whole_scan(torch.device("mps"))
     with tuned(whole_scan=0):
         assert not scan.whole_scan(torch.device("cuda"))
+
+
+@pytest.mark.parametrize(("L", "S"), [(19, 19), (7, 19), (19, 7)])
+def test_the_whole_non_causal_form_equals_the_block_function_with_padding(L, S):
+    from subquad.ops.linear_blocks import NonCausal, noncausal_whole
+
+    q, k, v = (x.requires_grad_() for x in qkv(2, 3, L, S, 6, Dv=5, seed=11))
+    mask = padding(2, S, seed=12)
+    expected = NonCausal.apply(q, k, v, mask, "elu", 1e-6)
+    got = noncausal_whole(q, k, v, mask, "elu", 1e-6)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    grad = torch.ones_like(got).sin()
+    for g, e in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_fp16_inputs_multiply_in_fp32_where_fp16_products_would_overflow(is_causal, whole):
+    # φ(q)·φ(k) summed over 2,048 keys of large values passes fp16's 65,504; fp32 products do not
+    g = torch.Generator().manual_seed(13)
+    q, k = (20 * torch.randn(1, 2, 2048, 16, generator=g) for _ in range(2))
+    v = 50 * torch.randn(1, 2, 2048, 16, generator=g) + 200
+    out = subquad.attention(q.half(), k.half(), v.half(), mechanism="linear", is_causal=is_causal)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    ref = subquad.attention(q.double(), k.double(), v.double(), mechanism="linear", is_causal=is_causal)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_bf16_inputs_sum_their_chunk_states_in_fp32(monkeypatch, whole):
+    from subquad.ops import linear_blocks
+
+    dtypes = []
+    real = linear_blocks.entering
+    monkeypatch.setattr(linear_blocks, "entering", lambda u, first, dim: dtypes.append(u.dtype) or real(u, first, dim))
+    q, k, v = qkv(1, 2, 40, 40, 8, dtype=torch.bfloat16, seed=14)
+    subquad.attention(q, k, v, mechanism="linear", is_causal=True, chunk=8)
+    assert dtypes == [torch.float32, torch.float32]  # Σ φ(k) vᵀ and Σ φ(k) across chunks

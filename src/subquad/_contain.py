@@ -8,14 +8,15 @@ buffers, overflowed fp16 activations) and in positions a causal call must not lo
 ``contained`` runs a mechanism so that such content cannot reach a real output, nor a gradient,
 whatever the mechanism does inside:
 
-- **Check** (CPU): when every entry of q, k, v and the position-aligned extra tensors is finite,
+- **Check**: when every entry of q, k, v and the position-aligned extra tensors is finite,
   run the mechanism on them as they are: its masks exclude finite content exactly, in the forward
   and in the backward. The check is one read of each input (a sum: a NaN or inf entry always
   makes it non-finite; an overflow only sends the call down the safe path).
   Off the CPU the check makes the host wait for the device (one read of one number), so it runs
-  there only on large inputs (``check_from`` elements in q or more; the call path passes
-  ``TUNING.contain_check``), where sanitising
-  costs far more: at 64k positions on an H200 it was 3 of local's 6 ms in causal form.
+  there only on large inputs (``check_from`` elements in q, k and v together or more; callers pass
+  ``TUNING.contain_check``), where sanitising costs far more (at 64k positions on an H200, 3 of
+  local's 6 ms in causal form), and never while a CUDA graph is captured or ``torch.compile``
+  traces (a host wait breaks both).
 - **Sanitise** (when an entry is not finite, and off the CPU on smaller inputs): run it on copies
   of the inputs whose padded positions and non-finite entries are zero, then write NaN into every
   output that may depend on a non-finite entry at a real position:
@@ -60,7 +61,7 @@ def contained(
     is_causal: bool,
     uses_qk: bool = True,
     groups_queries: bool = False,
-    check_from: int = 1 << 22,
+    check_from: int,
 ) -> Tensor:
     """``run(q, k, v, tensors)`` with padded and future content kept out of real outputs.
 
@@ -75,8 +76,8 @@ def contained(
         uses_qk: False for a mechanism that reads only the shapes of q and k: they are not checked.
         groups_queries: a query's content reaches the outputs of others (clusters, balanced tiles),
             so a non-finite query entry spreads as a key's does.
-        check_from: off the CPU, the elements of q from which the inputs are checked before they
-            are sanitised (module docstring).
+        check_from: off the CPU, the elements of q, k and v together from which the inputs are
+            checked before they are sanitised (module docstring).
 
     Returns:
         ``run``'s output, with NaN where a non-finite real entry may reach (module docstring).
@@ -85,26 +86,31 @@ def contained(
         return run(q, k, v, tensors)  # no position is padded or in the future
     extras = [tensors.get(name) for name in positions]
     checked = ([q, k] if uses_qk else []) + [v, *(x for x in extras if isinstance(x, Tensor) and x.is_floating_point())]
-    if checks_first(q, check_from) and _all_finite(checked):
+    if checks_first(q, k, v, check_from) and _all_finite(checked, together=q.device.type != "cpu"):
         return run(q, k, v, tensors)
     return _sanitised(
         run, q, k, v, tensors, positions, key_padding_mask, query_padding_mask, is_causal, uses_qk, groups_queries
     )
 
 
-def checks_first(q: Tensor, check_from: int) -> bool:
-    """Whether a call on ``q`` checks its inputs before it sanitises (module docstring): always on
-    the CPU, off it from ``check_from`` elements of q."""
-    return q.device.type == "cpu" or q.numel() >= check_from
+def checks_first(q: Tensor, k: Tensor, v: Tensor, check_from: int) -> bool:
+    """Whether a call checks its inputs before it sanitises (module docstring): always on the CPU;
+    off it from ``check_from`` elements of q, k and v together (a decoding step's cache counts), and
+    never while a CUDA graph is captured or ``torch.compile`` traces."""
+    if q.device.type == "cpu":
+        return True
+    if q.numel() + k.numel() + v.numel() < check_from or torch.compiler.is_compiling():
+        return False
+    return not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def _all_finite(xs: list[Tensor]) -> bool:
+def _all_finite(xs: list[Tensor], together: bool = False) -> bool:
     """Whether every entry is finite. A sum of finite numbers can overflow (then this says no and
-    the caller takes the safe path), but a NaN or inf entry always makes the sum non-finite. On the
-    CPU one sum per tensor, read back as a number (fewer operations than adding them on the
-    device); elsewhere the sums are read back together, so the host waits once."""
+    the caller takes the safe path), but a NaN or inf entry always makes the sum non-finite. One
+    sum per tensor read back as a number (on the CPU: fewer operations than adding them on the
+    device), or, ``together`` (off the CPU), all of them in one read, so the host waits once."""
     sums = [x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum() for x in xs]
-    if xs and xs[0].device.type != "cpu":
+    if together and sums:
         return bool(torch.isfinite(torch.stack([x.to(sums[0].dtype) for x in sums])).all())
     return all(math.isfinite(x.item()) for x in sums)
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from subquad._contain import contained
 from subquad._validate import check_grouped_inputs
+from subquad.kernels.tuning import TUNING
 from subquad.ops.kept_window import Kept
 
 if TYPE_CHECKING:
@@ -239,6 +240,7 @@ class KVCache(Decoder):
         return contained(
             run, q, keys, values, dict(tensors), positions=mech.positions, key_padding_mask=None,
             query_padding_mask=None, is_causal=True, uses_qk=mech.uses_qk, groups_queries=mech.groups_queries,
+            check_from=TUNING.contain_check,
         )  # fmt: skip
 
 

@@ -25,6 +25,12 @@ L ≠ S the queries are the last L positions of the keys (bottom-right alignment
 enter as the initial state. ``subquad.ops.scan.causal_dot`` is the bare product,
 differentiable, for mechanisms built on it.
 
+**Off the CPU** (``TUNING.whole_scan``) both forms run as whole-sequence ops under autograd
+instead (``ops.linear_blocks.causal_whole``, ``noncausal_whole``): every chunk's product at once and
+the states entering the chunks from one cumulative sum, a few large kernels rather than a loop of
+blocks, with bf16 operands for bf16 inputs. They keep O(N·(D + chunk) + (N / chunk)·D·Dv) per
+head for the backward, about twice the blocks' peak memory at 64k on a GPU.
+
 **Decoding.** ``LinearDecoder`` carries S and the normaliser per head (O(D·Dv), whatever the prefix
 length) and runs the same chunked product from that state for each new block of tokens. Sums are
 accumulated in fp32 for fp16/bf16 inputs.

@@ -6,9 +6,11 @@ features and the normalisation, over blocks of positions in time order. Neither 
 feature or product tensor. The maths and the choice of chunk are in ``mechanisms.linear``.
 
 Off the CPU (``ops.scan.whole_scan``) both forms run instead as whole-sequence ops under autograd
-(``causal_whole``, ``noncausal_whole``): a few large kernels rather than a loop of small blocks. bf16
-inputs then enter the matrix products as bf16 (fp32 accumulation inside them), while the running
-states, the normaliser and the features are kept in fp32.
+(``causal_whole``, ``noncausal_whole``): a few large kernels rather than a loop of small blocks. For
+bf16 inputs the matrix products take bf16 operands (fp32 accumulation inside, each product rounded
+once to bf16: a chunk's scores, its Σ φ(k) vᵀ, the non-causal Σ φ(k) vᵀ); the features, the sums
+over chunks, the normaliser and the division stay in fp32. They keep what the backward needs:
+O(N·(D + chunk) + (N / chunk)·D·Dv) per head.
 """
 
 from __future__ import annotations
@@ -324,9 +326,9 @@ def noncausal_whole(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, name: 
     one sum, then every query against them."""
     mm = _product_dtype(q.dtype)
     fq, fk = _whole_features(q, name), _whole_features(k, name, mask)
-    kv = torch.matmul(fk.to(mm).transpose(-1, -2), v.to(mm)).to(fq.dtype)  # (B, H, D, Dv)
-    den = (fq * fk.sum(2, keepdim=True)).sum(-1, keepdim=True) + eps  # (B, H, L, 1)
-    return torch.matmul(fq.to(mm), kv.to(mm)).to(fq.dtype) / den
+    kv = torch.matmul(fk.to(mm).transpose(-1, -2), v.to(mm))  # (B, H, D, Dv), rounded once to mm
+    den = (fq * fk.sum(2, keepdim=True)).sum(-1, keepdim=True) + eps  # (B, H, L, 1), in fp32+
+    return torch.matmul(fq.to(mm), kv).to(fq.dtype) / den
 
 
 def causal_whole(q, k, v, mask, initial, name: str, eps: float, chunk: int) -> Tensor:

@@ -9,9 +9,9 @@ On the CPU the chunks of the causal product run in blocks sized for its caches, 
 their own that saves only the inputs. Off the CPU (``whole_scan``) a block is a handful of kernel
 launches, so the product runs as whole-sequence ops under autograd instead: every chunk's masked
 product at once, the states entering the chunks by one cumulative sum over the chunks
-(flash-linear-attention's chunked form, written in PyTorch). It saves the chunked features and
-products, O(N·(D + chunk)) per head, never O(N²). The prefix sums keep their chunked form on every
-device (``prefix_sums``).
+(flash-linear-attention's chunked form, written in PyTorch). It saves the chunked inputs and
+products and the entering states, O(N·(D + chunk) + (N / chunk)·D·Dc) per row, never O(N²). The
+prefix sums keep their chunked form on every device (``prefix_sums``).
 """
 
 from __future__ import annotations
