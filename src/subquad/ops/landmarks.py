@@ -72,7 +72,8 @@ def causal_landmark_kernel(
     q: Tensor,
     position: Tensor,
     real: Tensor,
-    kv: Tensor,
+    k: Tensor,
+    v: Tensor,
     mask: Tensor | None,
     length: int,
     feature: str,
@@ -80,9 +81,7 @@ def causal_landmark_kernel(
 ) -> Tensor:
     """Causal eq. 7 for the queries ``(B, H, w, D)`` at key positions ``position`` ``(B, w)``, in
     increasing order where ``real``: the completed segments before each, and its own segment's
-    running mean. Rows that are not ``real`` return zeros. ``kv`` ``(B, H, S, D + Dv)`` holds the
-    keys and values side by side: their segment and running means are one call each (the same
-    arithmetic per entry, half the operations).
+    running mean. Rows that are not ``real`` return zeros.
 
     The completed landmarks come from ``causal_dot`` over a merged sequence holding the queries and
     the landmarks in order of position, each landmark after the queries of its segment (queries have
@@ -90,10 +89,10 @@ def causal_landmark_kernel(
     own segment enters as φ(q)·φ(k̄_p) [v̄_p, 1].
     """
     B, H, w, D = q.shape
-    Dv = kv.shape[3] - D
-    kv_means, valid = segment_means(kv, mask, length)  # (B, H, n, D + Dv), (B, n)
-    k_means, v_means = kv_means[..., :D], kv_means[..., D:]
-    n = kv_means.shape[2]
+    Dv = v.shape[3]
+    k_means, valid = segment_means(k, mask, length)  # (B, H, n, D), (B, n)
+    v_means, _ = segment_means(v, mask, length)
+    n = k_means.shape[2]
     position = position.clamp(min=0)  # rows before every key are not real
     segment = torch.where(real, torch.div(position, length, rounding_mode="floor"), n)  # others go last
     # Query j goes after the landmarks of the segments before its own; landmark s after the queries
@@ -107,19 +106,23 @@ def causal_landmark_kernel(
 
     fq = feature_map(q, feature) * real[:, None, :, None].to(q.dtype)
     fk = feature_map(k_means, feature) * valid[:, None, :, None].to(q.dtype)
-    # b = φ(k̄) and c = [v̄, 1] (the normaliser as a value column) share their slots: one scatter
-    bc = scatter_positions(torch.cat([fk, v_means, v_means.new_ones(B, H, n, 1)], dim=-1), landmark_slot, slots)
+    v1 = torch.cat([v_means, v_means.new_ones(B, H, n, 1)], dim=-1)  # the normaliser as a value column
+    a, b, c = (
+        scatter_positions(fq, query_slot, slots),
+        scatter_positions(fk, landmark_slot, slots),
+        scatter_positions(v1, landmark_slot, slots),
+    )
     rows = B * H
-    a = scatter_positions(fq, query_slot, slots).view(rows, slots, D)
-    b, c = bc.view(rows, slots, D + Dv + 1).split([D, Dv + 1], dim=-1)
+    a, b, c = a.view(rows, slots, D), b.view(rows, slots, D), c.view(rows, slots, Dv + 1)
     y = causal_dot(a, b, c, None, TUNING.multires_causal_chunk)
     y = gather_positions(y.view(B, H, slots, Dv + 1), query_slot)  # (B, H, w, Dv + 1)
 
-    kv_run, seen = running_means(kv, mask, length)  # the own segment up to p: (B, H, S, D + Dv), (B, S)
-    kv_own = gather_positions(kv_run, position)  # (B, H, w, D + Dv)
-    own = (fq * feature_map(kv_own[..., :D], feature)).sum(-1, keepdim=True)
+    k_run, seen = running_means(k, mask, length)  # the own segment up to p: (B, H, S, D), (B, S)
+    v_run, _ = running_means(v, mask, length)
+    own = (fq * feature_map(gather_positions(k_run, position), feature)).sum(-1, keepdim=True)
     own = own * seen.gather(1, position)[:, None, :, None].to(q.dtype)
-    y = y + own * torch.cat([kv_own[..., D:], kv_own.new_ones(B, H, w, 1)], dim=-1)
+    v_own = gather_positions(v_run, position)
+    y = y + own * torch.cat([v_own, v_own.new_ones(B, H, w, 1)], dim=-1)
     return y[..., :Dv] / (y[..., Dv:] + eps)  # zero where not real: φ(q) = 0 there
 
 

@@ -71,7 +71,6 @@ def per_resolution(
     subheads = H // len(config.rates)
     out = None if track else q.new_zeros(B, H, L, Dv)
     outputs = []
-    kv = None if config.similarity == "softmax" else torch.cat([k, v], dim=-1)  # the kernel's means: one call
     for h, rate in enumerate(config.rates):
         heads = slice(h * subheads, (h + 1) * subheads)
         if config.similarity == "softmax":
@@ -91,7 +90,7 @@ def per_resolution(
             rows = landmark_softmax(qh, position, real, kh, vh, key_padding_mask, length, is_causal, scale_h)
         else:
             rows = causal_landmark_kernel(
-                qh, position, real, kv[:, heads], key_padding_mask, length, config.feature_map, config.eps
+                qh, position, real, kh, vh, key_padding_mask, length, config.feature_map, config.eps
             )
         rows = rows * (weight.gather(1, order) * real)[:, None, :, None]  # the router's weight; 0 on fill rows
         if out is None:
