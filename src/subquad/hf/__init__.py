@@ -30,6 +30,7 @@ _HOMES = {
         "use",
     ),
     "mixes": ("HeadShare", "LayerMix"),
+    "plans": ("LayerPlan", "read_plan"),
     "support": ("attention_modules", "check_model"),
     "io": ("SPEC_FILE", "TENSOR_FILE", "from_pretrained", "loading", "model_source", "save", "saved_layers"),
 }
@@ -43,6 +44,7 @@ __all__ = [
     "HeadShare",
     "LayerAttention",
     "LayerMix",
+    "LayerPlan",
     "SubquadCache",
     "attention_modules",
     "calibratable",
@@ -57,6 +59,7 @@ __all__ = [
     "loading",
     "model_attention",
     "model_source",
+    "read_plan",
     "register",
     "restore",
     "save",

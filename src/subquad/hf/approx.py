@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from subquad.files import FileError, out_folder, read_json
 from subquad.flags import DTYPES, check_choices, setting
 from subquad.hf.data import Windows, check_window, load_model, read_passages, token_windows
+from subquad.hf.plans import expand_plans, plan_cell
 from subquad.hf.recall import passkey
 from subquad.hf.report import format_decode_table, format_recall_table, format_table, plot
 from subquad.hf.speed import attention_speed, decode_speed, decode_windows, each, model_speed
@@ -142,7 +143,11 @@ class ApproxConfig:
     model: str = setting(help="a local Hugging Face model folder or .gguf file")
     data: str = setting(help="a .jsonl file (text, label), a text file or a folder of .txt")
     out: str = setting(help="folder for approx.json and approx.png")
-    mechanisms: tuple[str, ...] = setting((), "NAME or NAME:option=value,... (tuple values as a|b)", metavar="SPEC")
+    mechanisms: tuple[str, ...] = setting(
+        (),
+        "NAME or NAME:option=value,... (tuple values as a|b), or a .toml layer plan (subquad.hf.plans)",
+        metavar="SPEC",
+    )
     converted: tuple[str, ...] = setting(
         (), "model folders subquad distill wrote (OUT/model) from the same model", metavar="FOLDER"
     )
@@ -272,21 +277,18 @@ class _Run:
         the others measured, the file rewritten after each."""
         from subquad import hf
 
-        outputs = lambda model, label: _outputs(  # noqa: E731
-            model, self.windows, self.config.batch, self.decoder, _progress("windows", {"spec": label})
-        )
+        windows, batch, decoder = self.windows, self.config.batch, self.decoder
+        outputs = lambda model, label: _outputs(model, windows, batch, decoder, _progress("windows", {"spec": label}))  # noqa: E731
         original = outputs(self.model, "original")
         rows = [done.get("original") or {"spec": "original", **_quality(original, original, self.windows.labels)}]
+        plans = {s: {"plan": p.record()} for s, p in expand_plans(self.config.mechanisms)[1].items()}  # in its row
         for label in [*self.config.mechanisms, *folders]:
-            if label in done:
+            if label in done and done[label].get("plan") == plans.get(label, {}).get("plan"):  # an edited plan: again
                 rows.append(done[label])
                 continue
-            if label in folders:
-                swapped = self.converted(label.partition(":")[2])
-            else:
-                swapped = hf.use(self.model, label)
-                self.calibrate(label)
-            rows.append({"spec": label, **_quality(original, outputs(swapped, label), self.windows.labels)})
+            swapped = self.converted(label.partition(":")[2]) if label in folders else _Swapped(self, label)()
+            quality = _quality(original, outputs(swapped, label), self.windows.labels)
+            rows.append({"spec": label, **plans.get(label, {}), **quality})
             if label not in folders:
                 hf.restore(self.model)
             _write(saved, self.settings, rows)
@@ -313,11 +315,12 @@ class _Run:
 
     def add_speed(self, rows: list[dict[str, Any]], folders: dict[str, str]) -> None:
         """Each row's attention time and memory, and the whole model's forward time, at the longest context."""
-        config, specs = self.config, list(self.config.mechanisms)
+        config, (specs, plans) = self.config, expand_plans(self.config.mechanisms)  # a plan: its specs
         longest = config.context or int(getattr(self.model.config, "max_position_embeddings", config.tokens))
         timing = attention_speed(self.model, list(dict.fromkeys([*specs, *folders.values()])), longest,
                                  self.decoder, self.where, config.dtype)  # fmt: skip
         timing.update({label: timing[spec] for label, spec in folders.items()})
+        timing.update({label: plan_cell(self.model, plan, timing) for label, plan in plans.items()})
         ids = decode_windows(self.tokenizer, self.texts, longest, config.seed).to(self.where)
         whole = model_speed(self.setups(folders), ids)
         for r in rows:
@@ -385,13 +388,10 @@ _RESULTS_FIX = "remove it (or pass another --out) to measure every mechanism aga
 
 
 def converted_spec(folder: str | Path) -> str:
-    """The mechanism spec (``NAME:option=value,...``) of a converted model folder's first layer."""
-    from subquad.hf import saved_layers
+    """The mechanism spec of a converted model folder's first layer (``hf.io.converted_spec``)."""
+    from subquad.hf.io import converted_spec as spec  # transformers: imported at the call
 
-    layers = saved_layers(folder)
-    mechanism, options = layers[min(layers)]
-    text = ",".join(f"{k}={'|'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in options.items())
-    return f"{mechanism}:{text}" if text else mechanism
+    return spec(folder)
 
 
 def _write(path: Path, settings: dict[str, Any], rows: list[dict[str, Any]]) -> None:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from subquad.config import parse_spec
 from subquad.hf.interface import LayerAttention, _apply, _new_state, capturing, model_attention
 from subquad.hf.mixes import LayerMix, units
+from subquad.hf.plans import is_plan, read_plan
 from subquad.hf.support import attention_modules, layer_index
 from subquad.ops.clustering import spherical_kmeans
 from subquad.registry import get_mechanism
@@ -43,6 +44,8 @@ def calibratable(spec: LayerAttention | LayerMix | str | None) -> bool:
         return False
     if isinstance(spec, LayerMix):
         return any(calibratable(group) for group in spec.groups)
+    if is_plan(spec):  # a layer plan: any of its specs
+        return any(calibratable(s) for s in read_plan(spec).specs())
     if isinstance(spec, str):
         return any(get_mechanism(group.name).calibratable for group in parse_spec(spec))
     return spec.mechanism.calibratable

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from subquad.files import out_folder
 from subquad.flags import DTYPES, named, setting
 from subquad.hf.data import check_window, load_model, read_passages, token_windows
+from subquad.hf.plans import ORIGINAL, is_plan, plan_layers, read_plan
 from subquad.hf.support import layer_index
 
 __all__ = ["AttentionTransfer", "DistillConfig", "distill"]
@@ -55,7 +56,10 @@ class DistillConfig:
 
     model: str = setting(help="a local Hugging Face model folder or .gguf file")
     data: str = setting(help="a .jsonl file (text), a text file or a folder of .txt")
-    mechanism: str = setting(help="NAME or NAME:option=value,... (tuple values as a|b)", metavar="SPEC")
+    mechanism: str = setting(
+        help="NAME or NAME:option=value,... (tuple values as a|b), or a .toml layer plan (subquad.hf.plans)",
+        metavar="SPEC",
+    )
     out: str = setting(help="folder for the run")
     layers: tuple[int, ...] | None = setting(None, "layers to convert", shown_default="all")
     tokens: int = setting(512, "tokens per window", flag="--window-tokens", old="--tokens")
@@ -261,9 +265,16 @@ class _Job:
             )
         self.train, self.heldout = windows[: self.train_count], windows[self.train_count :]
         calibration = [{"input_ids": b} for b in self.batches(self.train[: max(config.calibration, 1)])]
-        name = config.mechanism
-        hf.convert(self.model, name, layers=config.layers, seed=config.seed,
-                   calibration=calibration if hf.calibratable(name) else None)  # fmt: skip
+        name, self.plan = config.mechanism, None
+        groups = [(name, config.layers)]
+        if is_plan(name):  # one spec per layer (subquad.hf.plans); layers no table takes stay the original
+            if config.layers is not None:
+                raise ValueError(f"{name} names each layer's attention; pass no --layers with it")
+            self.plan = read_plan(name, converted=True)
+            groups = [(spec, layers) for spec, layers in plan_layers(self.model, self.plan) if spec != ORIGINAL]
+        for spec, layers in groups:  # each calibration fits every converted layer so far: the last one stays
+            hf.convert(self.model, spec, layers=layers, seed=config.seed,
+                       calibration=calibration if hf.calibratable(spec) else None)  # fmt: skip
         self.modules = [m for m in hf.attention_modules(model) if getattr(m, "subquad_attention", None) is not None]
         if config.steps and not hf.converted_parameters(model):
             raise ValueError(
@@ -298,6 +309,8 @@ def _resume(job: _Job, found: Path | None) -> SimpleNamespace:
     config = job.config
     run = SimpleNamespace(step=0, seconds=0.0, history=[], metrics=Path(config.out) / "metrics.jsonl")
     run.settings = {k: v for k, v in dataclasses.asdict(config).items() if k not in _RESUMABLE}
+    if job.plan is not None:  # an edited plan file is another run
+        run.settings["plan"] = job.plan.record()
     state: dict[str, Any] = {}
     if found is not None:
         with checkpoint.fitting(found):

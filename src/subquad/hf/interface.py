@@ -33,12 +33,12 @@ What the model hands over is translated exactly or refused:
   dropout in training goes to mechanisms that have it; for the others it raises (``model.eval()``,
   or set the model's attention dropout to 0).
 - **State.** Mechanisms with persistent state (routing's centroids) get one per layer, seeded by
-  the layer index, kept on the attention module as ``subquad_state`` (it follows ``.to()`` and is
-  saved with the model).
-- Mechanisms whose inputs come from learned projections the model lacks (agglomerative's class
-  logits, multires' router) are refused by ``use`` with that reason; ``convert`` adds them.
+  the layer index, kept on the module as ``subquad_state`` (follows ``.to()``, saved with it).
+- Mechanisms needing learned inputs the model lacks (agglomerative's class logits, multires'
+  router) are refused by ``use`` with that reason; ``convert`` adds them.
 - **Head mixes** (``"local:window=256,sinks=4*6+routing*3"``) split each layer's query heads
-  between mechanisms, along the key/value groups (``subquad.hf.mixes``).
+  between mechanisms, along the key/value groups (``subquad.hf.mixes``); a ``.toml`` plan names
+  one spec per layer (``subquad.hf.plans``).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from subquad.hf.automatic import install, uninstall
 from subquad.hf.cache import KEY
 from subquad.hf.masks import _key_padding, _mask
 from subquad.hf.mixes import LayerMix, build_mix, check_heads, mixed_forward, shares
+from subquad.hf.plans import is_plan, read_plan, use_plan
 from subquad.hf.support import attention_modules, check_model, layer_index
 from subquad.registry import Config, Mechanism, get_mechanism, make_config, mechanism_names
 
@@ -89,17 +90,11 @@ class LayerAttention:
     @property
     def options(self) -> dict[str, Any]:
         """The config's options that differ from the mechanism's defaults."""
-        default = self.mechanism.config()
-        return {
-            f.name: getattr(self.config, f.name)
-            for f in dataclasses.fields(self.config)
-            if getattr(self.config, f.name) != getattr(default, f.name)
-        }
+        default, names = self.mechanism.config(), [f.name for f in dataclasses.fields(self.config)]
+        return {n: getattr(self.config, n) for n in names if getattr(self.config, n) != getattr(default, n)}
 
 
 _FULL = None  # LayerAttention of exact attention, built on first use
-
-
 _CAPTURE: dict[nn.Module, list[Tensor]] | None = None  # capturing(): each layer's query and key directions
 _UNUSED = None  # calibrate(): each routing layer's query and key directions
 
@@ -134,7 +129,9 @@ def use(model: nn.Module, mechanism: str, *, layers: Iterable[int] | None = None
     (a name or a spec such as ``"local:window=128"``) and ``options``, and switch ``model`` to
     ``"subquad"``; returns ``model``. Calls for different layers combine; layers never set run
     exact attention. A head mix (``"local:window=256,sinks=4*6+full*3"``) splits each layer's
-    heads between mechanisms (``subquad.hf.mixes``)."""
+    heads (``subquad.hf.mixes``); a ``.toml`` path names one spec per layer (``hf.plans``)."""
+    if is_plan(mechanism):
+        return use_plan(model, read_plan(mechanism), layers, **options)
     _apply(model, model_attention(model, mechanism, **options), layers)
     return model
 
@@ -147,7 +144,10 @@ def is_mix(spec: str) -> bool:
 
 def check_spec(spec: str, *, converted: bool = False) -> None:
     """Fail on a bad spec before a model loads: every mechanism and its options (a head mix's
-    counts are checked against the model's heads when it is applied)."""
+    counts are checked against the model's heads when it is applied); a plan file's every spec."""
+    if is_plan(spec):
+        read_plan(spec, converted=converted)
+        return
     for group in parse_spec(spec) if is_mix(spec) else [parse_spec(spec)[0]]:
         LayerAttention.build(group.name, converted=converted, **dict(group.options))
 

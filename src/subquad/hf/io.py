@@ -257,3 +257,11 @@ def loading(path: str | Path):
             path, f"could not be loaded as a Hugging Face model ({type(error).__name__}: {reason[:300]})",
             "check that the folder (or .gguf file) is whole: copy it again from where it came",
         ) from error  # fmt: skip
+
+
+def converted_spec(folder: str | Path) -> str:
+    """The mechanism spec (``NAME:option=value,...``) of a converted model folder's first layer."""
+    layers = saved_layers(folder)
+    mechanism, options = layers[min(layers)]
+    text = ",".join(f"{k}={'|'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in options.items())
+    return f"{mechanism}:{text}" if text else mechanism
