@@ -178,3 +178,18 @@ def test_distill_converts_a_plan_s_layers_and_refuses_to_resume_an_edited_one(tm
         ds.distill(config, resume=True, progress=False)
     with pytest.raises(ValueError, match=r"plan.toml names each layer's attention; pass no --layers with it"):
         ds.distill(ds.DistillConfig(**{**vars(config), "out": str(tmp_path / "other"), "layers": (0,)}), progress=False)
+
+
+def test_convert_trains_every_table_s_new_weights_and_freezes_only_the_model_s(tmp_path):
+    model = llama(3)
+    own = {name for name, _ in model.named_parameters()}
+    tables = [("[0]", "linear:feature_map=hedgehog"), ("[2]", "linear:feature_map=hedgehog,window=4")]
+    plan = write(tmp_path, "".join(f'[[layers]]\nlayers = {n}\nattention = "{spec}"\n' for n, spec in tables))
+    hf.convert(model, plan)
+    new = {name: p for name, p in model.named_parameters() if name not in own}
+    assert new and all(p.requires_grad for p in new.values())
+    assert {name.split(".")[2] for name in new} == {"0", "2"}  # model.layers.<i>...
+    assert not any(p.requires_grad for name, p in model.named_parameters() if name in own)
+    assert {p.data_ptr() for p in hf.converted_parameters(model)} == {p.data_ptr() for p in new.values()}
+    with pytest.raises(ValueError, match=r"pass no layers= or options with it"):
+        hf.convert(llama(3), plan, layers=[0])

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from subquad.config import parse_spec
 from subquad.hf.interface import LayerAttention, _apply, _new_state, capturing, model_attention
 from subquad.hf.mixes import LayerMix, units
-from subquad.hf.plans import is_plan, read_plan
+from subquad.hf.plans import ORIGINAL, is_plan, plan_layers, read_plan
 from subquad.hf.support import attention_modules, layer_index
 from subquad.ops.clustering import spherical_kmeans
 from subquad.registry import get_mechanism
@@ -117,7 +117,8 @@ def convert(
     **options: Any,
 ) -> nn.Module:
     """Swap ``mechanism`` into ``layers`` (all by default) as ``use`` does, and add what it needs
-    and the model lacks, initialised (see the module docstring); returns ``model``.
+    and the model lacks, initialised (see the module docstring); returns ``model``. A ``.toml``
+    layer plan converts each of its tables on its layers (``subquad.hf.plans``).
 
     Args:
         model: a transformers model whose attention runs through the attention interface.
@@ -131,6 +132,17 @@ def convert(
         seed: seeds the new projections' initial weights (layer i from ``seed`` and i, without
             touching the global random state) and routing's k-means.
     """
+    if is_plan(mechanism):  # one spec per layer: each table on its layers (subquad.hf.plans)
+        plan = read_plan(mechanism, converted=True)
+        if layers is not None or options:
+            raise ValueError(
+                f"{plan.path} names each layer's attention and options; pass no layers= or options with it"
+            )
+        before = dict(model.named_parameters())  # frozen at the end: not a table's new weights
+        for name, chosen in plan_layers(model, plan):
+            if name != ORIGINAL:
+                convert(model, name, layers=chosen, calibration=calibration, freeze=False, seed=seed)
+        return _freeze(model, before) if freeze else model
     spec = model_attention(model, mechanism, converted=True, **options)
     if calibratable(spec) and calibration is None:
         raise ValueError(
@@ -139,13 +151,19 @@ def convert(
         )
     before = dict(model.named_parameters())  # frozen once the conversion has gone through (a refusal leaves them)
     _add(model, spec, layers, seed)
-    if freeze:  # restore() gives back what this froze
-        frozen = [name for name, parameter in before.items() if parameter.requires_grad]
-        model.subquad_frozen = sorted({*getattr(model, "subquad_frozen", ()), *frozen})
-        for parameter in before.values():
-            parameter.requires_grad_(False)
+    if freeze:
+        _freeze(model, before)
     if calibration is not None and calibratable(spec):
         calibrate(model, calibration, seed=seed)
+    return model
+
+
+def _freeze(model: nn.Module, before: dict[str, nn.Parameter]) -> nn.Module:
+    """``requires_grad=False`` on the weights ``before`` (restore() gives back what this froze)."""
+    frozen = [name for name, parameter in before.items() if parameter.requires_grad]
+    model.subquad_frozen = sorted({*getattr(model, "subquad_frozen", ()), *frozen})
+    for parameter in before.values():
+        parameter.requires_grad_(False)
     return model
 
 

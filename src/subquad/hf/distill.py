@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from subquad.files import out_folder
 from subquad.flags import DTYPES, named, setting
 from subquad.hf.data import check_window, load_model, read_passages, token_windows
-from subquad.hf.plans import ORIGINAL, is_plan, plan_layers, read_plan
+from subquad.hf.plans import is_plan, read_plan
 from subquad.hf.support import layer_index
 
 __all__ = ["AttentionTransfer", "DistillConfig", "distill"]
@@ -265,16 +265,12 @@ class _Job:
             )
         self.train, self.heldout = windows[: self.train_count], windows[self.train_count :]
         calibration = [{"input_ids": b} for b in self.batches(self.train[: max(config.calibration, 1)])]
-        name, self.plan = config.mechanism, None
-        groups = [(name, config.layers)]
-        if is_plan(name):  # one spec per layer (subquad.hf.plans); layers no table takes stay the original
-            if config.layers is not None:
-                raise ValueError(f"{name} names each layer's attention; pass no --layers with it")
-            self.plan = read_plan(name, converted=True)
-            groups = [(spec, layers) for spec, layers in plan_layers(self.model, self.plan) if spec != ORIGINAL]
-        for spec, layers in groups:  # each calibration fits every converted layer so far: the last one stays
-            hf.convert(self.model, spec, layers=layers, seed=config.seed,
-                       calibration=calibration if hf.calibratable(spec) else None)  # fmt: skip
+        name = config.mechanism
+        self.plan = read_plan(name, converted=True) if is_plan(name) else None  # one spec per layer
+        if self.plan is not None and config.layers is not None:
+            raise ValueError(f"{name} names each layer's attention; pass no --layers with it")
+        hf.convert(self.model, name, layers=config.layers, seed=config.seed,
+                   calibration=calibration if hf.calibratable(name) else None)  # fmt: skip
         self.modules = [m for m in hf.attention_modules(model) if getattr(m, "subquad_attention", None) is not None]
         if config.steps and not hf.converted_parameters(model):
             raise ValueError(
