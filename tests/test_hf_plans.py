@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from subquad import hf
 from subquad.files import FileError
 from subquad.hf import approx as ap
-from subquad.hf.plans import plan_cell, plan_layers, read_plan
+from subquad.hf.plans import plan_cell, plan_layers, read_plan, saved_plan
 
 from .test_approx import data  # noqa: F401 - the tiny saved models
 
@@ -99,7 +99,7 @@ def test_a_plan_s_attention_time_is_its_layers_average(tmp_path):
 
 def test_approx_measures_a_plan_as_a_row_and_again_once_the_file_changes(data, tmp_path):  # noqa: F811
     plan = write(tmp_path, '[[layers]]\nattention = "local:window=3"\n[[layers]]\nlayers = [1]\nattention = "full"\n')
-    run = lambda: ap.approx(data / "decoder", data / "passages.jsonl", [str(plan)], tmp_path / "out", tokens=32,
+    run = lambda: ap.approx(data / "decoder", data / "passages.jsonl", [plan], tmp_path / "out", tokens=32,
                             samples=8, batch=4, context=32)  # fmt: skip
     rows = {r["spec"]: r for r in run()}
     row = rows[str(plan)]
@@ -136,6 +136,10 @@ def test_approx_measures_a_plan_as_a_row_and_again_once_the_file_changes(data, t
         ("layers = []\n", r"has no \[\[layers\]\] table"),
         ("layers = [1]\n", r"\[\[layers\]\] table 1 is not a table"),
         ("[[layers\n", r"is not valid TOML"),
+        (
+            '[[layers]]\nattention = "other.toml"\n',
+            r"table 1 names the plan 'other.toml': a table's attention is a spec",
+        ),
     ],
 )
 def test_every_refusal_of_a_plan_file_names_it_and_the_fix(tmp_path, text, match):
@@ -173,6 +177,7 @@ def test_distill_converts_a_plan_s_layers_and_refuses_to_resume_an_edited_one(tm
     summary = ds.distill(config, progress=False)
     assert summary["layers"] == [1] and summary["trained_parameters"] == 4 * 8 * 8 + 4 * 8  # one layer's feature map
     assert hf.saved_layers(tmp_path / "run" / "model") == {1: ("linear", {"feature_map": "hedgehog"})}
+    assert saved_plan(tmp_path / "run" / "model").groups == (("linear:feature_map=hedgehog", (1,)),)  # approx's timing
     plan.write_text('[[layers]]\nlayers = [1]\nattention = "linear:feature_map=hedgehog,eps=0.001"\n')
     with pytest.raises(ValueError, match=r"--resume with other settings than the run's \(plan\)"):
         ds.distill(config, resume=True, progress=False)
@@ -193,3 +198,42 @@ def test_convert_trains_every_table_s_new_weights_and_freezes_only_the_model_s(t
     assert {p.data_ptr() for p in hf.converted_parameters(model)} == {p.data_ptr() for p in new.values()}
     with pytest.raises(ValueError, match=r"pass no layers= or options with it"):
         hf.convert(llama(3), plan, layers=[0])
+
+
+def test_a_refused_table_leaves_the_model_as_it_was_and_names_the_file_and_table(tmp_path):
+    model = llama()  # 4 query heads in 2 key/value groups: a mix of 3 + 1 does not fit
+    plan = write(tmp_path, '[[layers]]\nlayers = [0]\nattention = "local:window=2"\n'
+                           '[[layers]]\nlayers = [2]\nattention = "local:window=2*3+full*1"\n')  # fmt: skip
+    with pytest.raises(ValueError, match=r"plan.toml, the table of 'local:window=2\*3\+full\*1' \(layers \[2\]\): "):
+        hf.use(model, plan)
+    with pytest.raises(ValueError, match=r"the table of 'local:window=2\*3\+full\*1'"):
+        hf.convert(model, plan)
+    assert all(getattr(m, "subquad_attention", None) is None for m in hf.attention_modules(model))
+    assert all(p.requires_grad for p in model.parameters())  # nothing frozen either
+
+
+def test_convert_calibrates_once_from_a_one_pass_iterable_and_refuses_a_plan_that_converts_nothing(tmp_path):
+    model = llama()
+    batches = (
+        {"input_ids": torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(i))} for i in range(2)
+    )
+    plan = write(tmp_path, '[[layers]]\nlayers = [0]\nattention = "routing:clusters=2"\n'
+                           '[[layers]]\nlayers = [3]\nattention = "routing:clusters=2"\n'
+                           '[[layers]]\nlayers = [1]\nattention = "multires"\n')  # fmt: skip
+    assert hf.calibratable(plan)  # multires's learned inputs are allowed in a plan for convert
+    hf.convert(model, plan, calibration=batches)  # a generator: read once, after every layer is converted
+    kinds = [getattr(m, "subquad_attention", None) for m in hf.attention_modules(model)]
+    assert [k and k.mechanism.name for k in kinds] == ["routing", "multires", None, "routing"]
+    with pytest.raises(ValueError, match=r"plan.toml.s centroids are fitted by k-means on the model.s own queries"):
+        hf.convert(llama(), plan)
+    nothing = write(tmp_path, '[[layers]]\nattention = "original"\n', "nothing.toml")
+    with pytest.raises(ValueError, match=r"nothing.toml converts no layer of LlamaForCausalLM"):
+        hf.convert(llama(), nothing)
+
+
+def test_convert_s_original_layers_take_back_exact_attention_as_use_s_do(tmp_path):
+    model = llama(2)
+    hf.use(model, "local:window=2")
+    hf.convert(model, write(tmp_path, '[[layers]]\nlayers = [1]\nattention = "linear:feature_map=hedgehog"\n'))
+    kinds = [getattr(m, "subquad_attention", None) for m in hf.attention_modules(model)]
+    assert kinds[0] is None and kinds[1].mechanism.name == "linear"

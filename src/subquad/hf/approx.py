@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from subquad.files import FileError, out_folder, read_json
 from subquad.flags import DTYPES, check_choices, setting
 from subquad.hf.data import Windows, check_window, load_model, read_passages, token_windows
-from subquad.hf.plans import expand_plans, plan_cell
+from subquad.hf.measures import probe_accuracy, spearman
+from subquad.hf.plans import LayerPlan, expand_plans, plan_cell, saved_plan
 from subquad.hf.recall import passkey
 from subquad.hf.report import format_decode_table, format_recall_table, format_table, plot
 from subquad.hf.speed import attention_speed, decode_speed, decode_windows, each, model_speed
@@ -82,41 +83,6 @@ def _dtype(name: str) -> torch.dtype:
     if name not in choices:
         raise ValueError(f"--dtype must be one of {', '.join(choices)}, got {name!r}")
     return choices[name]
-
-
-def _ranks(x: Tensor) -> Tensor:
-    return torch.empty_like(x).scatter_(0, x.argsort(), torch.arange(len(x), dtype=x.dtype))
-
-
-def spearman(a: Tensor, b: Tensor) -> float:
-    """Spearman's rank correlation of two 1-D tensors."""
-    ra, rb = _ranks(a.double()), _ranks(b.double())
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
-
-
-def probe_accuracy(embeddings: Tensor, labels: list[str], seed: int = 0) -> float:
-    """Test accuracy of a multinomial logistic regression (L2, LBFGS) trained on a seeded half."""
-    names = sorted(set(labels))
-    y = torch.tensor([names.index(label) for label in labels])
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    train, test = order[: len(y) // 2], order[len(y) // 2 :]
-    x = embeddings.double()
-    mean, std = x[train].mean(0), x[train].std(0).clamp_min(1e-6)
-    x = (x - mean) / std
-    weight = torch.zeros(x.shape[1], len(names), dtype=x.dtype, requires_grad=True)
-    bias = torch.zeros(len(names), dtype=x.dtype, requires_grad=True)
-    optimizer = torch.optim.LBFGS([weight, bias], max_iter=200, line_search_fn="strong_wolfe")
-
-    def closure() -> Tensor:
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(x[train] @ weight + bias, y[train]) + 1e-3 * weight.square().sum()
-        loss.backward()
-        return loss
-
-    with torch.enable_grad():
-        optimizer.step(closure)
-    return float(((x[test] @ weight + bias).argmax(-1) == y[test]).double().mean())
 
 
 def _quality(original: dict[str, Tensor], swapped: dict[str, Tensor], labels: list[str] | None) -> dict[str, Any]:
@@ -203,8 +169,9 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
     """Measure each mechanism spec, and each converted model folder, against the original model;
     returns (and writes) the rows. ``device``: auto, cpu, cuda or cuda:N; ``dtype``: the model's
     (float32, bfloat16, float16); quality is compared in float32 either way (`ApproxConfig`)."""
-    config = ApproxConfig(str(model_path), str(data), str(out), tuple(specs), tuple(map(str, converted)), tokens,
-                          samples, batch, context, calibration, speed, tuple(decode), new_tokens, tuple(passkey),
+    config = ApproxConfig(str(model_path), str(data), str(out), tuple(map(os.fspath, specs)),
+                          tuple(map(str, converted)), tokens, samples, batch, context, calibration, speed,
+                          tuple(decode), new_tokens, tuple(passkey),
                           tuple(passkey_depths), passkey_samples, probe, seed, device, dtype)  # fmt: skip
     return run_approx(config)
 
@@ -215,7 +182,7 @@ def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
 
     for spec in config.mechanisms:
         hf.check_spec(spec)  # a bad spec fails before the model loads
-    folders = {f"converted:{folder}": converted_spec(folder) for folder in config.converted}
+    folders = {f"converted:{folder}": saved_plan(folder) for folder in config.converted}  # its saved layers
     out = out_folder(config.out)
     run = _Run.load(config)
     saved = out / "approx.json"
@@ -272,7 +239,7 @@ class _Run:
             ids, batch = self.calib.ids, self.config.batch
             hf.calibrate(self.model, [{"input_ids": ids[i : i + batch]} for i in range(0, len(ids), batch)])
 
-    def quality(self, done: dict[str, dict], folders: dict[str, str], saved: Path) -> list[dict[str, Any]]:
+    def quality(self, done: dict[str, dict], folders: dict[str, LayerPlan], saved: Path) -> list[dict[str, Any]]:
         """The original's row, then each spec's and each converted folder's: done ones as they were,
         the others measured, the file rewritten after each."""
         from subquad import hf
@@ -295,7 +262,7 @@ class _Run:
             print(format_table(rows[-1:], header=False), flush=True)
         return rows
 
-    def setups(self, folders: dict[str, str]) -> dict[str, Any]:
+    def setups(self, folders: dict[str, LayerPlan]) -> dict[str, Any]:
         """Each label's model: the original, each converted folder's, each spec swapped in (and
         restored after)."""
         setups: dict[str, Any] = {"original": lambda: self.model}
@@ -313,20 +280,21 @@ class _Run:
             raise ValueError(f"--converted {folder} is a {type(model).__name__}, not this {type(self.model).__name__}")
         return model.to(self.where, self.kind)
 
-    def add_speed(self, rows: list[dict[str, Any]], folders: dict[str, str]) -> None:
+    def add_speed(self, rows: list[dict[str, Any]], folders: dict[str, LayerPlan]) -> None:
         """Each row's attention time and memory, and the whole model's forward time, at the longest context."""
         config, (specs, plans) = self.config, expand_plans(self.config.mechanisms)  # a plan: its specs
+        plans.update(folders)  # a converted folder: the specs of its saved layers
+        specs += [spec for plan in folders.values() for spec in plan.specs()]
         longest = config.context or int(getattr(self.model.config, "max_position_embeddings", config.tokens))
-        timing = attention_speed(self.model, list(dict.fromkeys([*specs, *folders.values()])), longest,
-                                 self.decoder, self.where, config.dtype)  # fmt: skip
-        timing.update({label: timing[spec] for label, spec in folders.items()})
+        timing = attention_speed(self.model, list(dict.fromkeys(specs)), longest, self.decoder, self.where,
+                                 config.dtype)  # fmt: skip
         timing.update({label: plan_cell(self.model, plan, timing) for label, plan in plans.items()})
         ids = decode_windows(self.tokenizer, self.texts, longest, config.seed).to(self.where)
         whole = model_speed(self.setups(folders), ids)
         for r in rows:
             r.update(timing.get(r["spec"], {}), **whole.get(r["spec"], {}), context=longest)
 
-    def add_decoding(self, rows: list[dict[str, Any]], folders: dict[str, str], saved: Path) -> None:
+    def add_decoding(self, rows: list[dict[str, Any]], folders: dict[str, LayerPlan], saved: Path) -> None:
         """Each row's generation at each ``--decode-lengths`` prompt (``hf.speed.decode_speed``);
         the file is rewritten after each row."""
         config = self.config
@@ -338,7 +306,7 @@ class _Run:
             r["decode"] = each(setups[r["spec"]], measure)
             _write(saved, self.settings, rows)
 
-    def add_recall(self, rows: list[dict[str, Any]], folders: dict[str, str], saved: Path) -> None:
+    def add_recall(self, rows: list[dict[str, Any]], folders: dict[str, LayerPlan], saved: Path) -> None:
         """Each row's passkey probe (``hf.recall``) at each ``--passkey-lengths``, where it has not
         run with these depths, samples and seed; the file is rewritten after each row."""
         config = self.config

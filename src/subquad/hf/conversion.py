@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from subquad.config import parse_spec
 from subquad.hf.interface import LayerAttention, _apply, _new_state, capturing, model_attention
 from subquad.hf.mixes import LayerMix, units
-from subquad.hf.plans import ORIGINAL, is_plan, plan_layers, read_plan
+from subquad.hf.plans import clear_layers, is_plan, read_plan, resolved
 from subquad.hf.support import attention_modules, layer_index
 from subquad.ops.clustering import spherical_kmeans
 from subquad.registry import get_mechanism
@@ -44,8 +44,8 @@ def calibratable(spec: LayerAttention | LayerMix | str | None) -> bool:
         return False
     if isinstance(spec, LayerMix):
         return any(calibratable(group) for group in spec.groups)
-    if is_plan(spec):  # a layer plan: any of its specs
-        return any(calibratable(s) for s in read_plan(spec).specs())
+    if is_plan(spec):  # a layer plan: any of its specs (learned inputs allowed: convert adds them)
+        return any(calibratable(s) for s in read_plan(spec, converted=True).specs())
     if isinstance(spec, str):
         return any(get_mechanism(group.name).calibratable for group in parse_spec(spec))
     return spec.mechanism.calibratable
@@ -138,22 +138,26 @@ def convert(
             raise ValueError(
                 f"{plan.path} names each layer's attention and options; pass no layers= or options with it"
             )
-        before = dict(model.named_parameters())  # frozen at the end: not a table's new weights
-        for name, chosen in plan_layers(model, plan):
-            if name != ORIGINAL:
-                convert(model, name, layers=chosen, calibration=calibration, freeze=False, seed=seed)
-        return _freeze(model, before) if freeze else model
-    spec = model_attention(model, mechanism, converted=True, **options)
-    if calibratable(spec) and calibration is None:
+        groups = resolved(model, plan, lambda spec: model_attention(model, spec, converted=True))
+        if all(made is None for made, _ in groups):
+            raise ValueError(f"{plan.path} converts no layer of {type(model).__name__}: name a spec for some layers")
+    else:
+        groups = [(model_attention(model, mechanism, converted=True, **options), layers)]
+    needs = any(calibratable(made) for made, _ in groups)  # once, after every layer is converted
+    if needs and calibration is None:
         raise ValueError(
             f"{mechanism}'s centroids are fitted by k-means on the model's own queries and keys: pass "
             "calibration=[{'input_ids': ...}, ...] (a few batches of real text)"
         )
     before = dict(model.named_parameters())  # frozen once the conversion has gone through (a refusal leaves them)
-    _add(model, spec, layers, seed)
+    for made, chosen in groups:
+        if made is None:
+            clear_layers(model, chosen)
+        else:
+            _add(model, made, chosen, seed)
     if freeze:
         _freeze(model, before)
-    if calibration is not None and calibratable(spec):
+    if needs:
         calibrate(model, calibration, seed=seed)
     return model
 

@@ -217,6 +217,8 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
 
     checkpoint.require()  # before any work: a run that cannot save must not start
     hf.check_spec(config.mechanism, converted=True)  # a bad spec fails before the model loads
+    if is_plan(config.mechanism) and config.layers is not None:
+        raise ValueError(f"{config.mechanism} names each layer's attention; pass no --layers with it")
     out = out_folder(config.out)
     found = checkpoint.latest(out / "checkpoints") if (out / "checkpoints").is_dir() else None
     if found is not None and not resume:
@@ -267,8 +269,6 @@ class _Job:
         calibration = [{"input_ids": b} for b in self.batches(self.train[: max(config.calibration, 1)])]
         name = config.mechanism
         self.plan = read_plan(name, converted=True) if is_plan(name) else None  # one spec per layer
-        if self.plan is not None and config.layers is not None:
-            raise ValueError(f"{name} names each layer's attention; pass no --layers with it")
         hf.convert(self.model, name, layers=config.layers, seed=config.seed,
                    calibration=calibration if hf.calibratable(name) else None)  # fmt: skip
         self.modules = [m for m in hf.attention_modules(model) if getattr(m, "subquad_attention", None) is not None]

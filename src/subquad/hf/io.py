@@ -262,6 +262,10 @@ def loading(path: str | Path):
 def converted_spec(folder: str | Path) -> str:
     """The mechanism spec (``NAME:option=value,...``) of a converted model folder's first layer."""
     layers = saved_layers(folder)
-    mechanism, options = layers[min(layers)]
+    return spec_text(*layers[min(layers)])
+
+
+def spec_text(mechanism: str, options: dict[str, Any]) -> str:
+    """A saved layer's mechanism and options as a spec string (tuple values as a|b)."""
     text = ",".join(f"{k}={'|'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in options.items())
     return f"{mechanism}:{text}" if text else mechanism
