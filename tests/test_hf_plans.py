@@ -178,7 +178,7 @@ def test_distill_converts_a_plan_s_layers_and_refuses_to_resume_an_edited_one(tm
     assert summary["layers"] == [1] and summary["trained_parameters"] == 4 * 8 * 8 + 4 * 8  # one layer's feature map
     assert hf.saved_layers(tmp_path / "run" / "model") == {1: ("linear", {"feature_map": "hedgehog"})}
     assert saved_plan(tmp_path / "run" / "model").groups == (("linear:feature_map=hedgehog", (1,)),)  # approx's timing
-    plan.write_text('[[layers]]\nlayers = [1]\nattention = "linear:feature_map=hedgehog,eps=0.001"\n')
+    plan.write_text('[[layers]]\nlayers = [0, 1]\nattention = "linear:feature_map=hedgehog"\n')  # other weights
     with pytest.raises(ValueError, match=r"--resume with other settings than the run's \(plan\)"):
         ds.distill(config, resume=True, progress=False)
     with pytest.raises(ValueError, match=r"plan.toml names each layer's attention; pass no --layers with it"):

@@ -224,10 +224,10 @@ def distill(config: DistillConfig, resume: bool = False, progress: bool = True) 
     if found is not None and not resume:
         raise ValueError(f"{out} already holds a distillation run; pass --resume to continue it, or another --out")
     if found is not None:
-        checkpoint.verify(found)  # a damaged checkpoint is refused before the model loads
+        meta = checkpoint.verify(found)  # a damaged checkpoint is refused before the model loads
     out.mkdir(parents=True, exist_ok=True)
     job = _Job(config)
-    run = _resume(job, found)
+    run = _resume(job, found, meta if found is not None else {})
     _train(job, run, progress)
     job.transfer.close()
     hf.save(job.model, out / "model", job.tokenizer)
@@ -296,9 +296,10 @@ class _Job:
         return float(torch.stack([self.forward(b) for b in self.batches(self.heldout)]).mean())
 
 
-def _resume(job: _Job, found: Path | None) -> SimpleNamespace:
+def _resume(job: _Job, found: Path | None, meta: dict[str, Any]) -> SimpleNamespace:
     """The run's step, seconds, held-out history, stage and optimizer: from the checkpoint ``found``
-    (refused when its settings differ), else new, with the held-out error before training."""
+    (refused when its settings differ: those in its ``meta`` before its tensors are loaded into a
+    model they may not fit), else new, with the held-out error before training."""
     from subquad.train import checkpoint
     from subquad.train.loop import trimmed_log
 
@@ -308,13 +309,12 @@ def _resume(job: _Job, found: Path | None) -> SimpleNamespace:
     if job.plan is not None:  # an edited plan file is another run
         run.settings["plan"] = job.plan.record()
     state: dict[str, Any] = {}
+    if "settings" in meta:
+        _same_settings(meta["settings"], run.settings)
     if found is not None:
         with checkpoint.fitting(found):
             state = checkpoint.load(found, job.container)
-            saved = {"dtype": "float32", **{k: v for k, v in state["settings"].items() if k not in _RESUMABLE}}
-        if saved != run.settings:
-            changed = sorted(k for k in saved.keys() | run.settings.keys() if saved.get(k) != run.settings.get(k))
-            raise ValueError(f"--resume with other settings than the run's ({', '.join(changed)}); use the same ones")
+        _same_settings(state["settings"], run.settings)
         with checkpoint.fitting(found):
             checkpoint.set_rng_state(state["rng"])
             run.step, run.seconds, run.history = state["step"], float(state["seconds"]), list(state["history"])
@@ -367,6 +367,16 @@ def _train(job: _Job, run: SimpleNamespace, progress: bool) -> None:
                 _save(job, run)
 
 
+def _same_settings(saved: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Refuse a resume whose settings differ from the checkpoint's (as JSON: tuples and lists alike)."""
+    plain = lambda x: json.loads(json.dumps(x))  # noqa: E731
+    saved = plain({"dtype": "float32", **{k: v for k, v in saved.items() if k not in _RESUMABLE}})
+    settings = plain(settings)
+    if saved != settings:
+        changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
+        raise ValueError(f"--resume with other settings than the run's ({', '.join(changed)}); use the same ones")
+
+
 def _save(job: _Job, run: SimpleNamespace) -> None:
     """A checkpoint of the converted modules, the optimizer, every RNG and the run's progress."""
     from subquad.train import checkpoint
@@ -374,7 +384,9 @@ def _save(job: _Job, run: SimpleNamespace) -> None:
     extra = {"settings": run.settings, "rng": checkpoint.rng_state(), "seconds": run.seconds, "history": run.history,
              "stage": run.stage, "optimizer": run.optimizer.state_dict()}  # fmt: skip
     config = job.config
-    checkpoint.save(Path(config.out) / "checkpoints", run.step, job.container, extra, config.keep)
+    checkpoint.save(
+        Path(config.out) / "checkpoints", run.step, job.container, extra, config.keep, meta={"settings": run.settings}
+    )  # read before a resume loads the tensors
 
 
 def _log(path: Path, record: dict[str, Any]) -> None:
