@@ -237,3 +237,20 @@ def test_convert_s_original_layers_take_back_exact_attention_as_use_s_do(tmp_pat
     hf.convert(model, write(tmp_path, '[[layers]]\nlayers = [1]\nattention = "linear:feature_map=hedgehog"\n'))
     kinds = [getattr(m, "subquad_attention", None) for m in hf.attention_modules(model)]
     assert kinds[0] is None and kinds[1].mechanism.name == "linear"
+
+
+def test_approx_reads_each_plan_once_and_use_takes_a_read_plan(data, tmp_path, monkeypatch):  # noqa: F811
+    from subquad.hf import plans
+
+    plan = write(tmp_path, '[[layers]]\nattention = "routing:clusters=2"\n')
+    reads = []
+    real = plans.read_plan
+    monkeypatch.setattr(plans, "read_plan", lambda path, **kw: reads.append(path) or real(path, **kw))
+    ap.approx(data / "decoder", data / "passages.jsonl", [plan], tmp_path / "out", tokens=32, samples=8, batch=4,
+              calibration=4, context=32, decode=(16,), new_tokens=2)  # fmt: skip
+    assert reads == [str(plan)]  # quality, calibration, speed and decoding all used that one reading
+    read = real(plan)
+    assert hf.calibratable(read)
+    model = llama(2)
+    hf.use(model, read)
+    assert [m.subquad_attention.mechanism.name for m in hf.attention_modules(model)] == ["routing", "routing"]

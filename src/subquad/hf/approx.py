@@ -226,6 +226,7 @@ class _Run:
             raise ValueError(
                 f"the text gives {len(run.windows.ids)} window(s) of {config.tokens} tokens; pass more text"
             )
+        run.plans = expand_plans(config.mechanisms)[1]  # each plan file read once: what is measured is recorded
         run.settings = {"model": config.model, "data": config.data, "tokens": config.tokens,
                         "samples": len(run.windows.ids), "decoder": run.decoder, "seed": config.seed,
                         "device": run.where.type, "dtype": config.dtype}  # fmt: skip
@@ -235,7 +236,7 @@ class _Run:
         """Calibrate the swapped-in ``spec`` on the calibration windows, where it has centroids."""
         from subquad import hf
 
-        if hf.calibratable(spec):  # routing's centroids, from the model's own queries and keys
+        if hf.calibratable(self.plans.get(spec, spec)):  # routing's centroids, from the model's own queries and keys
             ids, batch = self.calib.ids, self.config.batch
             hf.calibrate(self.model, [{"input_ids": ids[i : i + batch]} for i in range(0, len(ids), batch)])
 
@@ -248,7 +249,7 @@ class _Run:
         outputs = lambda model, label: _outputs(model, windows, batch, decoder, _progress("windows", {"spec": label}))  # noqa: E731
         original = outputs(self.model, "original")
         rows = [done.get("original") or {"spec": "original", **_quality(original, original, self.windows.labels)}]
-        plans = {s: {"plan": p.record()} for s, p in expand_plans(self.config.mechanisms)[1].items()}  # in its row
+        plans = {s: {"plan": p.record()} for s, p in self.plans.items()}  # kept in its row
         for label in [*self.config.mechanisms, *folders]:
             if label in done and done[label].get("plan") == plans.get(label, {}).get("plan"):  # an edited plan: again
                 rows.append(done[label])
@@ -282,9 +283,10 @@ class _Run:
 
     def add_speed(self, rows: list[dict[str, Any]], folders: dict[str, LayerPlan]) -> None:
         """Each row's attention time and memory, and the whole model's forward time, at the longest context."""
-        config, (specs, plans) = self.config, expand_plans(self.config.mechanisms)  # a plan: its specs
-        plans.update(folders)  # a converted folder: the specs of its saved layers
-        specs += [spec for plan in folders.values() for spec in plan.specs()]
+        config, plans = self.config, {**self.plans, **folders}  # a converted folder: its saved layers
+        specs = [
+            s for label in [*config.mechanisms, *folders] for s in (plans[label].specs() if label in plans else [label])
+        ]
         longest = config.context or int(getattr(self.model.config, "max_position_embeddings", config.tokens))
         timing = attention_speed(self.model, list(dict.fromkeys(specs)), longest, self.decoder, self.where,
                                  config.dtype)  # fmt: skip
@@ -342,7 +344,7 @@ class _Swapped:
     def __call__(self) -> nn.Module:
         from subquad import hf
 
-        hf.use(self.run.model, self.spec)
+        hf.use(self.run.model, self.run.plans.get(self.spec, self.spec))
         self.run.calibrate(self.spec)
         return self.run.model
 

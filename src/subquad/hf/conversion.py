@@ -31,21 +31,23 @@ from torch import Tensor, nn
 from subquad.config import parse_spec
 from subquad.hf.interface import LayerAttention, _apply, _new_state, capturing, model_attention
 from subquad.hf.mixes import LayerMix, units
-from subquad.hf.plans import clear_layers, is_plan, read_plan, resolved
+from subquad.hf.plans import LayerPlan, clear_layers, is_plan, read_plan, resolved
 from subquad.hf.support import attention_modules, layer_index
 from subquad.ops.clustering import spherical_kmeans
 from subquad.registry import get_mechanism
 
 
-def calibratable(spec: LayerAttention | LayerMix | str | None) -> bool:
+def calibratable(spec: LayerAttention | LayerMix | LayerPlan | str | None) -> bool:
     """Whether ``calibrate`` fits this mechanism, or a group of this head mix or spec string (its
     state holds routing centroids)."""
     if spec is None:
         return False
     if isinstance(spec, LayerMix):
         return any(calibratable(group) for group in spec.groups)
-    if is_plan(spec):  # a layer plan: any of its specs (learned inputs allowed: convert adds them)
-        return any(calibratable(s) for s in read_plan(spec, converted=True).specs())
+    if isinstance(spec, LayerPlan) or is_plan(spec):  # a plan: any of its specs (learned inputs: convert adds them)
+        return any(
+            calibratable(s) for s in (spec if isinstance(spec, LayerPlan) else read_plan(spec, converted=True)).specs()
+        )
     if isinstance(spec, str):
         return any(get_mechanism(group.name).calibratable for group in parse_spec(spec))
     return spec.mechanism.calibratable

@@ -62,7 +62,7 @@ from subquad.hf.automatic import install, uninstall
 from subquad.hf.cache import KEY
 from subquad.hf.masks import _key_padding, _mask
 from subquad.hf.mixes import LayerMix, build_mix, check_heads, mixed_forward, shares
-from subquad.hf.plans import is_plan, read_plan, use_plan
+from subquad.hf.plans import LayerPlan, is_plan, read_plan, use_plan
 from subquad.hf.support import attention_modules, check_model, layer_index
 from subquad.registry import Config, Mechanism, get_mechanism, make_config, mechanism_names
 
@@ -124,14 +124,16 @@ def layer_spec(spec: str, **options: Any) -> tuple[str, dict[str, Any]]:
     return groups[0].name, {**dict(groups[0].options), **options}
 
 
-def use(model: nn.Module, mechanism: str, *, layers: Iterable[int] | None = None, **options: Any) -> nn.Module:
+def use(model: nn.Module, mechanism: str | LayerPlan, *, layers: Iterable[int] | None = None, **options) -> nn.Module:
     """Compute the attention of ``layers`` (their ``layer_idx``; all by default) with ``mechanism``
     (a name or a spec such as ``"local:window=128"``) and ``options``, and switch ``model`` to
     ``"subquad"``; returns ``model``. Calls for different layers combine; layers never set run
     exact attention. A head mix (``"local:window=256,sinks=4*6+full*3"``) splits each layer's
-    heads (``subquad.hf.mixes``); a ``.toml`` path names one spec per layer (``hf.plans``)."""
-    if is_plan(mechanism):
-        return use_plan(model, read_plan(mechanism), layers, **options)
+    heads (``subquad.hf.mixes``); a ``.toml`` path or a ``LayerPlan`` names one spec per layer."""
+    if is_plan(mechanism) or isinstance(mechanism, LayerPlan):  # subquad.hf.plans
+        return use_plan(
+            model, mechanism if isinstance(mechanism, LayerPlan) else read_plan(mechanism), layers, **options
+        )
     _apply(model, model_attention(model, mechanism, **options), layers)
     return model
 
