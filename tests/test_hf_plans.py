@@ -171,9 +171,17 @@ def test_distill_converts_a_plan_s_layers_and_refuses_to_resume_an_edited_one(tm
     MODELS["llama"]().save_pretrained(tmp_path / "llama")
     tokenizer.save_pretrained(tmp_path / "llama")
     plan = write(tmp_path, '[[layers]]\nlayers = [1]\nattention = "linear:feature_map=hedgehog"\n')
-    config = ds.DistillConfig(model=str(tmp_path / "llama"), data=str(tmp_path / "passages.jsonl"),
-                              mechanism=str(plan), out=str(tmp_path / "run"), tokens=24, batch=4, steps=4, warmup=1,
-                              heldout=4, eval_every=2, checkpoint_every=2)  # fmt: skip
+    # pathlib paths, kept as text (the checkpoints record them)
+    paths = {
+        "model": tmp_path / "llama",
+        "data": tmp_path / "passages.jsonl",
+        "mechanism": plan,
+        "out": tmp_path / "run",
+    }
+    config = ds.DistillConfig(
+        **paths, tokens=24, batch=4, steps=4, warmup=1, heldout=4, eval_every=2, checkpoint_every=2
+    )
+    assert (config.model, config.mechanism) == (str(tmp_path / "llama"), str(plan))
     summary = ds.distill(config, progress=False)
     assert summary["layers"] == [1] and summary["trained_parameters"] == 4 * 8 * 8 + 4 * 8  # one layer's feature map
     assert hf.saved_layers(tmp_path / "run" / "model") == {1: ("linear", {"feature_map": "hedgehog"})}

@@ -32,6 +32,7 @@ import dataclasses
 import inspect
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,9 @@ class DistillConfig:
     dtype: str = setting("float32", "the model's dtype", choices=DTYPES)
 
     def __post_init__(self) -> None:
+        for name in ("model", "data", "mechanism", "out"):  # pathlib paths as text: the checkpoints record them
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         for name in ("tokens", "batch", "heldout", "eval_every", "checkpoint_every", "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"distill {named(self, name)} must be >= 1, got {getattr(self, name)}")
