@@ -19,6 +19,7 @@ from subquad import hf
 from subquad.cli import main
 from subquad.hf import approx as ap
 from subquad.hf import distill as ds
+from subquad.hf.plans import saved_plan
 
 from .conftest import VOCAB, word_passages
 
@@ -288,7 +289,7 @@ def test_approx_measures_a_converted_model_folder(data, tmp_path):
     assert by[f"converted:{tmp_path / 'full'}"]["cosine"] == pytest.approx(1.0, abs=1e-6)
     assert by[f"converted:{tmp_path / 'hedgehog'}"]["cosine"] < 1 - 1e-4
     assert all(r["model_ms"] > 0 and r["time_ms"] > 0 for r in rows)
-    assert ap.converted_spec(tmp_path / "hedgehog") == "linear:feature_map=hedgehog"
+    assert saved_plan(tmp_path / "hedgehog").specs() == ["linear:feature_map=hedgehog"]  # what approx times
 
 
 def test_bad_specs_and_inputs_raise(data, tmp_path):
@@ -325,7 +326,7 @@ def test_bad_specs_and_inputs_raise(data, tmp_path):
         with pytest.raises(ValueError, match=message):
             run(data, tmp_path, "bert", **{field: value})
     with pytest.raises(FileNotFoundError, match="has no subquad.json: it is not a model subquad.hf.save"):
-        ap.converted_spec(data / "bert")
+        saved_plan(data / "bert")
 
 
 def test_the_command_line(data, tmp_path, capsys):

@@ -357,13 +357,6 @@ class _Swapped:
 _RESULTS_FIX = "remove it (or pass another --out) to measure every mechanism again"
 
 
-def converted_spec(folder: str | Path) -> str:
-    """The mechanism spec of a converted model folder's first layer (``hf.io.converted_spec``)."""
-    from subquad.hf.io import converted_spec as spec  # transformers: imported at the call
-
-    return spec(folder)
-
-
 def _write(path: Path, settings: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))

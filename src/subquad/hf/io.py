@@ -259,12 +259,6 @@ def loading(path: str | Path):
         ) from error  # fmt: skip
 
 
-def converted_spec(folder: str | Path) -> str:
-    """The mechanism spec (``NAME:option=value,...``) of a converted model folder's first layer."""
-    layers = saved_layers(folder)
-    return spec_text(*layers[min(layers)])
-
-
 def spec_text(mechanism: str, options: dict[str, Any]) -> str:
     """A saved layer's mechanism and options as a spec string (tuple values as a|b)."""
     text = ",".join(f"{k}={'|'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in options.items())
