@@ -105,6 +105,45 @@ def test_the_old_positional_mechanism_still_works_and_warns():
     assert torch.equal(old, new)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_spec_names_the_mechanism_and_its_options_as_keywords_do(causal):
+    # The grammar of the commands and layers (subquad.config.parse_spec) is taken by the function too.
+    q, k, v = _qkv(L=24, S=24)
+    kw = dict(is_causal=causal, enable_gqa=True)
+    by_spec = subquad.attention(q, k, v, mechanism="local:window=5,sinks=2", **kw)
+    assert torch.equal(by_spec, subquad.attention(q, k, v, mechanism="local", window=5, sinks=2, **kw))
+    joined = subquad.attention(q, k, v, mechanism="local:window=5", sinks=2, **kw)  # keywords join the spec's
+    assert torch.equal(joined, by_spec)
+    # the spec's options are the ones used: another window gives another answer
+    assert not torch.equal(by_spec, subquad.attention(q, k, v, mechanism="local:window=3,sinks=2", **kw))
+    tupled = subquad.attention(q, k, v, mechanism="multires:rates=0.5|0.25,routing=random", **kw)
+    assert torch.equal(
+        tupled, subquad.attention(q, k, v, mechanism="multires", rates=(0.5, 0.25), routing="random", **kw)
+    )
+
+
+def test_a_spec_that_cannot_be_one_mechanism_on_every_head_is_refused():
+    q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
+    mix = r"'local\*2\+full' is a head mix; attention\(\) runs one mechanism on all heads: a mix is a layer's \("
+    with pytest.raises(ValueError, match=mix + r"subquad.nn.Attention\(E, H, SPEC\)\)"):
+        subquad.attention(q, k, v, mechanism="local*2+full")
+    with pytest.raises(ValueError, match=r"'local:window=4\*4' is a head mix"):  # a count is a mix's
+        subquad.attention(q, k, v, mechanism="local:window=4*4")
+    with pytest.raises(ValueError, match=r"option\(s\) \['window'\] given both in the spec 'local:window=4' and as"):
+        subquad.attention(q, k, v, mechanism="local:window=4", window=8)
+    with pytest.raises(ValueError, match=r"pass either config or options, not both \(got options \['window'\]\)"):
+        subquad.attention(q, k, v, mechanism="local:window=4", config=subquad.make_config("local"))
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\] for local"):
+        subquad.attention(q, k, v, mechanism="local:windw=4")
+    with pytest.raises(ValueError, match=r"unknown mechanism 'lokal'; available: full, "):
+        subquad.attention(q, k, v, mechanism="lokal:window=4")
+    with pytest.raises(ValueError, match=r"an attention spec is .*got 'local:window' \(bad option 'window'\)"):
+        subquad.attention(q, k, v, mechanism="local:window")
+    with pytest.warns(DeprecationWarning, match="pass mechanism='local:window=4' by keyword"):
+        old = subquad.attention(q, k, v, "local:window=4")  # 0.1's positional spelling reads specs too
+    assert torch.equal(old, subquad.attention(q, k, v, mechanism="local", window=4))
+
+
 def test_positional_arguments_are_sdpas():
     q, k, v = (torch.randn(1, 2, 10, 8) for _ in range(3))
     mask = torch.rand(10, 10) > 0.5

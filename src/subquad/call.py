@@ -36,7 +36,7 @@ from torch.nn import functional as F
 
 from subquad._contain import KEY, contained
 from subquad._validate import AttentionShape, check_attention_inputs, check_dtype, check_gqa, check_query_padding_mask
-from subquad.config import Config
+from subquad.config import Config, one_mechanism
 from subquad.kernels.profile import apply_for_threads
 from subquad.kernels.threads import adapted, backward_adapted
 from subquad.kernels.tuning import TUNING
@@ -47,9 +47,8 @@ __all__ = ["attention", "call", "causal_lower_right"]
 
 
 def _bias_module() -> Any:
-    """torch's ``torch.nn.attention.bias`` where it is imported, else None: it imports torch's
-    compiler stack (about 2 s), so it is not imported for calls that pass no causal bias, and an
-    object of its ``CausalBias`` can exist only once it is imported."""
+    """torch's ``torch.nn.attention.bias`` if imported, else None (importing it takes about 2 s, and
+    a ``CausalBias`` exists only once it is imported, so calls without one never import it)."""
     return sys.modules.get("torch.nn.attention.bias")
 
 
@@ -315,26 +314,27 @@ def _tensor_arguments(mech: Mechanism, attn_mask: Any, options: dict[str, Any]) 
     """The call's extra tensor arguments, taken out of ``options``; a dense ``attn_mask`` is
     checked to be taken by the mechanism (else a ValueError naming what it takes)."""
     tensors = {name: options.pop(name) for name in mech.tensor_args if name in options}
-    if attn_mask is not None and not _is_causal_bias(attn_mask):
-        if "attn_mask" not in mech.tensor_args:
-            raise ValueError(
-                f"{mech.name} takes no dense attn_mask; pass key_padding_mask, bool (B, S) with True = real "
-                "token, is_causal=True or attn_mask=causal_lower_right(L, S) for causality, or use "
-                "mechanism='full' (any dense mask) or 'pattern' (a mask_mod)"
-            )
+    if attn_mask is not None and not _is_causal_bias(attn_mask) and "attn_mask" not in mech.tensor_args:
+        raise ValueError(
+            f"{mech.name} takes no dense attn_mask; pass key_padding_mask, bool (B, S) with True = real "
+            "token, is_causal=True or attn_mask=causal_lower_right(L, S) for causality, or use "
+            "mechanism='full' (any dense mask) or 'pattern' (a mask_mod)"
+        )
     return tensors
 
 
-def _positional_mechanism(name: str) -> str:
-    """The mechanism passed where SDPA's ``attn_mask`` goes (0.1's spelling): warns, returns it."""
-    warnings.warn(
-        f"subquad.attention(q, k, v, {name!r}): the fourth positional argument is attn_mask, as in torch's "
-        f"scaled_dot_product_attention; pass mechanism={name!r} by keyword (the positional spelling goes in the "
-        "next release)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return name
+def _named(mechanism: Any, attn_mask: Any, options: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """The call's mechanism, ``attn_mask`` and options: a spec (``local:window=64``) as its name and
+    options; a name where SDPA's ``attn_mask`` goes (0.1's spelling) taken with a warning."""
+    if isinstance(attn_mask, str):
+        old = f"subquad.attention(q, k, v, {attn_mask!r}): the fourth positional argument is attn_mask, as in torch's"
+        warnings.warn(f"{old} scaled_dot_product_attention; pass mechanism={attn_mask!r} by keyword (the positional "
+                      "spelling goes in the next release)", DeprecationWarning, stacklevel=3)  # fmt: skip
+        mechanism, attn_mask = attn_mask, None
+    if isinstance(mechanism, str):  # one grammar: the commands' and layers' specs
+        mix = "; attention() runs one mechanism on all heads: a mix is a layer's (subquad.nn.Attention(E, H, SPEC))"
+        mechanism, options = one_mechanism(mechanism, options, mix)
+    return mechanism, attn_mask, options
 
 
 def attention(
@@ -371,7 +371,7 @@ def attention(
         scale: softmax scale, default ``D ** -0.5``.
         enable_gqa: grouped-query attention: k and v have a divisor of q's heads, each serving
             consecutive query heads.
-        mechanism: a registered name (``subquad list`` shows them).
+        mechanism: a registered name (``subquad list``), or its spec with options (``"local:window=128"``).
         key_padding_mask: bool ``(B, S)``, True marks a real token.
         config: a ready config; otherwise ``options`` build one.
         state: the mechanism's persistent state module, if it has one.
@@ -381,8 +381,7 @@ def attention(
         ``(B, H, L, Dv)`` in ``query``'s dtype; other ranks as SDPA's, in the query's (``subquad.ranks``).
     """
     query, key, value = _old_keywords(query, key, value, options)
-    if isinstance(attn_mask, str):  # the spelling of 0.1: attention(q, k, v, "linear", ...)
-        mechanism, attn_mask = _positional_mechanism(attn_mask), None
+    mechanism, attn_mask, options = _named(mechanism, attn_mask, options)  # the spelling of 0.1, or a spec
     mech = get_mechanism(mechanism)
     tensors = _tensor_arguments(mech, attn_mask, options)
     if config is not None and options:

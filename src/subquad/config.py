@@ -181,6 +181,25 @@ def parse_spec(text: str) -> tuple[SpecGroup, ...]:
     return tuple(groups)
 
 
+def joined_options(group: SpecGroup, options: typing.Mapping[str, Any], text: str) -> dict[str, Any]:
+    """``group``'s options from the spec ``text`` with ``options`` (keyword arguments) joined; an
+    option given in both is refused."""
+    both = sorted(set(dict(group.options)) & set(options))
+    if both:
+        raise ValueError(f"option(s) {both} given both in the spec {text!r} and as arguments; pass each once")
+    return {**dict(group.options), **options}
+
+
+def one_mechanism(text: str, options: typing.Mapping[str, Any], mix: str) -> tuple[str, dict[str, Any]]:
+    """The mechanism name and options of a spec of one group (``local:window=64``) where one
+    mechanism runs on every head, ``options`` joined (``joined_options``). A head mix is refused
+    as ``f"{text!r} is a head mix{mix}"``: ``mix`` says what runs one mechanism and where a mix goes."""
+    groups = parse_spec(text)
+    if len(groups) > 1 or groups[0].heads is not None:
+        raise ValueError(f"{text!r} is a head mix{mix}")
+    return groups[0].name, joined_options(groups[0], options, text)
+
+
 def _written(value: Any) -> str:
     if isinstance(value, tuple):
         return "|".join(_written(v) for v in value)

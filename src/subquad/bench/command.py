@@ -109,15 +109,13 @@ def _variants(args: argparse.Namespace) -> list[Any]:
 
 def _bench_spec(text: str) -> tuple[str, dict[str, Any]]:
     """One ``--mechanisms`` entry: a spec of one mechanism (a bench cell runs one on every head)."""
-    from subquad.config import parse_spec
+    from subquad.config import one_mechanism
 
-    groups = parse_spec(text)
-    if len(groups) > 1 or groups[0].heads is not None:
-        raise ValueError(
-            f"{text!r} is a head mix; a bench cell times one mechanism on all heads: give each as its own spec"
-        )
-    make_config(groups[0].name, **dict(groups[0].options))  # an unknown name or option raises now
-    return groups[0].name, dict(groups[0].options)
+    name, options = one_mechanism(
+        text, {}, "; a bench cell times one mechanism on all heads: give each as its own spec"
+    )
+    make_config(name, **options)  # an unknown name or option raises now
+    return name, options
 
 
 def run(args: argparse.Namespace) -> int:

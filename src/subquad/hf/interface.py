@@ -57,7 +57,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from subquad.call import attention, causal_lower_right
-from subquad.config import parse_spec
+from subquad.config import one_mechanism, parse_spec
 from subquad.hf.automatic import install, uninstall
 from subquad.hf.cache import KEY
 from subquad.hf.masks import _key_padding, _mask
@@ -112,16 +112,8 @@ def register() -> None:
 def layer_spec(spec: str, **options: Any) -> tuple[str, dict[str, Any]]:
     """A spec string (``subquad.config.parse_spec``) as the one mechanism and options a pretrained
     model's layer runs; ``options`` join the spec's own."""
-    groups = parse_spec(spec)
-    if len(groups) > 1 or groups[0].heads is not None:
-        raise ValueError(
-            f"{spec!r} is a head mix, and this takes one mechanism (e.g. local:window=128); a mix is applied "
-            "with subquad.hf.use or convert"
-        )
-    both = sorted(set(dict(groups[0].options)) & set(options))
-    if both:
-        raise ValueError(f"option(s) {both} given both in the spec {spec!r} and as arguments; pass each once")
-    return groups[0].name, {**dict(groups[0].options), **options}
+    mix = ", and this takes one mechanism (e.g. local:window=128); a mix is applied with subquad.hf.use or convert"
+    return one_mechanism(spec, options, mix)
 
 
 def use(model: nn.Module, mechanism: str | LayerPlan, *, layers: Iterable[int] | None = None, **options) -> nn.Module:

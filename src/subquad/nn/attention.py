@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from subquad.call import call
-from subquad.config import parse_spec
+from subquad.config import joined_options, parse_spec
 from subquad.registry import Config, Mechanism, get_mechanism, make_config
 
 __all__ = ["Attention", "AttentionSpec", "HeadGroup", "HeadGroups"]
@@ -68,10 +68,7 @@ def spec_head_groups(text: str, **options: Any) -> list[HeadGroup]:
         raise ValueError(f"options {sorted(options)} apply to a single mechanism; put them in the spec {text!r}")
     made = []
     for g in groups:
-        both = sorted(set(dict(g.options)) & set(options))
-        if both:
-            raise ValueError(f"option(s) {both} given both in the spec {text!r} and as arguments; pass each once")
-        made.append(HeadGroup(g.name, g.heads, **dict(g.options), **options))
+        made.append(HeadGroup(g.name, g.heads, **joined_options(g, options, text)))
     return made
 
 
