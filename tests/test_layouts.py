@@ -151,3 +151,44 @@ def test_transposed_groups_are_refused_as_forward_parts():
     parts = _layout(64, 0, 9, False, 0, 16, torch.device("cpu"), transposed=True)
     with pytest.raises(ValueError, match=r"transposed groups \(Group.transposed\) serve only as backward_parts"):
         block_sparse_attention(*qkv(1, 1, 64, 64, 8), parts, None, 1.0)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "eager"])
+@pytest.mark.parametrize(
+    ("L", "S", "heads", "is_causal", "block"),
+    [
+        (128, 128, (4, 2), True, 16),
+        (96, 160, (2, 2), True, 32),
+        (128, 96, (3, 1), False, 16),
+        (100, 100, (2, 2), True, 16),
+    ],
+)
+def test_the_sinks_part_reads_views_where_its_blocks_are_whole_and_equals_its_gathered_form(
+    kernel, L, S, heads, is_causal, block
+):
+    """The sinks' part reads the queries and the sinks in place and merges in place where its blocks
+    hold the queries whole (L a multiple of the block); it is the same part as when every row is
+    gathered and scattered: outputs and gradients, key padding, grouped-query heads, L ≠ S."""
+    import dataclasses
+
+    from subquad.kernels.band import window_layout
+    from subquad.kernels.blocksparse import block_sparse_attention
+
+    from .conftest import padding, qkv, randn
+
+    H, Hkv = heads
+    q, _, _ = qkv(2, H, L, S, 8, seed=1)
+    _, k, v = qkv(2, Hkv, L, S, 8, seed=2)
+    kpm = padding(2, S, seed=3)
+    parts = window_layout(L, S - L, 9, is_causal, 3, block, torch.device("cpu"))
+    assert len(parts) == 2  # the band, then the sinks its windows leave out
+    (sinks,) = parts[1]
+    assert (sinks.views is not None and sinks.views.writes) == (L % block == 0)
+    gathered = [parts[0], [dataclasses.replace(sinks, views=None)]]
+    results = []
+    for layout in (parts, gathered):
+        inputs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = block_sparse_attention(*inputs, layout, kpm, 8**-0.5, kernel)
+        results.append((out, *torch.autograd.grad(out, inputs, randn(*out.shape, seed=4))))
+    for a, b in zip(*results, strict=True):
+        assert (a - b).abs().max() <= 1e-12

@@ -232,8 +232,17 @@ def sink_mask(sinks: int, covered: MaskMod, is_causal: bool, offset: int) -> Mas
 def sink_groups(L: int, sinks: int, block: int, heads: int, mask_mod: MaskMod, device) -> list[Group]:
     """Blocks of ``block`` consecutive queries against the first ``sinks`` keys (StreamingLLM's
     attention sinks), under ``mask_mod`` (``sink_mask``), evaluated per head where it depends on
-    the head. ``sinks`` must not exceed the number of keys."""
+    the head. ``sinks`` must not exceed the number of keys. Where the blocks hold the queries
+    whole, they read views: the queries in place, the sinks repeated for each block, and the
+    outputs merged in place (a gather and a scatter of every query's row otherwise)."""
     n = -(-L // block)
+    views = None
+    if n * block == L:
+
+        def query_view(q: Tensor, start: int, stop: int) -> Tensor:
+            return q.narrow(2, start * block, (stop - start) * block).unflatten(2, (stop - start, block))
+
+        views = Views(_repeated_view(0, sinks), query_view, writes=True)
     queries = torch.arange(n * block, device=device).view(n, block)
     queries = queries.masked_fill(queries >= L, L)
     keys = torch.arange(sinks, device=device).expand(1, n, sinks)
@@ -244,7 +253,7 @@ def sink_groups(L: int, sinks: int, block: int, heads: int, mask_mod: MaskMod, d
         rows, cols = queries[start:stop, :, None], keys[0, start:stop, None, :]
         return mask_mod(zero, head, rows, cols) & (rows < L)  # (H, n, bq, W)
 
-    return [Group(queries, keys, allowed, MaskFacts(in_range=True))]
+    return [Group(queries, keys, allowed, MaskFacts(in_range=True), views)]
 
 
 def _repeated_view(first: int, W: int) -> Callable[[Tensor, int, int, int], Tensor]:
