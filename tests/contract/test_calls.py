@@ -175,3 +175,18 @@ def test_scale_is_used_where_the_mechanism_says_it_applies_and_refused_elsewhere
     else:
         with pytest.raises(ValueError, match=r"scale"):
             call_mechanism(case.mech, x.q, x.k, x.v, config=case.config, scale=8**-0.5, **tensors)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(("L", "S"), [(64, 64), (61, 61), (24, 40)])
+def test_the_output_is_contiguous_as_sdpas(case, L, S):
+    """SDPA's output is a contiguous ``(B, H, L, Dv)`` tensor, so ``out.view(B, -1)`` works on it; so
+    does ours, whatever spare rows a kernel computed in (the block engine's empty query slots)."""
+    x = make_inputs(case, B=2, H=4, L=L, S=S, D=8, Dv=8, dtype=torch.float32, seed=1)
+    padded = torch.ones(2, S, dtype=torch.bool)
+    padded[1, S - 3 :] = False
+    for is_causal in (False, True) if case.mech.causal else (False,):
+        for key_padding_mask in (None, padded):
+            out = call(case, x, is_causal=is_causal, key_padding_mask=key_padding_mask)
+            assert out.is_contiguous(), (is_causal, key_padding_mask is not None, out.stride())
+            assert out.view(2, -1).shape == (2, 4 * L * 8)

@@ -133,7 +133,7 @@ class _BlockSparse(torch.autograd.Function):
         out, lse = block_sparse_forward(q, k, v, key_padding_mask, parts, scale, kernel, fused)
         ctx.save_for_backward(q, k, v, key_padding_mask, out, lse)
         ctx.parts, ctx.scale, ctx.fused = backward_parts, scale, fused
-        return out.to(q.dtype)
+        return out.to(q.dtype).contiguous()  # as SDPA's: a copy only where out has spare rows
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -104,7 +104,9 @@ def block_sparse_forward(
     query_pad, pad = pads(parts)
     q_ext = padded(q, 0, query_pad)  # (B, H, L + query_pad, D)
     kf, vf = padded(k, pad, pad), padded(v, pad, pad)  # (B, H, S + 2 pad, ·)
-    rows = L + max(1, query_pad)  # row L receives the empty slots
+    # Rows past L receive the empty slots (row L) and what views write past the queries; with none
+    # (a layout of whole blocks, known on the CPU), the output is allocated as SDPA's: contiguous.
+    rows = L + max(query_pad, 1 if q.device.type != "cpu" or _empty_slots(parts, L) else 0)
     out = lse = None
     sources: dict = {}
     for part in parts:
@@ -136,3 +138,8 @@ def block_sparse_forward(
                     c.write(lse, chunk_lse.unsqueeze(-1))
         merge = True
     return out[:, :, :L], lse[:, :, :L, 0]
+
+
+def _empty_slots(parts: Sequence[Part], L: int) -> bool:
+    """Whether some block of ``parts`` has an empty query slot (marked ``L``)."""
+    return any(bool((group.queries >= L).any()) for part in parts for group in part)

@@ -118,7 +118,8 @@ def agglomerative_attention(
     c_q, c_r, values = _weights(shape, v, query_logits, key_logits, key_padding_mask)
     if not is_causal:
         sums = torch.matmul(c_r.transpose(-1, -2), values)  # (B, H, 1, Dv): Σ_j c^r_j v_j
-        return (c_q * (sums / c_r.sum(2, keepdim=True).clamp_min(config.clip))).to(v.dtype)
+        # c_q as SDPA's layout (it is a view of the logits' softmax over heads), so the output is too
+        return (c_q.contiguous() * (sums / c_r.sum(2, keepdim=True).clamp_min(config.clip))).to(v.dtype)
     return CausalAgglomerative.apply(c_q, c_r, values, shape.keys - shape.queries, config.clip).to(v.dtype)
 
 
