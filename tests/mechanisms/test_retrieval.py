@@ -190,7 +190,8 @@ def test_a_non_finite_query_reaches_no_other_row_s_gradients():
 def test_each_query_sums_its_slots_by_index_add_or_by_its_own_slots():
     """Off the CPU (where index_add adds with atomics, in any order) each query sums its own slots
     gathered; both ways give each query its slots' sum, an empty slot and an unchosen pair nothing."""
-    from subquad.ops.far_blocks import _per_query, _segments
+    from subquad.ops.far_segments import per_query as _per_query
+    from subquad.ops.far_segments import segments as _segments
 
     ids = torch.tensor([[0, 2], [2, 5], [5, 0], [1, 5]])  # 4 queries, 2 pairs each; 5: no block
     asker, owner, slot = _segments(ids, 5, 2)
@@ -209,8 +210,8 @@ def test_query_heads_of_one_key_value_head_fill_its_blocks_segments_together(mon
     import subquad.ops.far_blocks as far_blocks
 
     owners = []
-    original = far_blocks._segments
-    monkeypatch.setattr(far_blocks, "_segments", lambda *a: owners.append(original(*a)[1]) or original(*a))
+    original = far_blocks.segments
+    monkeypatch.setattr(far_blocks, "segments", lambda *a: owners.append(original(*a)[1]) or original(*a))
     q, k, v = qkv(1, 4, 40, 40, 8, 8, seed=5)
     config = RetrievalConfig(window=4, sinks=0, blocks=2, block=4, feature_map=feature_map)
     with tuned(retrieval_rows=1000), torch.no_grad():  # one segment per block that some row chose
@@ -578,3 +579,35 @@ def test_half_inputs_choose_the_same_blocks_step_by_step_prefix_or_whole(dtype):
         n = part.shape[2]
         error = (part.double() - whole[:, :, :n].double()).norm(dim=-1) / whole[:, :, :n].double().norm(dim=-1)
         assert error.max() < 1e-2  # the same blocks: rounding only (a flip costs ~0.1 to 1.4)
+
+
+@pytest.mark.parametrize(("S", "is_causal", "kpm"), [(40, True, False), (38, True, True), (37, False, True)])
+def test_without_gradients_the_segments_gather_whole_blocks_into_kept_buffers(monkeypatch, S, is_causal, kpm):
+    """Without autograd the far part's segments read k and v as rows of whole blocks (zero-padded past
+    the last key) and gather queries, keys and values, scores and outputs into buffers the thread
+    keeps (``far_segments.Scratch``): the same output, bit for bit, as gathering fresh tensors by
+    indexing, and the same memory on the next call. With gradients nothing is kept."""
+    from subquad.ops import far_blocks, far_segments
+
+    q, k, v = qkv(2, 4, S, S, 8, 8, seed=7)
+    mask = padding(2, S, seed=8) if kpm else None
+    config = RetrievalConfig(window=4, sinks=2, blocks=3, block=4)  # 38 and 37 keys: a partial last block
+    taken = []  # (name, data pointer) of each kept buffer the far part asks for
+    keep = far_segments.kept_buffer
+    monkeypatch.setattr(far_segments, "kept_buffer", lambda *a: taken.append((a[0], keep(*a).data_ptr())) or keep(*a))
+    with torch.no_grad():
+        out = retrieval_attention(q, k, v, key_padding_mask=mask, is_causal=is_causal, config=config)
+        first, taken[:] = dict(taken), []
+        assert set(first) == {f"retrieval.{n}" for n in ("queries", "keys", "values", "scores", "out")}
+        assert torch.equal(retrieval_attention(q, k, v, key_padding_mask=mask, is_causal=is_causal, config=config), out)
+        assert dict(taken) == first  # the next call used the same memory
+        monkeypatch.setattr(far_blocks, "whole_blocks", lambda *a: None)  # as before: fresh tensors, by indexing
+        fresh, original = [], far_segments.segment_blocks
+        monkeypatch.setattr(far_blocks, "segment_blocks", lambda *a: fresh.append(a[7:]) or original(*a))
+        assert torch.equal(retrieval_attention(q, k, v, key_padding_mask=mask, is_causal=is_causal, config=config), out)
+        assert fresh and all(rows is None and not scratch.kept for rows, scratch in fresh)
+    with torch.enable_grad():
+        taken[:] = []
+        retrieval_attention(*(x.requires_grad_() for x in (q, k, v)), key_padding_mask=mask, is_causal=is_causal,
+                            config=config).sum().backward()  # fmt: skip
+        assert taken == []  # with gradients: fresh tensors (autograd keeps them)

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from subquad.kernels.band import window_softmax
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
+from subquad.ops.far_segments import Scratch, per_query, segment_blocks, segments, whole_blocks
 from subquad.ops.windowed_linear import beyond_window, phi, with_ones
 from subquad.registry import Config
 
@@ -58,6 +59,8 @@ def attend_rows(
     if not grad and lead < L and S:
         near = window_softmax(q[:, :, lead:], k, v, key_padding_mask, is_causal, scale, config.window, config.sinks)
     k, v = (x.to(work_dtype(q.dtype)) for x in (k, v))  # half inputs: once per call, not per chunk
+    # without autograd, the far part's segments gather from whole blocks into kept buffers (far_segments)
+    source = None if grad or lead >= L else whole_blocks(k, v, counted)
     outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
     run = lambda f, *args: checkpoint(f, *args, use_reentrant=False) if grad else f(*args)  # noqa: E731
     widest = max(1, (lead + S - L) if is_causal else S)  # keys the last in-place row reads
@@ -69,7 +72,7 @@ def attend_rows(
         args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, sizes)
         args += (None if kernel is None else (kernel[0], *(x[:, :, a : a + step] for x in kernel[1:])),  # keys whole
                  None if near is None else tuple(x[:, :, a - lead : a - lead + step] for x in near))  # fmt: skip
-        outputs.append(run(retrieval_chunk, *args))
+        outputs.append(run(retrieval_chunk, *args, source))
     return torch.cat(outputs, dim=2)
 
 
@@ -125,6 +128,7 @@ def retrieval_chunk(
     q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
     is_causal: bool, scale: float, config: Config, sizes: tuple[int, int],
     kernel: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, near: tuple[Tensor, Tensor] | None = None,
+    source: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks and
     windows (``_near``) and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``:
@@ -135,13 +139,14 @@ def retrieval_chunk(
     chosen blocks' share of the kernel sums is taken out and the rest joins the softmax part under
     one normaliser (``lola``). ``near``: these queries' sinks-and-window softmax, output and
     log-sum-exp (``kernels.band.window_softmax``, without autograd), where it was computed for
-    every query at once; else it is computed here (``_near``)."""
+    every query at once; else it is computed here (``_near``). ``source``: ``_far``'s."""
     chosen = _chosen(q, low, high, counted, first, is_causal, config)  # each query's far blocks
     if near is None:
         near = _near(q, k, v, real, first, is_causal, scale, config, sizes[0])
     else:  # a normalised part: its log-sum-exp as the shift, a sum of 1 (0 where it sees no key)
         near = (near[1], torch.isfinite(near[1]).to(near[0].dtype), near[0])
-    far = _far(q, k, v, counted, *chosen, scale, sizes[1], None if kernel is None else (kernel[1], kernel[0]))
+    features = None if kernel is None else (kernel[1], kernel[0])
+    far = _far(q, k, v, counted, *chosen, scale, sizes[1], features, source)
     if kernel is None:
         return _merge(near, far).to(q.dtype)
     held = counted.sum(-1).gather(1, chosen[0].flatten(1)).view(chosen[0].shape) * chosen[1]  # each block's keys
@@ -238,17 +243,19 @@ def _merge(*parts: tuple[Tensor, Tensor, Tensor], mass: bool = False) -> Tensor 
 
 def _far(
     q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float, rows: int,
-    features: tuple[Tensor, Tensor] | None = None,
+    features: tuple[Tensor, Tensor] | None = None, source: tuple[Tensor, Tensor] | None = None,
 ):  # fmt: skip
     """The far part (``_part``) of each query over its own blocks ``index`` ``(B, H / shared, c,
     blocks)`` (``ok``: the block was eligible). The queries that chose a block are gathered into
-    segments of ``rows`` (``_segments``), each segment scored against its block in one batched
+    segments of ``rows`` (``far_segments``), each segment scored against its block in one batched
     product, and each query's partials summed under its largest far score:
     a row reads only its own query and block, and its query sums its partials in block order. The
     heads of a group share their rows' block where they share a key/value head. With ``features``
     (the queries' and the keys' of a kernel part), also the kernel sums over the chosen blocks'
-    keys (``_taken``)."""
+    keys (``_taken``). ``source``: k and v as rows of whole blocks (``far_segments.whole_blocks``), given
+    where nothing needs gradients: the segments then gather into kept buffers."""
     B, H, c, D = q.shape
+    scratch = Scratch(source is not None)
     groups, per, n = index.shape[1], H // k.shape[1], counted.shape[1]
     shared = H // groups
     if per % shared:  # a group spans key/value heads: each head chooses on its own
@@ -261,22 +268,27 @@ def _far(
     if features is None:
         streams, owners = streams // units * Hk + streams % units * shared // per, Hk
     count = B * owners * n
-    asker, owner, slot = _segments(torch.where(ok, streams * n + index, count), count, rows)
+    asker, owner, slot = segments(torch.where(ok, streams * n + index, count), count, rows)
     if not owner.numel():  # no query in the chunk has a far block
         top = q.new_full((B, H, c, 1), float("-inf"), dtype=work)
         none = (top, torch.zeros_like(top), q.new_zeros((B, H, c, v.shape[-1]), dtype=work))
         return none if features is None else (*none, none[2], none[1])
     mine = q.to(work).view(B, units, shared, c, D).transpose(2, 3).reshape(asks, shared * D)  # gradients sum in work
     mine = torch.cat([mine, mine.new_zeros(1, shared * D)])  # an empty slot's row: zeros, whatever q holds
-    queries = mine.index_select(0, asker).view(owner.numel(), -1, D)
-    keys, values, bias = _blocks(k, v, counted, owner, owners, shared if features is not None else 1, work)
-    scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)  # (T, rows · shared, block)
+    queries = torch.index_select(mine, 0, asker, out=scratch("queries", (len(asker), shared * D), mine))
+    queries = queries.view(owner.numel(), -1, D)
+    keys, values, bias = segment_blocks(
+        k, v, counted, owner, owners, shared if features is not None else 1, work, source, scratch
+    )  # fmt: skip
+    scores = scratch("scores", (*queries.shape[:2], keys.shape[1]), queries)  # (T, rows · shared, block)
+    scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale, out=scores)
     top = torch.full((asks + 1, shared), float("-inf"), dtype=work, device=q.device)
     top.scatter_reduce_(0, asker[:, None].expand(-1, shared), scores.detach().amax(-1).view(-1, shared), "amax")
     safe = torch.where(torch.isfinite(top), top, 0.0)  # the largest far score of each query (a constant shift)
     weights = scores.sub_(safe.index_select(0, asker).view(scores.shape[0], -1, 1)).exp_()
-    total = _per_query(weights.sum(-1).view(-1, shared, 1), asker, slot, asks)
-    out = _per_query(torch.bmm(weights, values).view(asker.numel(), shared, -1), asker, slot, asks)
+    total = per_query(weights.sum(-1).view(-1, shared, 1), asker, slot, asks)
+    out = torch.bmm(weights, values, out=scratch("out", (*weights.shape[:2], values.shape[-1]), weights))
+    out = per_query(out.view(asker.numel(), shared, -1), asker, slot, asks)
     parts = (top[:asks, :, None], total, out)
     if features is not None:
         parts += _taken(*features, values, owner, asker, slot, (units, shared), counted.shape[1:])
@@ -307,57 +319,7 @@ def _taken(
     weights = torch.matmul(queries, keys.transpose(-1, -2))  # (T, shared, rows, block): sinks, padding 0
     taken = torch.matmul(weights, values[:, None]).transpose(1, 2).reshape(-1, shared, values.shape[-1])
     total = weights.sum(-1).transpose(1, 2).reshape(-1, shared, 1)
-    return _per_query(taken, asker, slot, asks), _per_query(total, asker, slot, asks)
-
-
-def _per_query(x: Tensor, asker: Tensor, slot: Tensor, asks: int, ordered: bool | None = None) -> Tensor:
-    """Each query's sum ``(asks, ·)`` of its slots' rows of ``x``, added in slot order: on the CPU by
-    ``index_add`` (which adds in index order there), elsewhere, where it adds with atomics in any
-    order, as a sum over each query's own slots (``slot``: each pair's, past the last: none).
-    ``ordered``: whether ``index_add`` adds in order (default: on the CPU)."""
-    if (x.device.type == "cpu" and ordered is None) or ordered:
-        return x.new_zeros(asks + 1, *x.shape[1:]).index_add_(0, asker, x)[:asks]
-    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-    return padded[slot].view(asks, -1, *x.shape[1:]).sum(1)
-
-
-def _blocks(k: Tensor, v: Tensor, counted: Tensor, owner: Tensor, units: int, shared: int, work: torch.dtype):
-    """The keys and values ``(T, block, ·)`` of each segment's block (``owner``: of the blocks of all
-    rows and units), read from the key/value heads, and the additive mask ``(T, 1, block)`` of
-    its keys that count (sinks and padding: −inf)."""
-    Hk, S = k.shape[1:3]
-    n, size = counted.shape[1:]
-    b, block = owner // (units * n), owner % n
-    if n * size > S and bool((block == n - 1).any()):  # the last block, partly filled, chosen (not causal)
-        k, v = (torch.nn.functional.pad(x, (0, 0, 0, n * size - S)) for x in (k, v))
-    elif n * size > S:  # the whole blocks, a view
-        k, v = (x[:, :, : (n - 1) * size] for x in (k, v))
-    head = owner // n % units * shared // (units * shared // Hk)  # the key/value head of the segment's unit
-    keys, values = (x.to(work).view(*x.shape[:2], -1, size, x.shape[-1])[b, head, block] for x in (k, v))
-    bias = torch.zeros(owner.shape[0], 1, size, dtype=work, device=k.device)
-    return keys, values, bias.masked_fill_(~counted[b, block][:, None], float("-inf"))
-
-
-def _segments(ids: Tensor, count: int, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Segments of ``rows`` slots for the pairs ``ids`` ``(..., blocks)`` (each query's chosen
-    blocks, numbered below ``count``; ``count``: none), a block's pairs in their order and its
-    segments consecutive. Returns each slot's query (the index of ``ids[..., 0]``'s entry; their
-    number for an empty slot), each segment's block, and each pair's slot (past the last: none)."""
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    ranked = flat[order]
-    counts = torch.bincount(flat, minlength=count + 1)[:count]
-    spans = (counts + rows - 1).div(rows, rounding_mode="floor")
-    ends = spans.cumsum(0)
-    segments = int(ends[-1])
-    at = ranked.clamp_max(count - 1)
-    place = (ends - spans)[at] * rows + torch.arange(flat.numel(), device=ids.device) - (counts.cumsum(0) - counts)[at]
-    slot = torch.empty_like(flat)
-    slot[order] = torch.where(ranked < count, place, segments * rows)
-    asker = torch.full((segments * rows + 1,), flat.numel() // ids.shape[-1], dtype=torch.long, device=ids.device)
-    asker[slot] = torch.arange(flat.numel(), device=ids.device) // ids.shape[-1]
-    owner = torch.repeat_interleave(torch.arange(count, device=ids.device), spans, output_size=segments)
-    return asker[:-1], owner, slot
+    return per_query(taken, asker, slot, asks), per_query(total, asker, slot, asks)
 
 
 def _seen(keys: Tensor, p: Tensor, real: Tensor, is_causal: bool, w: int, s: int, window: bool) -> Tensor:
