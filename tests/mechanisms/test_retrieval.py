@@ -585,8 +585,9 @@ def test_half_inputs_choose_the_same_blocks_step_by_step_prefix_or_whole(dtype):
 def test_without_gradients_the_segments_gather_whole_blocks_into_kept_buffers(monkeypatch, S, is_causal, kpm):
     """Without autograd the far part's segments read k and v as rows of whole blocks (zero-padded past
     the last key) and gather queries, keys and values, scores and outputs into buffers the thread
-    keeps (``far_segments.Scratch``): the same output, bit for bit, as gathering fresh tensors by
-    indexing, and the same memory on the next call. With gradients nothing is kept."""
+    keeps (``far_segments.Scratch``), or the call keeps across its chunks where they are larger: the
+    same output, bit for bit, as gathering fresh tensors by indexing, and the same memory on the next
+    call. With gradients nothing is kept."""
     from subquad.ops import far_blocks, far_segments
 
     q, k, v = qkv(2, 4, S, S, 8, 8, seed=7)
@@ -601,11 +602,17 @@ def test_without_gradients_the_segments_gather_whole_blocks_into_kept_buffers(mo
         assert set(first) == {f"retrieval.{n}" for n in ("queries", "keys", "values", "scores", "out")}
         assert torch.equal(retrieval_attention(q, k, v, key_padding_mask=mask, is_causal=is_causal, config=config), out)
         assert dict(taken) == first  # the next call used the same memory
-        monkeypatch.setattr(far_blocks, "whole_blocks", lambda *a: None)  # as before: fresh tensors, by indexing
+        with tuned(kept_buffer=16):  # larger than the thread keeps: buffers of the call, kept across its chunks
+            taken[:] = []
+            assert torch.equal(
+                retrieval_attention(q, k, v, key_padding_mask=mask, is_causal=is_causal, config=config), out
+            )
+            assert taken == []
+        monkeypatch.setattr(far_blocks, "whole_blocks", lambda *a: None)  # fresh tensors, keys by indexing
         fresh, original = [], far_segments.segment_blocks
         monkeypatch.setattr(far_blocks, "segment_blocks", lambda *a: fresh.append(a[7:]) or original(*a))
         assert torch.equal(retrieval_attention(q, k, v, key_padding_mask=mask, is_causal=is_causal, config=config), out)
-        assert fresh and all(rows is None and not scratch.kept for rows, scratch in fresh)
+        assert fresh and all(scratch.rows is None and not scratch.kept for (scratch,) in fresh)
     with torch.enable_grad():
         taken[:] = []
         retrieval_attention(*(x.requires_grad_() for x in (q, k, v)), key_padding_mask=mask, is_causal=is_causal,

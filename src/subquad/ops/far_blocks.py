@@ -60,7 +60,7 @@ def attend_rows(
         near = window_softmax(q[:, :, lead:], k, v, key_padding_mask, is_causal, scale, config.window, config.sinks)
     k, v = (x.to(work_dtype(q.dtype)) for x in (k, v))  # half inputs: once per call, not per chunk
     # without autograd, the far part's segments gather from whole blocks into kept buffers (far_segments)
-    source = None if grad or lead >= L else whole_blocks(k, v, counted)
+    scratch = None if grad or lead >= L else Scratch(whole_blocks(k, v, counted))
     outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
     run = lambda f, *args: checkpoint(f, *args, use_reentrant=False) if grad else f(*args)  # noqa: E731
     widest = max(1, (lead + S - L) if is_causal else S)  # keys the last in-place row reads
@@ -72,7 +72,7 @@ def attend_rows(
         args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, sizes)
         args += (None if kernel is None else (kernel[0], *(x[:, :, a : a + step] for x in kernel[1:])),  # keys whole
                  None if near is None else tuple(x[:, :, a - lead : a - lead + step] for x in near))  # fmt: skip
-        outputs.append(run(retrieval_chunk, *args, source))
+        outputs.append(run(retrieval_chunk, *args, scratch))
     return torch.cat(outputs, dim=2)
 
 
@@ -128,7 +128,7 @@ def retrieval_chunk(
     q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
     is_causal: bool, scale: float, config: Config, sizes: tuple[int, int],
     kernel: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, near: tuple[Tensor, Tensor] | None = None,
-    source: tuple[Tensor, Tensor] | None = None,
+    scratch: Scratch | None = None,
 ) -> Tensor:  # fmt: skip
     """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks and
     windows (``_near``) and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``:
@@ -139,14 +139,14 @@ def retrieval_chunk(
     chosen blocks' share of the kernel sums is taken out and the rest joins the softmax part under
     one normaliser (``lola``). ``near``: these queries' sinks-and-window softmax, output and
     log-sum-exp (``kernels.band.window_softmax``, without autograd), where it was computed for
-    every query at once; else it is computed here (``_near``). ``source``: ``_far``'s."""
+    every query at once; else it is computed here (``_near``). ``scratch``: ``_far``'s."""
     chosen = _chosen(q, low, high, counted, first, is_causal, config)  # each query's far blocks
     if near is None:
         near = _near(q, k, v, real, first, is_causal, scale, config, sizes[0])
     else:  # a normalised part: its log-sum-exp as the shift, a sum of 1 (0 where it sees no key)
         near = (near[1], torch.isfinite(near[1]).to(near[0].dtype), near[0])
     features = None if kernel is None else (kernel[1], kernel[0])
-    far = _far(q, k, v, counted, *chosen, scale, sizes[1], features, source)
+    far = _far(q, k, v, counted, *chosen, scale, sizes[1], features, scratch)
     if kernel is None:
         return _merge(near, far).to(q.dtype)
     held = counted.sum(-1).gather(1, chosen[0].flatten(1)).view(chosen[0].shape) * chosen[1]  # each block's keys
@@ -243,7 +243,7 @@ def _merge(*parts: tuple[Tensor, Tensor, Tensor], mass: bool = False) -> Tensor 
 
 def _far(
     q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float, rows: int,
-    features: tuple[Tensor, Tensor] | None = None, source: tuple[Tensor, Tensor] | None = None,
+    features: tuple[Tensor, Tensor] | None = None, scratch: Scratch | None = None,
 ):  # fmt: skip
     """The far part (``_part``) of each query over its own blocks ``index`` ``(B, H / shared, c,
     blocks)`` (``ok``: the block was eligible). The queries that chose a block are gathered into
@@ -252,10 +252,10 @@ def _far(
     a row reads only its own query and block, and its query sums its partials in block order. The
     heads of a group share their rows' block where they share a key/value head. With ``features``
     (the queries' and the keys' of a kernel part), also the kernel sums over the chosen blocks'
-    keys (``_taken``). ``source``: k and v as rows of whole blocks (``far_segments.whole_blocks``), given
-    where nothing needs gradients: the segments then gather into kept buffers."""
+    keys (``_taken``). ``scratch``: the call's (``far_segments.Scratch``), where nothing needs
+    gradients: the segments then gather from whole blocks into buffers kept from chunk to chunk."""
     B, H, c, D = q.shape
-    scratch = Scratch(source is not None)
+    scratch = scratch or Scratch()
     groups, per, n = index.shape[1], H // k.shape[1], counted.shape[1]
     shared = H // groups
     if per % shared:  # a group spans key/value heads: each head chooses on its own
@@ -278,7 +278,7 @@ def _far(
     queries = torch.index_select(mine, 0, asker, out=scratch("queries", (len(asker), shared * D), mine))
     queries = queries.view(owner.numel(), -1, D)
     keys, values, bias = segment_blocks(
-        k, v, counted, owner, owners, shared if features is not None else 1, work, source, scratch
+        k, v, counted, owner, owners, shared if features is not None else 1, work, scratch
     )  # fmt: skip
     scores = scratch("scores", (*queries.shape[:2], keys.shape[1]), queries)  # (T, rows · shared, block)
     scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale, out=scores)

@@ -17,23 +17,34 @@ import math
 import torch
 from torch import Tensor
 
-from subquad.kernels.memory import kept_buffer
+from subquad.kernels.memory import kept_buffer, new_buffers
+from subquad.kernels.tuning import TUNING
 
 __all__ = ["Scratch", "per_query", "segment_blocks", "segments", "whole_blocks"]
 
 
 class Scratch:
-    """The large temporaries of a chunk: kept buffers (``kept`` True: no autograd, the CPU) or fresh
-    tensors. A result returned or saved must never be one of them (``kept_buffer``'s rule)."""
+    """A call's far part without autograd: k and v as ``rows`` of whole blocks (``whole_blocks``), and
+    the large temporaries of its chunks in buffers: those of up to ``TUNING.kept_buffer`` elements
+    the thread keeps from call to call (``kernels.memory.kept_buffer``), larger ones this call keeps
+    from chunk to chunk (in huge pages: ``kernels.memory.new_buffers``). ``rows`` None: with
+    autograd, fresh tensors (autograd keeps them). A result returned or saved is never a buffer."""
 
-    def __init__(self, kept: bool) -> None:
-        self.kept = kept
+    def __init__(self, rows: tuple[Tensor, Tensor] | None = None) -> None:
+        self.rows, self.kept = rows, rows is not None
+        self._own: dict[str, Tensor] = {}
 
     def __call__(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
         """A buffer of ``shape`` for ``name`` (``out=`` of the op that fills it), or None: fresh."""
         if not self.kept:
             return None
-        return kept_buffer(f"retrieval.{name}", math.prod(shape), like.dtype, like.device).view(shape)
+        numel = math.prod(shape)
+        if numel <= TUNING.kept_buffer or like.device.type != "cpu":
+            return kept_buffer(f"retrieval.{name}", numel, like.dtype, like.device).view(shape)
+        own = self._own.get(name)
+        if own is None or own.numel() < numel or own.dtype != like.dtype:  # the later chunks' needs vary a little
+            own = self._own[name] = new_buffers([(numel + numel // 4,)], like.dtype, like.device, zero=False)[0]
+        return own[:numel].view(shape)
 
 
 def whole_blocks(k: Tensor, v: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
@@ -52,21 +63,22 @@ def whole_blocks(k: Tensor, v: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]
 
 def segment_blocks(
     k: Tensor, v: Tensor, counted: Tensor, owner: Tensor, units: int, shared: int, work: torch.dtype,
-    rows: tuple[Tensor, Tensor] | None = None, scratch: Scratch | None = None,
+    scratch: Scratch,
 ):  # fmt: skip
     """The keys and values ``(T, block, ·)`` of each segment's block (``owner``: of the blocks of all
     rows and units), read from the key/value heads, and the additive mask ``(T, 1, block)`` of
-    its keys that count (sinks and padding: −inf). ``rows``: ``whole_blocks``' k and v, gathered into
-    ``scratch``'s buffers by ``index_select``; without them, from ``k`` and ``v`` by indexing."""
+    its keys that count (sinks and padding: −inf). With ``scratch.rows`` (``whole_blocks``' k and v),
+    gathered from them into ``scratch``'s buffers by ``index_select``; else from ``k`` and ``v`` by
+    indexing."""
     Hk, S = k.shape[1:3]
     n, size = counted.shape[1:]
     b, block = owner // (units * n), owner % n
     head = owner // n % units * shared // (units * shared // Hk)  # the key/value head of the segment's unit
-    if rows is not None:
-        flat, scratch = (b * Hk + head) * n + block, scratch or Scratch(False)
+    if scratch.rows is not None:
+        flat = (b * Hk + head) * n + block
         keys, values = (
             torch.index_select(x, 0, flat, out=scratch(name, (len(flat), x.shape[1]), x)).view(len(flat), size, -1)
-            for name, x in (("keys", rows[0]), ("values", rows[1]))
+            for name, x in zip(("keys", "values"), scratch.rows)
         )
     else:
         if n * size > S and bool((block == n - 1).any()):  # the last block, partly filled, chosen (not causal)
