@@ -585,7 +585,7 @@ def test_half_inputs_choose_the_same_blocks_step_by_step_prefix_or_whole(dtype):
 def test_without_gradients_the_segments_gather_whole_blocks_into_kept_buffers(monkeypatch, S, is_causal, kpm):
     """Without autograd the far part's segments read k and v as rows of whole blocks (zero-padded past
     the last key) and gather queries, keys and values, scores and outputs into buffers the thread
-    keeps (``far_segments.Scratch``), or the call keeps across its chunks where they are larger: the
+    keeps (``far_segments.SegmentBuffers``), or the call keeps across its chunks where they are larger: the
     same output, bit for bit, as gathering fresh tensors by indexing, and the same memory on the next
     call. With gradients nothing is kept."""
     from subquad.ops import far_blocks, far_segments

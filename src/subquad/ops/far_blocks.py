@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from subquad.kernels.band import window_softmax
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
-from subquad.ops.far_segments import Scratch, per_query, segment_blocks, segments, whole_blocks
+from subquad.ops.far_segments import SegmentBuffers, per_query, segment_blocks, segments, whole_blocks
 from subquad.ops.windowed_linear import beyond_window, phi, with_ones
 from subquad.registry import Config
 
@@ -60,7 +60,7 @@ def attend_rows(
         near = window_softmax(q[:, :, lead:], k, v, key_padding_mask, is_causal, scale, config.window, config.sinks)
     k, v = (x.to(work_dtype(q.dtype)) for x in (k, v))  # half inputs: once per call, not per chunk
     # without autograd, the far part's segments gather from whole blocks into kept buffers (far_segments)
-    scratch = None if grad or lead >= L else Scratch(whole_blocks(k, v, counted))
+    scratch = None if grad or lead >= L else SegmentBuffers(whole_blocks(k, v, counted))
     outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
     run = lambda f, *args: checkpoint(f, *args, use_reentrant=False) if grad else f(*args)  # noqa: E731
     widest = max(1, (lead + S - L) if is_causal else S)  # keys the last in-place row reads
@@ -128,7 +128,7 @@ def retrieval_chunk(
     q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
     is_causal: bool, scale: float, config: Config, sizes: tuple[int, int],
     kernel: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, near: tuple[Tensor, Tensor] | None = None,
-    scratch: Scratch | None = None,
+    scratch: SegmentBuffers | None = None,
 ) -> Tensor:  # fmt: skip
     """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks and
     windows (``_near``) and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``:
@@ -243,7 +243,7 @@ def _merge(*parts: tuple[Tensor, Tensor, Tensor], mass: bool = False) -> Tensor 
 
 def _far(
     q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float, rows: int,
-    features: tuple[Tensor, Tensor] | None = None, scratch: Scratch | None = None,
+    features: tuple[Tensor, Tensor] | None = None, scratch: SegmentBuffers | None = None,
 ):  # fmt: skip
     """The far part (``_part``) of each query over its own blocks ``index`` ``(B, H / shared, c,
     blocks)`` (``ok``: the block was eligible). The queries that chose a block are gathered into
@@ -252,10 +252,10 @@ def _far(
     a row reads only its own query and block, and its query sums its partials in block order. The
     heads of a group share their rows' block where they share a key/value head. With ``features``
     (the queries' and the keys' of a kernel part), also the kernel sums over the chosen blocks'
-    keys (``_taken``). ``scratch``: the call's (``far_segments.Scratch``), where nothing needs
+    keys (``_taken``). ``scratch``: the call's (``far_segments.SegmentBuffers``), where nothing needs
     gradients: the segments then gather from whole blocks into buffers kept from chunk to chunk."""
     B, H, c, D = q.shape
-    scratch = scratch or Scratch()
+    scratch = scratch or SegmentBuffers()
     groups, per, n = index.shape[1], H // k.shape[1], counted.shape[1]
     shared = H // groups
     if per % shared:  # a group spans key/value heads: each head chooses on its own

@@ -3,7 +3,7 @@ are gathered into segments of a few rows, each segment scored against its block 
 product, and each query's partials summed back.
 
 ``segments`` lays the (query, block) pairs out in segments, ``segment_blocks`` gathers each
-segment's block of keys and values, ``per_query`` sums each query's rows. ``Scratch`` holds a
+segment's block of keys and values, ``per_query`` sums each query's rows. ``SegmentBuffers`` holds a
 chunk's large temporaries: without autograd on the CPU, buffers the thread keeps from chunk to
 chunk and call to call (``kernels.memory.kept_buffer``). A chunk's fresh temporaries (about ten
 megabytes each at 8,192 tokens) made glibc shrink its heap and fault it back in, about one call in
@@ -20,10 +20,10 @@ from torch import Tensor
 from subquad.kernels.memory import kept_buffer, new_buffers
 from subquad.kernels.tuning import TUNING
 
-__all__ = ["Scratch", "per_query", "segment_blocks", "segments", "whole_blocks"]
+__all__ = ["SegmentBuffers", "per_query", "segment_blocks", "segments", "whole_blocks"]
 
 
-class Scratch:
+class SegmentBuffers:
     """A call's far part without autograd: k and v as ``rows`` of whole blocks (``whole_blocks``), and
     the large temporaries of its chunks in buffers: those of up to ``TUNING.kept_buffer`` elements
     the thread keeps from call to call (``kernels.memory.kept_buffer``), larger ones this call keeps
@@ -63,7 +63,7 @@ def whole_blocks(k: Tensor, v: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]
 
 def segment_blocks(
     k: Tensor, v: Tensor, counted: Tensor, owner: Tensor, units: int, shared: int, work: torch.dtype,
-    scratch: Scratch,
+    scratch: SegmentBuffers,
 ):  # fmt: skip
     """The keys and values ``(T, block, ·)`` of each segment's block (``owner``: of the blocks of all
     rows and units), read from the key/value heads, and the additive mask ``(T, 1, block)`` of
