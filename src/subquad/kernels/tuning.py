@@ -53,8 +53,7 @@ class Tuning:
     accelerator_scale: int = _knob(32, "element budgets are this many times larger off the CPU: fewer launches")
     contain_check: int = _knob(1 << 22, "off the CPU, a masked call whose q has this many elements checks its "
                                "inputs for NaN with one wait for the device rather than sanitising copies")  # fmt: skip
-    kept_buffer: int = _knob(1 << 24, "CPU working buffers of up to this many elements kept by a thread between "
-                             "calls (a long call's rows: routing's at 16k hold 9M)")  # fmt: skip
+    kept_buffer: int = _knob(1 << 24, "CPU working buffers of up to this many elements kept by a thread between calls")
     huge_page_mib: int = _knob(2, "new CPU outputs of this many MiB or more go in huge pages (not tuned: see memory)")
     # block-sparse engine (sparse, pattern, local)
     blocksparse_tile: int = _knob(1 << 19, "eager kernel: scores (B·H·blocks·bq·W) held at once, about 2 MB "
