@@ -720,3 +720,31 @@ def test_top_keys_are_the_k_largest_entries_of_each_row(S):
     assert torch.equal(values.sort(-1).values, expected.sort(-1).values)
     assert torch.equal(probs.gather(-1, index), values)
     assert all(row.unique().numel() == 32 for row in index.view(-1, 32))  # distinct indices in every row
+
+
+@pytest.mark.parametrize(("name", "Config"), MECHANISMS)
+@pytest.mark.parametrize("pad", [False, True])
+def test_without_gradients_the_centroid_scores_are_a_kept_buffer_and_the_answer_is_the_same(
+    monkeypatch, name, Config, pad
+):
+    """Without autograd the centroids' scores and their softmax (eq. 4) go into one buffer the
+    thread keeps, softmax in place (a fresh (G, C, S) pair faulted in every call); the outputs equal
+    those computed with autograd on, bit for bit, and the next call uses the same memory."""
+    from subquad.ops import query_clusters
+
+    taken = []
+    keep = query_clusters.kept_buffer
+    monkeypatch.setattr(query_clusters, "kept_buffer", lambda *a: taken.append(keep(*a).data_ptr()) or keep(*a))
+    q, k, v = qkv(2, 3, 48, 48, 8, 6, seed=3)
+    kw = {"config": Config(clusters=5)}
+    if pad:
+        kw["key_padding_mask"] = kw["query_padding_mask"] = padding(2, 48, seed=4)
+    with torch.no_grad():
+        out = run(name, q, k, v, **kw)
+        first, taken[:] = list(taken), []
+        assert first and torch.equal(run(name, q, k, v, **kw), out)
+        assert taken == first  # the same memory again
+    taken[:] = []
+    graded = run(name, *(x.clone().requires_grad_() for x in (q, k, v)), **kw)
+    assert taken == []  # with autograd: fresh tensors
+    assert torch.equal(graded.detach(), out)

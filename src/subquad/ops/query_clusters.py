@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask, work_dtype
-from subquad.kernels.memory import BlockOutput, tracks_grad
+from subquad.kernels.memory import BlockOutput, kept_buffer, tracks_grad
 from subquad.kernels.tuning import TUNING, block_elements
 from subquad.ops.clustering import (
     Euclidean,
@@ -212,9 +212,14 @@ def _all_real_draws(
 # ---------------------------------------------------------------------------------------------
 
 
-def masked_softmax(scores: Tensor, real: Tensor | None) -> Tensor:
+def masked_softmax(scores: Tensor, real: Tensor | None, in_place: bool = False) -> Tensor:
     """Softmax over the last dim where ``real`` (broadcastable bool) marks keys that may take weight;
-    a row without any such key is all zeros."""
+    a row without any such key is all zeros. ``in_place``: into ``scores`` (without autograd)."""
+    if in_place:
+        if real is not None:
+            scores.masked_fill_(~real, torch.finfo(scores.dtype).min)
+        scores = torch.softmax(scores, dim=-1, out=scores)
+        return scores if real is None else scores.mul_(real)
     if real is None:
         return torch.softmax(scores, dim=-1)
     scores = scores.masked_fill(~real, torch.finfo(scores.dtype).min)
@@ -263,7 +268,9 @@ def clustered_outputs(
         counts = cluster_counts(assign, C, weight, work).unsqueeze(-1)
         centroids = cluster_sums(qg, assign, C) / counts.clamp_min(1)  # eq. 3, (G, C, D); padded queries are 0
         kr = None if key_real is None else key_real[sl].unsqueeze(1)  # (G, 1, S)
-        probs = masked_softmax(torch.bmm(centroids * shape.scale, kg.transpose(1, 2)), kr)  # A^c, eq. 4
+        scores = None if result.track else kept_buffer("clustered.scores", G * C * S, work, q.device).view(G, C, S)
+        scores = torch.bmm(centroids * shape.scale, kg.transpose(1, 2), out=scores)
+        probs = masked_softmax(scores, kr, in_place=not result.track)  # A^c, eq. 4
         centroid_out = torch.bmm(probs, vg)  # V^c, eq. 5
         if rescore is not None:
             out = rescore(qg, kg, vg, assign, probs, centroid_out, kr, shape.scale)
