@@ -498,3 +498,26 @@ def test_a_rate_below_one_over_n_is_one_segment_of_every_key_whatever_its_size(i
     a = multires_attention(q, k, v, is_causal=is_causal, config=tiny, router_logits=logits)
     b = multires_attention(q, k, v, is_causal=is_causal, config=whole, router_logits=logits)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("feature_map", ["relu", "elu"])
+def test_without_gradients_the_query_blocks_use_kept_buffers_and_answer_as_with_autograd(monkeypatch, feature_map):
+    """Non-causal kernel multires without autograd computes blocks of queries whose features and
+    products go into buffers the thread keeps (fresh ones faulted in on every call at 8k): the same
+    memory on the next call, and the outputs of the autograd path."""
+    from subquad.kernels.tuning import tuned
+    from subquad.ops import landmarks
+
+    taken = []
+    keep = landmarks.kept_buffer
+    monkeypatch.setattr(landmarks, "kept_buffer", lambda *a: taken.append((a[0], keep(*a).data_ptr())) or keep(*a))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 40, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    kw = dict(mechanism="multires", routing="random", feature_map=feature_map)
+    with torch.no_grad(), tuned(multires_query_block=2 * 4 * 17 * 10):  # blocks of 10 queries: 4 of them
+        out = subquad.attention(q, k, v, **kw)
+        first, taken[:] = list(taken), []
+        assert len(first) == 8 and {name for name, _ in first} == {"multires.features", "multires.y"}
+        assert torch.equal(subquad.attention(q, k, v, **kw), out) and taken == first
+    graded = subquad.attention(*(x.clone().requires_grad_() for x in (q, k, v)), **kw)
+    torch.testing.assert_close(graded.detach(), out, rtol=0, atol=1e-13)

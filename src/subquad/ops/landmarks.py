@@ -15,9 +15,9 @@ import math
 import torch
 from torch import Tensor
 
-from subquad.kernels.memory import BlockOutput, tracks_grad
+from subquad.kernels.memory import BlockOutput, Scratch, kept_buffer, tracks_grad
 from subquad.kernels.tuning import TUNING, block_elements
-from subquad.ops.features import feature_map
+from subquad.ops.features import feature_map, features_into
 from subquad.ops.scan import causal_dot
 from subquad.ops.segments import running_means, segment_length, segment_means
 
@@ -57,15 +57,24 @@ def landmark_kernel(
     if tracks_grad(q, k, v, gate):
         y = torch.matmul(feature_map(q, feature), sums)  # (B, H, L, Dv + 1)
         return y[..., :Dv] * (gate.unsqueeze(-1) / (y[..., Dv:] + eps))
-    # Without autograd, blocks of queries are written into the output: no full-size temporaries.
+    # Without autograd, blocks of queries are written into the output: no full-size temporaries;
+    # a block's features and products go into buffers the thread keeps (fresh ones faulted in).
     B, H, L, D = q.shape
     out = q.new_empty(B, H, L, Dv)
     block = max(1, block_elements(TUNING.multires_query_block, q.device) // (B * H * (D + Dv + 1)))
+    scratch = Scratch(q.dtype, q.device)
     for start in range(0, L, block):
-        y = torch.matmul(feature_map(q[:, :, start : start + block], feature), sums)
+        rows = q[:, :, start : start + block]
+        phi = features_into(rows, feature, _kept("multires.features", rows, D), scratch)
+        y = torch.matmul(phi, sums, out=_kept("multires.y", rows, Dv + 1))
         weight = gate[:, :, start : start + block, None] / (y[..., Dv:] + eps)
         torch.mul(y[..., :Dv], weight, out=out[:, :, start : start + block])
     return out
+
+
+def _kept(name: str, rows: Tensor, width: int) -> Tensor:
+    """A buffer ``(B, H, n, width)`` for ``rows`` ``(B, H, n, ·)`` that the thread keeps (``kept_buffer``)."""
+    return kept_buffer(name, rows[..., :1].numel() * width, rows.dtype, rows.device).view(*rows.shape[:3], width)
 
 
 def causal_landmark_kernel(
