@@ -187,15 +187,16 @@ def test_a_mix_s_refusals_name_the_fix():
 
 
 def test_a_mix_s_attention_time_is_its_groups_timed_on_their_heads(monkeypatch):
-    """``subquad approx``'s attention column: each group is benched on its own heads; the mix's
-    time is their sum, its ratio that sum over exact attention's on all heads."""
+    """``subquad approx``'s attention column: each group is benched on its own heads and their
+    key/value heads (grouped-query, as the model runs them); the mix's time is their sum, its ratio
+    that sum over exact attention's on all heads."""
     from subquad.bench import runner
     from subquad.hf.speed import attention_speed
 
     calls = []
 
     def bench(settings):  # exact attention costs 1 s per head, local 0.25 s (ratio 0.25), peaks 10 MB per head
-        calls.append((settings.heads, [v.label for v in settings.variants]))
+        calls.append((settings.heads, settings.kv_heads, [v.label for v in settings.variants]))
         cost = {"full": 1.0, "local(window=3)": 0.25}
         labels = ["full", *(v.label for v in settings.variants)]
         h = settings.heads
@@ -205,7 +206,8 @@ def test_a_mix_s_attention_time_is_its_groups_timed_on_their_heads(monkeypatch):
     out = attention_speed(
         llama(), ["local:window=3*2+full*2", "local:window=3"], 64, True, torch.device("cpu"), "float32"
     )
-    assert calls == [(2, ["local(window=3)"]), (4, ["local(window=3)"])]  # exact attention: the baseline
+    # exact attention: the baseline; each group on its heads and their key/value heads (the model's 2 of 4)
+    assert calls == [(2, 1, ["local(window=3)"]), (4, 2, ["local(window=3)"])]
     assert out["original"] == {"time_ms": 4000.0, "ratio": 1.0, "peak_mb": 40.0}
     assert out["local:window=3*2+full*2"] == {"time_ms": 2500.0, "ratio": 0.625, "peak_mb": 20.0}
     assert out["local:window=3"] == {"time_ms": 1000.0, "ratio": 0.25, "peak_mb": 40.0}

@@ -29,3 +29,17 @@ def test_clustered_inputs_concentrate_attention():
 def test_unknown_kind_raises():
     with pytest.raises(ValueError, match="unknown input kind 'uniform'; choose one of iid, clustered"):
         make_qkv("uniform", (1, 1, 4, 4))
+
+
+@pytest.mark.parametrize("kind", ["iid", "clustered"])
+def test_grouped_query_inputs_have_fewer_key_value_heads_each_serving_its_query_heads(kind):
+    """``kv_heads``: keys and values of that many heads; with as many as the queries, the same draws
+    as without; clustered, a group's query heads lie around its key/value head's centres."""
+    shape = (2, 6, 32, 8)
+    q, k, v = make_qkv(kind, shape, seed=5, kv_heads=2)
+    assert q.shape == shape and k.shape == v.shape == (2, 2, 32, 8)
+    plain, same = make_qkv(kind, shape, seed=5), make_qkv(kind, shape, seed=5, kv_heads=6)
+    assert all(torch.equal(a, b) for a, b in zip(plain, same))
+    if kind == "clustered":  # one centre, no spread: every query and key of a group is its centre
+        q, k, _ = make_qkv(kind, shape, seed=5, centres=1, spread=0.0, kv_heads=2)
+        assert torch.equal(q, k.repeat_interleave(3, dim=1)) and not torch.equal(k[:, 0], k[:, 1])

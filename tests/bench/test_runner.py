@@ -129,6 +129,8 @@ def test_the_default_grid_is_the_settings_default_and_the_full_grid_reaches_16k(
     ("settings", "message"),
     [
         ({"heads": 0}, "heads must be >= 1, got 0"),
+        ({"heads": 6, "kv_heads": 4}, "kv_heads must divide heads (6), got 4: each key/value head serves"),
+        ({"heads": 6, "kv_heads": 0}, "kv_heads must divide heads (6), got 0"),
         ({"lengths": []}, "lengths must be positive, got []"),
         ({"lengths": [0, 8]}, "lengths must be positive, got [0, 8]"),
         ({"dtype": "int8"}, "dtype must be one of float16, bfloat16, float32, float64, got 'int8'"),

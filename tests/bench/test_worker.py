@@ -28,6 +28,24 @@ def test_full_attention_cell_has_no_error_and_no_zero_rows():
     assert 1 <= len(result["times_s"]) <= 3 and result["time_s"] > 0 and result["nonfinite"] is False
 
 
+@pytest.mark.parametrize("mechanism", ["full", "local"])
+def test_a_grouped_query_cell_reads_fewer_key_value_heads_as_the_model_does(monkeypatch, mechanism):
+    """``kv_heads``: the cell's keys and values have that many heads, each serving consecutive query
+    heads, and the call asks for grouped-query attention (``enable_gqa``), as a model's layer does;
+    full attention's error against the float64 reference (each query head on its group's keys) is 0."""
+    from subquad.bench import worker
+
+    seen = []
+    original = worker.call_mechanism
+    monkeypatch.setattr(worker, "call_mechanism", lambda m, q, k, v, **kw: seen.append((k.shape[1], kw["enable_gqa"]))
+                        or original(m, q, k, v, **kw))  # fmt: skip
+    result = measure_cell({**CELL, "mechanism": mechanism, "heads": 4, "kv_heads": 2, "causal": False})
+    assert seen and set(seen) == {(2, True)}
+    assert result["error_iid"] < (1e-6 if mechanism == "full" else 1.0) and result["nonfinite"] is False
+    plain = measure_cell({**CELL, "mechanism": mechanism, "heads": 4, "causal": False})
+    assert plain["error_iid"] != result["error_iid"] or mechanism == "full"
+
+
 def test_a_cell_times_at_least_one_call_and_backward_cells_have_no_error_fields():
     result = measure_cell({**CELL, "backward": True, "max_seconds": 1e-9})
     assert len(result["times_s"]) == 1 and result["time_s"] > 0

@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     _check_device(settings.device, args.grid)
     out_folder(args.out)  # before the run, so a bad folder fails at once
     threads = settings.threads or torch.get_num_threads()
-    title = f"B={settings.batch} H={settings.heads} D={settings.head_dim} {settings.dtype} {settings.device}"
+    kv = "" if settings.kv_heads is None else f" Hkv={settings.kv_heads}"
+    title = f"B={settings.batch} H={settings.heads}{kv} D={settings.head_dim} {settings.dtype} {settings.device}"
     title += f", {threads} threads"
     cells = settings.cells()
     without = sorted({v.label for v in settings.all_variants() if not get_mechanism(v.mechanism).causal})

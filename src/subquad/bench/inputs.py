@@ -30,19 +30,23 @@ def make_qkv(
     *,
     centres: int = 16,
     spread: float = 0.5,
+    kv_heads: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Queries, keys and values of ``shape`` ``(B, H, N, D)``, drawn reproducibly from ``seed``."""
+    """Queries, keys and values of ``shape`` ``(B, H, N, D)``, drawn reproducibly from ``seed``;
+    with ``kv_heads``, keys and values ``(B, kv_heads, N, D)``, each serving ``H / kv_heads``
+    consecutive query heads (clustered: around its own centres)."""
     if kind not in INPUT_KINDS:
         raise ValueError(f"unknown input kind {kind!r}; choose one of {', '.join(INPUT_KINDS)}")
     generator = torch.Generator().manual_seed(seed)
-    if kind == "iid":
-        q, k, v = (torch.randn(shape, generator=generator, dtype=dtype) for _ in range(3))
-        return q.to(device), k.to(device), v.to(device)
     B, H, N, D = shape
-    centre = torch.randn(B, H, centres, D, generator=generator)  # (B, H, C, D)
-    q = _around(centre, N, spread, generator)
+    Hk = kv_heads or H
+    if kind == "iid":
+        q, k, v = (torch.randn(s, generator=generator, dtype=dtype) for s in (shape, (B, Hk, N, D), (B, Hk, N, D)))
+        return q.to(device), k.to(device), v.to(device)
+    centre = torch.randn(B, Hk, centres, D, generator=generator)  # (B, Hk, C, D)
+    q = _around(centre.repeat_interleave(H // Hk, dim=1), N, spread, generator)
     k = _around(centre, N, spread, generator)
-    v = torch.randn(shape, generator=generator)
+    v = torch.randn(B, Hk, N, D, generator=generator)
     return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))  # type: ignore[return-value]
 
 

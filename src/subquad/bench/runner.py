@@ -85,6 +85,9 @@ class BenchSettings:
     lengths: Sequence[int] = setting(_DEFAULT["lengths"], "sequence lengths", metavar="N")
     batch: int = setting(1, "batch size B")
     heads: int = setting(8, "heads H")
+    kv_heads: int | None = setting(
+        None, "key/value heads (grouped-query attention, enable_gqa): a divisor of H", shown_default="H"
+    )
     head_dim: int = setting(64, "head dim D")
     dtype: str = setting("float32", "", choices=DTYPE_NAMES)
     device: str = setting("cpu", "cpu or cuda")
@@ -117,6 +120,11 @@ class BenchSettings:
         for name in ("batch", "heads", "head_dim", "repeats", "error_rows", "centres"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_heads is not None and not (1 <= self.kv_heads <= self.heads and self.heads % self.kv_heads == 0):
+            raise ValueError(
+                f"kv_heads must divide heads ({self.heads}), got {self.kv_heads}: each key/value head serves "
+                "heads / kv_heads query heads"
+            )
         if self.busy < 0:
             raise ValueError(f"busy must be >= 0, got {self.busy}")
         if not self.lengths or min(self.lengths) < 1:

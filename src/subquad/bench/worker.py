@@ -70,20 +70,21 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     mech = get_mechanism(cell["mechanism"])
     config = make_config(mech, **cell["options"])
     B, H, N, D = cell["batch"], cell["heads"], cell["length"], cell["head_dim"]
+    Hk = cell.get("kv_heads") or H  # grouped-query: keys and values of Hk heads, read with enable_gqa
     # Inference mode: a state that learns (routing centroids) must not move between timed calls.
     state = mech.state(config, H, D, cell["seed"]).to(device).eval() if mech.state is not None else None
-    call = _make_call(mech, config, state, cell["causal"], cell["backward"], cell["seed"])
-    shape = (cell["device"], cell["dtype"], B, H, N, D, cell["causal"], cell["backward"], torch.get_num_threads())
+    call = _make_call(mech, config, state, cell["causal"], cell["backward"], cell["seed"], Hk != H)
+    shape = (cell["device"], cell["dtype"], B, H, Hk, N, D, cell["causal"], cell["backward"], torch.get_num_threads())
     baseline = None  # full attention, timed call for call alongside: the cell's own ratio
     if cell.get("paired") and _BASELINE_SECONDS.get(shape, 0.0) <= cell["max_seconds"]:
         baseline = _make_call(
-            get_mechanism("full"), make_config("full"), None, cell["causal"], cell["backward"], cell["seed"]
+            get_mechanism("full"), make_config("full"), None, cell["causal"], cell["backward"], cell["seed"], Hk != H
         )
 
     if device.type == "cpu":  # start thread pools (on CUDA, a short call would compile a kernel for its length)
-        call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"]))
+        call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"], kv_heads=Hk))
     probe_before = short_op_speedup() if device.type == "cpu" else None
-    q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"])
+    q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"], kv_heads=Hk)
     out, result, timing = _timed_calls(call, baseline, q, k, v, device, cell)
     result.update(time_s=statistics.median(timing.times), times_s=timing.times, threads=torch.get_num_threads())
     if device.type == "cuda":
@@ -106,7 +107,7 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
         result["error_iid"] = _relative_error(out, q, k, v, cell)
         del out, q, k, v
         structure = {"centres": cell.get("centres", 16), "spread": cell.get("spread", 0.5)}
-        q, k, v = make_qkv("clustered", (B, H, N, D), dtype, device, cell["seed"] + 1, **structure)
+        q, k, v = make_qkv("clustered", (B, H, N, D), dtype, device, cell["seed"] + 1, kv_heads=Hk, **structure)
         result["error_clustered"] = _relative_error(call(q, k, v), q, k, v, cell)
     return result
 
@@ -221,7 +222,13 @@ def _timed(call: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tenso
 
 
 def _make_call(
-    mech: Mechanism, config: Config, state: torch.nn.Module | None, causal: bool, backward: bool, seed: int
+    mech: Mechanism,
+    config: Config,
+    state: torch.nn.Module | None,
+    causal: bool,
+    backward: bool,
+    seed: int,
+    grouped: bool = False,
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """One attention call (plus backward for fwd+bwd cells), fed extra tensors the mechanism needs.
     Those tensors (agglomerative's class logits, multires's router logits) are made once per input
@@ -242,9 +249,11 @@ def _make_call(
             tensors = extras[key]
         if not backward:
             with torch.no_grad():
-                return call_mechanism(mech, q, k, v, is_causal=causal, config=config, state=state, **tensors)
+                return call_mechanism(
+                    mech, q, k, v, is_causal=causal, config=config, state=state, enable_gqa=grouped, **tensors
+                )
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        out = call_mechanism(mech, q, k, v, is_causal=causal, config=config, state=state, **tensors)
+        out = call_mechanism(mech, q, k, v, is_causal=causal, config=config, state=state, enable_gqa=grouped, **tensors)
         key = (out.shape, out.dtype, out.device)
         if key not in grads:
             grads[key] = torch.ones_like(out)
@@ -257,15 +266,16 @@ def _make_call(
 
 
 def reference_rows(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, is_causal: bool) -> Tensor:
-    """Full attention in float64 for the queries ``rows``: ``(B, H, len(rows), Dv)``."""
-    L, S = q.shape[2], k.shape[2]
+    """Full attention in float64 for the queries ``rows``: ``(B, H, len(rows), Dv)``; keys and values
+    of fewer heads serve consecutive query heads (grouped-query)."""
+    L, S, G = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
     mask = None
     if is_causal:
         mask = torch.arange(S, device=q.device) <= (rows + S - L).unsqueeze(-1)  # (R, S), bottom-right
     eager = make_config("full", backend="eager")
     heads = [
         get_mechanism("full").fn(
-            q[:, h : h + 1, rows].double(), k[:, h : h + 1].double(), v[:, h : h + 1].double(),
+            q[:, h : h + 1, rows].double(), k[:, h // G : h // G + 1].double(), v[:, h // G : h // G + 1].double(),
             attn_mask=mask, config=eager,
         )
         for h in range(q.shape[1])  # one head at a time keeps the (R, S) scores small

@@ -38,15 +38,17 @@ __all__ = ["PeakRss", "attention_speed", "decode_speed", "decode_windows", "each
 def attention_speed(
     model: nn.Module, specs: list[str], context: int, causal: bool, device: torch.device, dtype: str
 ) -> dict[str, dict[str, Any]]:
-    """Time and peak memory of each spec's attention at ``context``, with the model's heads and
-    head size, against exact attention's. A head mix's time is the sum of its groups', each timed
-    on its own heads (its peak, the largest of theirs)."""
+    """Time and peak memory of each spec's attention at ``context``, with the model's heads, key/value
+    heads (grouped-query, read as the model reads them) and head size, against exact attention's. A
+    head mix's time is the sum of its groups', each timed on its own heads and their key/value heads
+    (its peak, the largest of theirs)."""
     from subquad.bench.runner import BenchSettings, Variant, run_bench
     from subquad.hf.interface import model_attention
 
     config = model.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    group = heads // (getattr(config, "num_key_value_heads", None) or heads)  # query heads per key/value head
     parts = {}  # each spec's groups: (variant, heads)
     for spec in specs:
         made = model_attention(model, spec, converted=True)  # the timing only: the bench makes learned inputs
@@ -57,9 +59,10 @@ def attention_speed(
         variants = [
             v for v in dict.fromkeys(v for g in parts.values() for v, n in g if n == count) if v.label != "full"
         ]
-        settings = BenchSettings(variants=variants, lengths=(context,), heads=count, head_dim=head_dim,
-                                 causal=(causal,), backward=(False,), repeats=5, warmup_seconds=1.0, max_seconds=3.0,
-                                 device=device.type, dtype=dtype)  # fmt: skip
+        kv_heads = count // group if count % group == 0 and group > 1 else None  # a mix splits along the groups
+        settings = BenchSettings(variants=variants, lengths=(context,), heads=count, kv_heads=kv_heads,
+                                 head_dim=head_dim, causal=(causal,), backward=(False,), repeats=5,
+                                 warmup_seconds=1.0, max_seconds=3.0, device=device.type, dtype=dtype)  # fmt: skip
         rows.update({(r["mechanism"], count): r for r in run_bench(settings)})
     full = {count: row.get("time_s", math.nan) for (label, count), row in rows.items() if label == "full"}
     out = {"original": _cell([(rows.get(("full", heads), {}), heads)], full, heads)}
