@@ -122,7 +122,11 @@ def test_a_spec_names_the_mechanism_and_its_options_as_keywords_do(causal):
     )
 
 
-def test_a_spec_that_cannot_be_one_mechanism_on_every_head_is_refused():
+def test_a_spec_that_cannot_be_one_mechanism_on_every_head_is_refused(monkeypatch):
+    import dataclasses
+
+    from subquad import registry
+
     q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
     mix = r"'local\*2\+full' is a head mix; attention\(\) runs one mechanism on all heads: a mix is a layer's \("
     with pytest.raises(ValueError, match=mix + r"subquad.nn.Attention\(E, H, SPEC\)\)"):
@@ -131,7 +135,8 @@ def test_a_spec_that_cannot_be_one_mechanism_on_every_head_is_refused():
         subquad.attention(q, k, v, mechanism="local:window=4*4")
     with pytest.raises(ValueError, match=r"option\(s\) \['window'\] given both in the spec 'local:window=4' and as"):
         subquad.attention(q, k, v, mechanism="local:window=4", window=8)
-    with pytest.raises(ValueError, match=r"pass either config or options, not both \(got options \['window'\]\)"):
+    both = r"pass either config or options \(keywords, a spec's\), not both \(got \['window'\]\)"
+    with pytest.raises(ValueError, match=both):
         subquad.attention(q, k, v, mechanism="local:window=4", config=subquad.make_config("local"))
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\] for local"):
         subquad.attention(q, k, v, mechanism="local:windw=4")
@@ -139,6 +144,11 @@ def test_a_spec_that_cannot_be_one_mechanism_on_every_head_is_refused():
         subquad.attention(q, k, v, mechanism="lokal:window=4")
     with pytest.raises(ValueError, match=r"an attention spec is .*got 'local:window' \(bad option 'window'\)"):
         subquad.attention(q, k, v, mechanism="local:window")
+    # a registered name is a name, whatever it holds (a plugin may register "my.full")
+    monkeypatch.setitem(
+        registry._REGISTRY, "my.full:v2", dataclasses.replace(registry.get_mechanism("full"), name="my.full:v2")
+    )
+    assert torch.equal(subquad.attention(q, k, v, mechanism="my.full:v2"), subquad.attention(q, k, v))
     with pytest.warns(DeprecationWarning, match="pass mechanism='local:window=4' by keyword"):
         old = subquad.attention(q, k, v, "local:window=4")  # 0.1's positional spelling reads specs too
     assert torch.equal(old, subquad.attention(q, k, v, mechanism="local", window=4))

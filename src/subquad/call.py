@@ -331,7 +331,7 @@ def _named(mechanism: Any, attn_mask: Any, options: dict[str, Any]) -> tuple[Any
         warnings.warn(f"{old} scaled_dot_product_attention; pass mechanism={attn_mask!r} by keyword (the positional "
                       "spelling goes in the next release)", DeprecationWarning, stacklevel=3)  # fmt: skip
         mechanism, attn_mask = attn_mask, None
-    if isinstance(mechanism, str):  # one grammar: the commands' and layers' specs
+    if isinstance(mechanism, str) and mechanism not in mechanism_names():  # a spec: the commands' grammar
         mix = "; attention() runs one mechanism on all heads: a mix is a layer's (subquad.nn.Attention(E, H, SPEC))"
         mechanism, options = one_mechanism(mechanism, options, mix)
     return mechanism, attn_mask, options
@@ -385,7 +385,7 @@ def attention(
     mech = get_mechanism(mechanism)
     tensors = _tensor_arguments(mech, attn_mask, options)
     if config is not None and options:
-        raise ValueError(f"pass either config or options, not both (got options {sorted(options)})")
+        raise ValueError(f"pass either config or options (keywords, a spec's), not both (got {sorted(options)})")
     if config is None:
         config = make_config(mech, **options)
     dense = isinstance(attn_mask, Tensor) and not _is_causal_bias(attn_mask)

@@ -43,3 +43,5 @@ def test_grouped_query_inputs_have_fewer_key_value_heads_each_serving_its_query_
     if kind == "clustered":  # one centre, no spread: every query and key of a group is its centre
         q, k, _ = make_qkv(kind, shape, seed=5, centres=1, spread=0.0, kv_heads=2)
         assert torch.equal(q, k.repeat_interleave(3, dim=1)) and not torch.equal(k[:, 0], k[:, 1])
+    with pytest.raises(ValueError, match="kv_heads must divide the 6 heads, got 4: each serves H / kv_heads"):
+        make_qkv(kind, shape, kv_heads=4)

@@ -741,7 +741,10 @@ def test_without_gradients_the_centroid_scores_are_a_kept_buffer_and_the_answer_
         kw["key_padding_mask"] = kw["query_padding_mask"] = padding(2, 48, seed=4)
     with torch.no_grad():
         out = run(name, q, k, v, **kw)
-        first, taken[:] = list(taken), []
+        kept, first, taken[:] = out.clone(), list(taken), []
+        run(name, q.flip(2), k * 2, v.flip(2), **kw)
+        assert torch.equal(out, kept)  # no result is a view of a buffer the next call rewrites
+        taken[:] = []
         assert first and torch.equal(run(name, q, k, v, **kw), out)
         assert taken == first  # the same memory again
     taken[:] = []

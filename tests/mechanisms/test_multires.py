@@ -516,7 +516,10 @@ def test_without_gradients_the_query_blocks_use_kept_buffers_and_answer_as_with_
     kw = dict(mechanism="multires", routing="random", feature_map=feature_map)
     with torch.no_grad(), tuned(multires_query_block=2 * 4 * 17 * 10):  # blocks of 10 queries: 4 of them
         out = subquad.attention(q, k, v, **kw)
-        first, taken[:] = list(taken), []
+        kept, first, taken[:] = out.clone(), list(taken), []
+        subquad.attention(q.flip(2), k * 2, v, **kw)
+        assert torch.equal(out, kept)  # no result is a view of a buffer the next call rewrites
+        taken[:] = []
         assert len(first) == 8 and {name for name, _ in first} == {"multires.features", "multires.y"}
         assert torch.equal(subquad.attention(q, k, v, **kw), out) and taken == first
     graded = subquad.attention(*(x.clone().requires_grad_() for x in (q, k, v)), **kw)

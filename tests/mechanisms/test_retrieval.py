@@ -598,8 +598,11 @@ def test_without_gradients_the_segments_gather_whole_blocks_into_kept_buffers(mo
     monkeypatch.setattr(far_segments, "kept_buffer", lambda *a: taken.append((a[0], keep(*a).data_ptr())) or keep(*a))
     with torch.no_grad():
         out = retrieval_attention(q, k, v, key_padding_mask=mask, is_causal=is_causal, config=config)
-        first, taken[:] = dict(taken), []
-        assert set(first) == {f"retrieval.{n}" for n in ("queries", "keys", "values", "scores", "out")}
+        assert {name for name, _ in taken} == {f"retrieval.{n}" for n in ("queries", "keys", "values", "scores", "out")}
+        kept, taken[:] = out.clone(), []
+        retrieval_attention(q.flip(2), k.flip(2), v * 2, key_padding_mask=mask, is_causal=is_causal, config=config)
+        assert torch.equal(out, kept)  # no result is a view of a buffer the next call rewrites
+        first, taken[:] = dict(taken), []  # the buffers as large as both calls needed
         assert torch.equal(retrieval_attention(q, k, v, key_padding_mask=mask, is_causal=is_causal, config=config), out)
         assert dict(taken) == first  # the next call used the same memory
         with tuned(kept_buffer=16):  # larger than the thread keeps: buffers of the call, kept across its chunks

@@ -40,6 +40,8 @@ def make_qkv(
     generator = torch.Generator().manual_seed(seed)
     B, H, N, D = shape
     Hk = kv_heads or H
+    if H % Hk:
+        raise ValueError(f"kv_heads must divide the {H} heads, got {kv_heads}: each serves H / kv_heads query heads")
     if kind == "iid":
         q, k, v = (torch.randn(s, generator=generator, dtype=dtype) for s in (shape, (B, Hk, N, D), (B, Hk, N, D)))
         return q.to(device), k.to(device), v.to(device)
