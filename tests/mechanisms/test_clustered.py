@@ -751,3 +751,22 @@ def test_without_gradients_the_centroid_scores_are_a_kept_buffer_and_the_answer_
     graded = run(name, *(x.clone().requires_grad_() for x in (q, k, v)), **kw)
     assert taken == []  # with autograd: fresh tensors
     assert torch.equal(graded.detach(), out)
+
+
+def test_kmeans_nearest_scores_go_into_a_kept_buffer_without_autograd(monkeypatch):
+    """Euclidean k-means' assignment (``nearest``) writes its (G, C, N) scores into a buffer the thread
+    keeps where nothing records gradients (k-means runs so), the same memory each time; with
+    autograd on, a fresh tensor; the same assignment either way."""
+    taken = []
+    keep = clustering.kept_buffer
+    monkeypatch.setattr(clustering, "kept_buffer", lambda *a: taken.append(keep(*a).data_ptr()) or keep(*a))
+    points, centroids = randn(3, 50, 8, seed=1), randn(3, 7, 8, seed=2)
+    metric = clustering.Euclidean(points)
+    with torch.no_grad():
+        first = metric.nearest(centroids)
+        again = metric.nearest(centroids * 0.5)
+    assert len(taken) == 2 and taken[0] == taken[1]
+    with torch.enable_grad():
+        assert torch.equal(metric.nearest(centroids), first) and len(taken) == 2
+    nearest = lambda c: ((points[:, :, None] - c[:, None]) ** 2).sum(-1).argmin(-1)
+    assert torch.equal(first, nearest(centroids)) and torch.equal(again, nearest(centroids * 0.5))

@@ -22,7 +22,7 @@ from subquad.mechanisms.routing import (
     routing_loss,
 )
 from subquad.nn import HeadGroup
-from subquad.ops.clustering import nearest_direction as route
+from subquad.ops.spherical import nearest_direction as route
 
 from ..conftest import padding, qkv, randn
 

@@ -33,7 +33,7 @@ from subquad.hf.interface import LayerAttention, _apply, _new_state, capturing, 
 from subquad.hf.mixes import LayerMix, units
 from subquad.hf.plans import LayerPlan, clear_layers, is_plan, read_plan, resolved
 from subquad.hf.support import attention_modules, layer_index
-from subquad.ops.clustering import spherical_kmeans
+from subquad.ops.spherical import spherical_kmeans
 from subquad.registry import get_mechanism
 
 

@@ -79,8 +79,8 @@ from torch import Tensor, nn
 from subquad._validate import AttentionShape, check_attention_inputs, check_query_padding_mask, work_dtype
 from subquad.decoding import Decoder
 from subquad.hooks import add_auxiliary_loss, is_recomputing, replayed
-from subquad.ops.clustering import commitment_loss, nearest_direction
 from subquad.ops.routing_clusters import RoutingState, cluster_attention, resolve_state
+from subquad.ops.spherical import commitment_loss, nearest_direction
 from subquad.registry import Config, Mechanism, option
 
 __all__ = [

@@ -2,7 +2,7 @@
 the tiles each call routes its queries and keys to.
 
 - ``RoutingState``: the centroids ``(H, k, D)``, unit vectors drawn from the layer's seed, moved
-  by an exponential moving average in training mode (``ops.clustering.ema_centroids``).
+  by an exponential moving average in training mode (``ops.spherical.ema_centroids``).
 - ``resolve_state``: the state a call uses (seed 0 when it passes none), checked against the call.
 - ``cluster_attention``: each query's and key's nearest centroid, the tiles of keys the queries
   see (``kernels.cluster_tiles``: balanced tiles, or causal cluster tiles), and the softmax inside
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from subquad._validate import AttentionShape
 from subquad.kernels.cluster_tiles import balanced_windows, causal_windows
 from subquad.kernels.tiles import window_attention
-from subquad.ops.clustering import ema_centroids, nearest_direction
+from subquad.ops.spherical import ema_centroids, nearest_direction
 from subquad.registry import Config
 
 __all__ = ["RoutingState", "cluster_attention", "resolve_state"]
@@ -71,7 +71,7 @@ class RoutingState(nn.Module):
     @torch.no_grad()
     def update(self, points: list[tuple[Tensor, Tensor, Tensor | None]]) -> None:
         """EMA step towards the mean of the real points routed to each centroid
-        (``ops.clustering.ema_centroids``): ``points`` are ``(x̂, cluster, real)`` triples."""
+        (``ops.spherical.ema_centroids``): ``points`` are ``(x̂, cluster, real)`` triples."""
         self.centroids.copy_(ema_centroids(self.centroids, points, self.config.decay))
 
     def extra_repr(self) -> str:
