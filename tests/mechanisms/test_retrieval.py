@@ -598,7 +598,9 @@ def test_without_gradients_the_segments_gather_whole_blocks_into_kept_buffers(mo
     monkeypatch.setattr(far_segments, "kept_buffer", lambda *a: taken.append((a[0], keep(*a).data_ptr())) or keep(*a))
     with torch.no_grad():
         out = retrieval_attention(q, k, v, key_padding_mask=mask, is_causal=is_causal, config=config)
-        assert {name for name, _ in taken} == {f"retrieval.{n}" for n in ("queries", "keys", "values", "scores", "out")}
+        assert {name for name, _ in taken} == {
+            f"retrieval.segments.{n}" for n in ("queries", "keys", "values", "scores", "out")
+        }
         kept, taken[:] = out.clone(), []
         retrieval_attention(q.flip(2), k.flip(2), v * 2, key_padding_mask=mask, is_causal=is_causal, config=config)
         assert torch.equal(out, kept)  # no result is a view of a buffer the next call rewrites

@@ -40,7 +40,7 @@ class SegmentBuffers:
             return None
         numel = math.prod(shape)
         if numel <= TUNING.kept_buffer or like.device.type != "cpu":
-            return kept_buffer(f"retrieval.{name}", numel, like.dtype, like.device).view(shape)
+            return kept_buffer(f"retrieval.segments.{name}", numel, like.dtype, like.device).view(shape)
         own = self._own.get(name)
         if own is None or own.numel() < numel or own.dtype != like.dtype:  # the later chunks' needs vary a little
             own = self._own[name] = new_buffers([(numel + numel // 4,)], like.dtype, like.device, zero=False)[0]
