@@ -623,3 +623,49 @@ def test_without_gradients_the_segments_gather_whole_blocks_into_kept_buffers(mo
         retrieval_attention(*(x.requires_grad_() for x in (q, k, v)), key_padding_mask=mask, is_causal=is_causal,
                             config=config).sum().backward()  # fmt: skip
         assert taken == []  # with gradients: fresh tensors (autograd keeps them)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    L=st.integers(1, 30), S=st.integers(1, 30), window=st.sampled_from([1, 3, 8]), sinks=st.sampled_from([0, 2]),
+    window_block=st.sampled_from([1, 4, 64]), kv=st.sampled_from([1, 3]), is_causal=st.booleans(),
+    pad=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_with_gradients_the_window_part_gives_the_oracle_s_outputs_and_gradients(
+    L, S, window, sinks, window_block, kv, is_causal, pad, seed
+):
+    """The window part under autograd (``ops.near_window``: its own backward, block by block), causal
+    or not, queries fewer or more than the keys (causal: some before every key), grouped keys,
+    padding, no sinks: full attention's outputs and gradients under the oracle's mask."""
+    q, k, v = (x.requires_grad_() for x in qkv(1, 3, L, S, 4, 3, seed=seed))
+    kpm = padding(1, S, seed) if pad else None
+    config = RetrievalConfig(window=window, sinks=sinks, blocks=2, block=3)
+    keys, values = k[:, :kv], v[:, :kv]
+    with tuned(retrieval_window_block=window_block):
+        out = retrieval_attention(q, keys, values, key_padding_mask=kpm, is_causal=is_causal, config=config,
+                                  enable_gqa=True)  # fmt: skip
+    keys, values = (x.repeat_interleave(3 // kv, dim=1) for x in (keys, values))
+    mask = visible(q.detach(), keys.detach(), kpm, is_causal, config)
+    if is_causal and L > S:  # the first L − S queries lie before every key
+        mask[:, :, : L - S] = False
+    expected = full_attention(q, keys, values, attn_mask=mask).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    weight = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    for got, want in zip(*(torch.autograd.grad((x * weight).sum(), (q, k, v)) for x in (out, expected))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_with_gradients_the_window_blocks_add_into_one_key_gradient():
+    """Each query block's key and value gradients are added into one buffer in place: a slice of k
+    per block made each a zero tensor of k's size, summed by the engine (O(S² / block) per call)."""
+    q, k, v = (x.requires_grad_() for x in qkv(1, 2, 60, 60, 4, 4, seed=5))
+    config = RetrievalConfig(window=4, sinks=2, blocks=1, block=4)
+    with tuned(retrieval_window_block=2):  # 30 query blocks
+        out = retrieval_attention(q, k, v, is_causal=True, config=config)
+    with torch.profiler.profile(record_shapes=True) as profile:
+        out.sum().backward()
+    names = ("aten::zeros", "aten::zero_", "aten::fill_", "aten::add_", "aten::add")
+    k_sized = [
+        e for e in profile.events() if e.name in names and e.input_shapes and list(e.input_shapes[0]) == [1, 2, 60, 4]
+    ]
+    assert 0 < len(k_sized) <= 12, len(k_sized)

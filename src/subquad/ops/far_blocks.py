@@ -3,7 +3,7 @@ output of a chunk of queries over their sinks, window and own far blocks in one 
 
 ``block_bounds``: the elementwise min and max of each block's counted keys (real, not sinks), from
 which Quest's bound ranks the blocks. ``attend_rows``: the queries in chunks, each either
-``retrieval_chunk`` (its sinks and windows, ``_near``, and far blocks, ``_far``: the queries that
+``retrieval_chunk`` (its sinks and windows, ``near_window.window_part``, and far blocks, ``_far``: the queries that
 chose a block scored together against it, each row reading only its own query and block, merged in
 one softmax) or, where its keys are few (``dense_rows``), ``_dense`` (every key up to its last
 query read in place under the mask of those each query sees, one sdpa call). ``quest_bound``: the
@@ -22,6 +22,7 @@ from subquad.kernels.band import window_softmax
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
 from subquad.ops.far_segments import SegmentBuffers, per_query, segment_blocks, segments, whole_blocks
+from subquad.ops.near_window import seen_keys, window_part
 from subquad.ops.windowed_linear import beyond_window, phi, with_ones
 from subquad.registry import Config
 
@@ -111,7 +112,7 @@ def _dense(
     bias = (chosen[..., None] + held[:, None, None]).flatten(-2)[..., :n]  # (B, U, c, n): the far blocks' keys
     w, s, lo = config.window, min(config.sinks, n), max(0, first - config.window + 1)  # then the sinks' columns
     spans = ((0, s), (lo, max(lo, min(n, first + c + (0 if is_causal else w - 1)))))  # and the window's band
-    near = [_seen(torch.arange(*ab, device=q.device), p, real, is_causal, w, s, True) for ab in spans]
+    near = [seen_keys(torch.arange(*ab, device=q.device), p, real, is_causal, w, s, True) for ab in spans]
     for (a, b), seen in zip(spans, near):
         bias[..., a:b].masked_fill_(seen, 0.0)  # in place (queries may lie before the keys: an empty band)
     sees = near[0].any(-1) | near[1].any(-1) | ok.any(-1)  # or an eligible block holds a counted key
@@ -131,7 +132,7 @@ def retrieval_chunk(
     scratch: SegmentBuffers | None = None,
 ) -> Tensor:  # fmt: skip
     """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks and
-    windows (``_near``) and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``:
+    windows (``near_window.window_part``) and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``:
     the key/value heads. ``sizes``: ``TUNING.retrieval_window_block`` and ``retrieval_rows`` as the
     forward read them (a checkpoint's recomputation must repeat the forward's work).
 
@@ -139,10 +140,10 @@ def retrieval_chunk(
     chosen blocks' share of the kernel sums is taken out and the rest joins the softmax part under
     one normaliser (``lola``). ``near``: these queries' sinks-and-window softmax, output and
     log-sum-exp (``kernels.band.window_softmax``, without autograd), where it was computed for
-    every query at once; else it is computed here (``_near``). ``scratch``: ``_far``'s."""
+    every query at once; else it is computed here (``window_part``, with gradients). ``scratch``: ``_far``'s."""
     chosen = _chosen(q, low, high, counted, first, is_causal, config)  # each query's far blocks
     if near is None:
-        near = _near(q, k, v, real, first, is_causal, scale, config, sizes[0])
+        near = window_part(q, k, v, real, first, is_causal, scale, config.window, config.sinks, sizes[0])
     else:  # a normalised part: its log-sum-exp as the shift, a sum of 1 (0 where it sees no key)
         near = (near[1], torch.isfinite(near[1]).to(near[0].dtype), near[0])
     features = None if kernel is None else (kernel[1], kernel[0])
@@ -191,47 +192,9 @@ def kernel_inputs(
     return fk, fq, beyond, count[:, None, :, None]
 
 
-def _near(
-    q: Tensor, k: Tensor, v: Tensor, real: Tensor, first: int, is_causal: bool, scale: float, config: Config,
-    block: int,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The sinks and window part (``_part``) of queries at key positions ``first …``, in blocks of
-    ``block`` queries, each scored against its sinks and its window's key range;
-    only those keys are repeated to the query heads."""
-    S, w, s, per = k.shape[2], config.window, config.sinks, q.shape[1] // k.shape[1]
-    parts = []
-    for a in range(0, q.shape[2], block):
-        some = q[:, :, a : a + block]
-        at, c = first + a, some.shape[2]
-        p = torch.arange(at, at + c, device=q.device)
-        lo = min(S, max(0, at - w + 1))
-        hi = max(lo, min(S, at + c if is_causal else at + c - 1 + w))  # queries may lie before the keys
-        near = torch.arange(lo, hi, device=q.device)
-        sink = torch.cat([torch.arange(min(s, lo), device=q.device), torch.arange(hi, min(S, max(s, hi)),
-                                                                                    device=q.device)])  # fmt: skip
-        keys, values = (torch.cat([x.index_select(2, sink), x[:, :, lo:hi]], dim=2).repeat_interleave(per, dim=1)
-                        for x in (k, v))  # fmt: skip
-        seen = torch.cat([_seen(sink, p, real, is_causal, w, s, False), _seen(near, p, real, is_causal, w, s, True)],
-                         -1)  # fmt: skip
-        parts.append(_part(some, keys, values, seen, scale))
-    return tuple(torch.cat(x, dim=2) for x in zip(*parts))
-
-
-def _part(q: Tensor, k: Tensor, v: Tensor, seen: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """One part of a softmax: the largest seen score (-inf: none), the sum of exp(score − it) and
-    the values weighted by those exponentials (no log: a part without keys keeps finite gradients)."""
-    work = work_dtype(q.dtype)
-    if not k.shape[-2]:  # no key in reach (queries before every key)
-        top = q.new_full((*q.shape[:-1], 1), float("-inf"), dtype=work)
-        return top, torch.zeros_like(top), q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=work)
-    scores = torch.matmul(q.to(work) * scale, k.to(work).transpose(-1, -2)).masked_fill(~seen, float("-inf"))
-    top = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - torch.where(torch.isfinite(top), top, 0.0))
-    return top, weights.sum(-1, keepdim=True), weights @ v.to(work)
-
-
 def _merge(*parts: tuple[Tensor, Tensor, Tensor], mass: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """One softmax over the union of disjoint parts (``_part``), rescaled to their common maximum;
+    """One softmax over the union of disjoint parts (each its largest score, the sum of exp(score −
+    it) and the values so weighted), rescaled to their common maximum;
     with ``mass``, also whether it holds a real key (1 or 0)."""
     top = torch.stack([t for t, _, _ in parts]).amax(0)
     top = torch.where(torch.isfinite(top), top, 0.0)
@@ -245,11 +208,11 @@ def _far(
     q: Tensor, k: Tensor, v: Tensor, counted: Tensor, index: Tensor, ok: Tensor, scale: float, rows: int,
     features: tuple[Tensor, Tensor] | None = None, scratch: SegmentBuffers | None = None,
 ):  # fmt: skip
-    """The far part (``_part``) of each query over its own blocks ``index`` ``(B, H / shared, c,
-    blocks)`` (``ok``: the block was eligible). The queries that chose a block are gathered into
-    segments of ``rows`` (``far_segments``), each segment scored against its block in one batched
-    product, and each query's partials summed under its largest far score:
-    a row reads only its own query and block, and its query sums its partials in block order. The
+    """The far part (a softmax part, as ``_merge`` takes) of each query over its own blocks
+    ``index`` ``(B, H / shared, c, blocks)`` (``ok``: the block was eligible). The queries that
+    chose a block are gathered into segments of ``rows`` (``far_segments``), each segment scored
+    against its block in one batched product, and each query's partials summed under its largest
+    far score: a row reads only its own query and block, and its query sums its partials in block order. The
     heads of a group share their rows' block where they share a key/value head. With ``features``
     (the queries' and the keys' of a kernel part), also the kernel sums over the chosen blocks'
     keys (``_taken``). ``scratch``: the call's (``far_segments.SegmentBuffers``), where nothing needs
@@ -320,16 +283,6 @@ def _taken(
     taken = torch.matmul(weights, values[:, None]).transpose(1, 2).reshape(-1, shared, values.shape[-1])
     total = weights.sum(-1).transpose(1, 2).reshape(-1, shared, 1)
     return per_query(taken, asker, slot, asks), per_query(total, asker, slot, asks)
-
-
-def _seen(keys: Tensor, p: Tensor, real: Tensor, is_causal: bool, w: int, s: int, window: bool) -> Tensor:
-    """``(B, 1, c, n)``: which of the positions ``keys`` the queries at ``p`` see as window or sinks."""
-    j, at = keys[None, :], p[:, None]
-    near = (at - j < w) & (j - at < w) if window else torch.zeros_like(j - at, dtype=torch.bool)
-    seen = near | (j < s)
-    if is_causal:
-        seen = seen & (j <= at)
-    return (seen[None] & real[:, None, keys])[:, None]
 
 
 def _chosen(

@@ -69,7 +69,8 @@ def segment_blocks(
     rows and units), read from the key/value heads, and the additive mask ``(T, 1, block)`` of
     its keys that count (sinks and padding: −inf). With ``scratch.rows`` (``whole_blocks``' k and v),
     gathered from them into ``scratch``'s buffers by ``index_select``; else from ``k`` and ``v`` by
-    indexing."""
+    ``index_select`` too (its gradient one ``index_add``: advanced indexing's, ``index_put`` with
+    accumulation, took 7× as long)."""
     Hk, S = k.shape[1:3]
     n, size = counted.shape[1:]
     b, block = owner // (units * n), owner % n
@@ -85,7 +86,9 @@ def segment_blocks(
             k, v = (torch.nn.functional.pad(x, (0, 0, 0, n * size - S)) for x in (k, v))
         elif n * size > S:  # the whole blocks, a view
             k, v = (x[:, :, : (n - 1) * size] for x in (k, v))
-        keys, values = (x.to(work).view(*x.shape[:2], -1, size, x.shape[-1])[b, head, block] for x in (k, v))
+        flat = (b * Hk + head) * (k.shape[2] // size) + block  # rows of (B · Hk · blocks, size · D): one index_add back
+        keys, values = (x.to(work).reshape(-1, size * x.shape[-1]).index_select(0, flat).view(len(flat), size, -1)
+                        for x in (k, v))  # fmt: skip
     bias = torch.zeros(owner.shape[0], 1, size, dtype=work, device=k.device)
     return keys, values, bias.masked_fill_(~counted[b, block][:, None], float("-inf"))
 
