@@ -669,3 +669,30 @@ def test_with_gradients_the_window_blocks_add_into_one_key_gradient():
         e for e in profile.events() if e.name in names and e.input_shapes and list(e.input_shapes[0]) == [1, 2, 60, 4]
     ]
     assert 0 < len(k_sized) <= 12, len(k_sized)
+
+
+def test_leading_queries_whose_window_holds_every_earlier_key_are_plain_causal_attention():
+    """Causal, unpadded, L = S: the first ``window`` queries see every key up to theirs, so they are
+    one causal sdpa call without a mask (the next in-place rows under their mask): the oracle's
+    outputs and gradients."""
+    from unittest import mock
+
+    import subquad.mechanisms.retrieval as retrieval
+    import subquad.ops.far_blocks as far_blocks
+
+    q, k, v = (x.requires_grad_() for x in qkv(1, 4, 40, 40, 6, 5, seed=9))
+    config = RetrievalConfig(window=8, sinks=2, blocks=2, block=3, shared=2)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recorded(query, *args, **kwargs):
+        calls.append((query.shape[2], kwargs.get("is_causal", False), kwargs.get("attn_mask") is None))
+        return sdpa(query, *args, **kwargs)
+
+    with (
+        mock.patch.object(far_blocks, "dense_rows", lambda *a: 20),
+        mock.patch.object(retrieval, "every_block", lambda *a: None),
+    ):
+        with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", recorded):
+            out = retrieval_attention(q, k[:, :2], v[:, :2], is_causal=True, config=config, enable_gqa=True)
+    assert calls[0] == (8, True, True) and all(not causal for _, causal, _ in calls[1:]), calls
+    matches_the_oracle(out, q, *(x[:, :2].repeat_interleave(2, dim=1) for x in (k, v)), (q, k, v), None, config)

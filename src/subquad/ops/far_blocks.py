@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from subquad.kernels.band import window_softmax
+from subquad.kernels.memory import kept_buffer
 from subquad.kernels.softmax import work_dtype
 from subquad.kernels.tuning import TUNING
 from subquad.ops.far_segments import SegmentBuffers, per_query, segment_blocks, segments, whole_blocks
@@ -36,12 +37,20 @@ _CHUNK = 64  # positions per chunk of the kernel part's causal product (linear's
 
 def block_bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
     """Each block's elementwise min and max ``(B, H, n, D)`` over its counted keys (zero for a
-    block without one, which is never eligible)."""
-    held = counted[:, None, :, :, None]
-    low = kb.masked_fill(~held, float("inf")).amin(3)
-    high = kb.masked_fill(~held, float("-inf")).amax(3)
-    empty = ~held.any(3)
-    return low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
+    block without one, which is never eligible): over all its keys where all count, and recomputed
+    over the counted ones in the few blocks that hold a sink or padding (without padding: one)."""
+    mixed = ~counted.all(-1)  # (B, n)
+    if int(mixed.sum()) * 4 > mixed.numel():  # padding: mask every block's keys
+        held = counted[:, None, :, :, None]
+        low, high = kb.masked_fill(~held, float("inf")).amin(3), kb.masked_fill(~held, float("-inf")).amax(3)
+        empty = ~held.any(3)
+        return low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
+    low, high = kb.amin(3), kb.amax(3)
+    if bool(mixed.any()):
+        b, n = mixed.nonzero(as_tuple=True)
+        some = block_bounds(kb[b, :, n].unsqueeze(2), counted[b, n].unsqueeze(1))  # (P, H, 1, D) each
+        low[b, :, n], high[b, :, n] = (x.squeeze(2) for x in some)
+    return low, high
 
 
 def attend_rows(
@@ -66,7 +75,13 @@ def attend_rows(
     run = lambda f, *args: checkpoint(f, *args, use_reentrant=False) if grad else f(*args)  # noqa: E731
     widest = max(1, (lead + S - L) if is_causal else S)  # keys the last in-place row reads
     dense_step = max(1, TUNING.retrieval_gather // (3 * q.shape[0] * q.shape[1] * widest))  # its mask, thrice
-    for a in range(0, lead, dense_step):
+    start = min(lead, config.window) if is_causal and key_padding_mask is None and L == S else 0
+    if start:  # rows whose window holds every key up to them: plain causal attention (no mask, no ranking)
+        rows, keys, values = (x[:, :, :start] for x in (q.to(k.dtype), k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, is_causal=True, scale=scale,
+                                                               enable_gqa=True)  # fmt: skip
+        outputs.append(out.to(q.dtype))
+    for a in range(start, lead, dense_step):
         rows = q[:, :, a : min(a + dense_step, lead)]
         outputs.append(run(_dense, rows, k, v, real, counted, low, high, a + S - L, is_causal, scale, config))
     for a in range(lead, L, step):
@@ -109,7 +124,10 @@ def _dense(
     chosen = torch.full((*index.shape[:3], blocks), inf, dtype=work, device=q.device)  # those not ok: -inf anyway
     chosen.scatter_reduce_(-1, index.clamp(max=blocks - 1), torch.where(ok, zero, inf), "amax")
     held = torch.where(counted[:, :blocks], zero, inf)  # (B, blocks, size)
-    bias = (chosen[..., None] + held[:, None, None]).flatten(-2)[..., :n]  # (B, U, c, n): the far blocks' keys
+    bias = chosen.new_empty((*chosen.shape, held.shape[-1]))  # (B, U, c, blocks, size)
+    if not (torch.is_grad_enabled() and q.requires_grad):  # sdpa saves no mask: the thread's kept buffer
+        bias = kept_buffer("retrieval.dense", bias.numel(), work, q.device).view(bias.shape)
+    bias = torch.add(chosen[..., None], held[:, None, None], out=bias).flatten(-2)[..., :n]  # the far blocks' keys
     w, s, lo = config.window, min(config.sinks, n), max(0, first - config.window + 1)  # then the sinks' columns
     spans = ((0, s), (lo, max(lo, min(n, first + c + (0 if is_causal else w - 1)))))  # and the window's band
     near = [seen_keys(torch.arange(*ab, device=q.device), p, real, is_causal, w, s, True) for ab in spans]
