@@ -3,10 +3,11 @@ output of a chunk of queries over their sinks, window and own far blocks in one 
 
 ``block_bounds``: the elementwise min and max of each block's counted keys (real, not sinks), from
 which Quest's bound ranks the blocks. ``attend_rows``: the queries in chunks, each either
-``retrieval_chunk`` (its sinks and windows, ``near_window.window_part``, and far blocks, ``_far``: the queries that
-chose a block scored together against it, each row reading only its own query and block, merged in
-one softmax) or, where its keys are few (``dense_rows``), ``_dense`` (every key up to its last
-query read in place under the mask of those each query sees, one sdpa call). ``quest_bound``: the
+``retrieval_chunk`` (its sinks and windows, from ``window_softmax`` or ``near_window.window_part``,
+and far blocks, ``_far``: the queries that chose a block scored together against it, each row
+reading only its own query and block, merged in one softmax) or, where its keys are few
+(``dense_rows``), ``_dense`` (every key up to its last query read in place under the mask of those
+each query sees, one sdpa call). ``quest_bound``: the
 bound, shared with decoding's step (``ops.far_step``).
 """
 
@@ -65,13 +66,16 @@ def attend_rows(
     lead = 0  # rows read in place: on CPUs, where measured (``ops.far_all.every_block`` says why)
     if kernel is None and q.device.type == "cpu":
         lead = dense_rows(L, S, is_causal, config, counted.shape[-1], low.shape[2])
-    near = None
-    if not grad and lead < L and S:
-        near = window_softmax(q[:, :, lead:], k, v, key_padding_mask, is_causal, scale, config.window, config.sinks)
+    near, w, s = None, config.window, config.sinks  # the sinks and windows of all rows past the lead at once
+    if lead < L and S and grad:  # outside the checkpoints: it keeps only its inputs and results
+        block = max(1, TUNING.retrieval_window_block)
+        near = window_part(q[:, :, lead:], k, v, key_padding_mask, real, is_causal, scale, w, s, block)
+    elif lead < L and S:
+        near = window_softmax(q[:, :, lead:], k, v, key_padding_mask, is_causal, scale, w, s)
     k, v = (x.to(work_dtype(q.dtype)) for x in (k, v))  # half inputs: once per call, not per chunk
     # without autograd, the far part's segments gather from whole blocks into kept buffers (far_segments)
     scratch = None if grad or lead >= L else SegmentBuffers(whole_blocks(k, v, counted))
-    outputs, sizes = [], (max(1, TUNING.retrieval_window_block), max(1, TUNING.retrieval_rows))
+    outputs, segment = [], max(1, TUNING.retrieval_rows)
     run = lambda f, *args: checkpoint(f, *args, use_reentrant=False) if grad else f(*args)  # noqa: E731
     widest = max(1, (lead + S - L) if is_causal else S)  # keys the last in-place row reads
     dense_step = max(1, TUNING.retrieval_gather // (3 * q.shape[0] * q.shape[1] * widest))  # its mask, thrice
@@ -85,7 +89,7 @@ def attend_rows(
         rows = q[:, :, a : min(a + dense_step, lead)]
         outputs.append(run(_dense, rows, k, v, real, counted, low, high, a + S - L, is_causal, scale, config))
     for a in range(lead, L, step):
-        args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, sizes)
+        args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, segment)
         args += (None if kernel is None else (kernel[0], *(x[:, :, a : a + step] for x in kernel[1:])),  # keys whole
                  None if near is None else tuple(x[:, :, a - lead : a - lead + step] for x in near))  # fmt: skip
         outputs.append(run(retrieval_chunk, *args, scratch))
@@ -145,27 +149,28 @@ def _dense(
 
 def retrieval_chunk(
     q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
-    is_causal: bool, scale: float, config: Config, sizes: tuple[int, int],
+    is_causal: bool, scale: float, config: Config, rows: int,
     kernel: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, near: tuple[Tensor, Tensor] | None = None,
     scratch: SegmentBuffers | None = None,
 ) -> Tensor:  # fmt: skip
     """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks and
-    windows (``near_window.window_part``) and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``:
-    the key/value heads. ``sizes``: ``TUNING.retrieval_window_block`` and ``retrieval_rows`` as the
-    forward read them (a checkpoint's recomputation must repeat the forward's work).
+    windows and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``: the
+    key/value heads. ``rows``: ``TUNING.retrieval_rows`` as the forward read it (a checkpoint's
+    recomputation must repeat the forward's work).
 
     ``kernel`` (a feature map): ``kernel_inputs``' for these queries (the keys' features whole): the
     chosen blocks' share of the kernel sums is taken out and the rest joins the softmax part under
     one normaliser (``lola``). ``near``: these queries' sinks-and-window softmax, output and
-    log-sum-exp (``kernels.band.window_softmax``, without autograd), where it was computed for
-    every query at once; else it is computed here (``window_part``, with gradients). ``scratch``: ``_far``'s."""
+    log-sum-exp (``kernels.band.window_softmax``, or with gradients ``near_window.window_part``),
+    computed for every query at once; None where there is no key. ``scratch``: ``_far``'s."""
     chosen = _chosen(q, low, high, counted, first, is_causal, config)  # each query's far blocks
-    if near is None:
-        near = window_part(q, k, v, real, first, is_causal, scale, config.window, config.sinks, sizes[0])
+    if near is None:  # no key: top −inf, sum 0, output 0
+        top = q.new_full((*q.shape[:3], 1), float("-inf"), dtype=work_dtype(q.dtype))
+        near = (top, torch.zeros_like(top), q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=top.dtype))
     else:  # a normalised part: its log-sum-exp as the shift, a sum of 1 (0 where it sees no key)
         near = (near[1], torch.isfinite(near[1]).to(near[0].dtype), near[0])
     features = None if kernel is None else (kernel[1], kernel[0])
-    far = _far(q, k, v, counted, *chosen, scale, sizes[1], features, scratch)
+    far = _far(q, k, v, counted, *chosen, scale, rows, features, scratch)
     if kernel is None:
         return _merge(near, far).to(q.dtype)
     held = counted.sum(-1).gather(1, chosen[0].flatten(1)).view(chosen[0].shape) * chosen[1]  # each block's keys

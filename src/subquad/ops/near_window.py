@@ -1,14 +1,15 @@
-"""``retrieval``'s sinks-and-window part under autograd (``ops.far_blocks.retrieval_chunk``): the
-queries in blocks of a few dozen, each block scored against its own key range and the sinks
-outside it, its softmax part returned as ``(top, sum, out)`` (``far_blocks._part``'s three).
+"""``retrieval``'s sinks-and-window part under autograd (``ops.far_blocks.attend_rows``): its
+output and log-sum-exp over each query's window and sinks, both with gradients, for the far part
+to join in one softmax.
 
-Under autograd a slice or gather of k per block made each block's gradient a zero tensor of k's
-size (the engine's SliceBackward and IndexBackward), summed block by block: O(S² / block) memory
-traffic per call. ``window_part`` is an autograd function instead: its forward keeps nothing but
-the blocks' largest scores, its backward recomputes each block's weights and adds the block's key
-and value gradients into one buffer in place (as flash attention's backward does). ``top`` is a
-shift, held constant: the merged softmax does not depend on it, so its gradient is zero and none
-is passed (``far_blocks._far`` detaches its own likewise).
+``window_part``'s forward is the block engine's (``kernels.band.window_softmax``, as without
+autograd: the same numbers either way), and it keeps only its inputs and results. Its backward
+takes the queries in blocks of a few dozen, each against its own key range and the sinks outside
+it, recomputes their weights ``P = exp(s − lse)`` and adds each block's key and value gradients into
+one buffer in place (flash attention's backward, with the log-sum-exp's own gradient:
+``∂lse/∂s = P``, so ``dS = P ⊙ (dO·vᵀ − (rowsum(dO ⊙ O) − d_lse))``). A slice or gather of k per
+block under autograd made each block's gradient a zero tensor of k's size, summed by the engine:
+O(S² / block) memory traffic per call.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from subquad.kernels.softmax import work_dtype
+from subquad.kernels.band import window_softmax
 
 __all__ = ["seen_keys", "window_part"]
 
@@ -51,71 +52,61 @@ def _blocks(c: int, S: int, first: int, real: Tensor, is_causal: bool, w: int, s
     return out
 
 
-def _weights(q: Tensor, k: Tensor, v: Tensor, span: tuple, scale: float) -> tuple[Tensor, ...]:
+def _scores(q: Tensor, k: Tensor, span: tuple, scale: float) -> tuple[Tensor, ...]:
     """One block's rows ``(B, Hk, per · n, D)`` (q scaled; the query heads of a key/value head
-    stacked), keys and values ``(B, Hk, K, ·)``, and exp(score − top) ``(B, Hk, per · n, K)`` with its
-    top ``(B, Hk, per · n, 1)`` (−inf where the query sees none of these keys)."""
+    stacked), its keys ``(B, Hk, K, D)`` (the sinks outside its range, then the range) and their
+    scores ``(B, Hk, per · n, K)``, −inf where unseen."""
     (a, b, sink, lo, hi, seen), (B, H, _, D), Hk = span, q.shape, k.shape[1]
     rows = (q[:, :, a:b] * scale).reshape(B, Hk, -1, D)  # heads h·per … of key/value head h, in order
-    keys, values = (torch.cat([x.index_select(2, sink), x[:, :, lo:hi]], dim=2) for x in (k, v))
+    keys = torch.cat([k.index_select(2, sink), k[:, :, lo:hi]], dim=2)
     scores = rows @ keys.transpose(-1, -2)
     scores.view(B, Hk, H // Hk, b - a, -1).masked_fill_(~seen[:, :, None], float("-inf"))
-    top = scores.amax(-1, keepdim=True)
-    return rows, keys, values, scores.sub_(torch.where(torch.isfinite(top), top, 0.0)).exp_(), top
+    return rows, keys, scores
 
 
 class _Window(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, spans: list, scale: float) -> tuple[Tensor, ...]:
-        work = work_dtype(q.dtype)
-        qw, kw, vw = (x.to(work) for x in (q, k, v))
-        B, H, c, _ = q.shape
-        top = q.new_full((B, H, c, 1), float("-inf"), dtype=work)
-        total, out = torch.zeros_like(top), q.new_zeros((B, H, c, v.shape[-1]), dtype=work)
-        for span in spans:
-            a, b = span[:2]
-            _, _, values, weights, high = _weights(qw, kw, vw, span, scale)
-            top[:, :, a:b] = high.view(B, H, b - a, 1)
-            total[:, :, a:b] = weights.sum(-1, keepdim=True).view(B, H, b - a, 1)
-            out[:, :, a:b] = (weights @ values).view(B, H, b - a, -1)
-        ctx.save_for_backward(q, k, v)
-        ctx.spans, ctx.scale = spans, scale
-        ctx.mark_non_differentiable(top)
-        return top, total, out
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, real: Tensor, is_causal: bool,
+        scale: float, sizes: tuple[int, int, int],
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        out, lse = window_softmax(q, k, v, key_padding_mask, is_causal, scale, *sizes[:2])
+        ctx.save_for_backward(q, k, v, real, out, lse)
+        ctx.args = (is_causal, scale, sizes)
+        return out, lse
 
     @staticmethod
-    def backward(ctx: Any, _: Tensor, d_total: Tensor | None, d_out: Tensor | None) -> tuple:
-        q, k, v = ctx.saved_tensors
-        work = work_dtype(q.dtype)
+    def backward(ctx: Any, d_out: Tensor | None, d_lse: Tensor | None) -> tuple:
+        q, k, v, real, out, lse = ctx.saved_tensors
+        (is_causal, scale, (w, s, block)), work = ctx.args, out.dtype
+        (B, H, L, _), (Hk, S) = q.shape, k.shape[1:3]
         qw, kw, vw = (x.to(work) for x in (q, k, v))
         dq, dk, dv = (torch.zeros_like(x) for x in (qw, kw, vw))
-        (B, Hk), scale = k.shape[:2], ctx.scale
-        for span in ctx.spans:
+        d_out = torch.zeros_like(out) if d_out is None else d_out.to(work)
+        delta = (d_out * out).sum(-1, keepdim=True)  # rowsum(dO ⊙ O) − d_lse
+        delta = delta if d_lse is None else delta - torch.where(torch.isfinite(lse), d_lse.to(work), 0.0)
+        shift = torch.where(torch.isfinite(lse), lse, 0.0)  # a row that sees no key: weights exp(−inf) = 0
+        for span in _blocks(L, S, S - L, real, is_causal, w, s, block):
             a, b, sink, lo, hi = span[:5]
-            rows, keys, values, weights, _ = _weights(qw, kw, vw, span, scale)
-            d_weights = torch.zeros_like(weights)
-            if d_out is not None:
-                grads = d_out[:, :, a:b].to(work).reshape(B, Hk, -1, d_out.shape[-1])
-                d_weights = grads @ values.transpose(-1, -2)
-                dv_block = weights.transpose(-1, -2) @ grads
-                dv[:, :, lo:hi] += dv_block[:, :, len(sink) :]
-                dv.index_add_(2, sink, dv_block[:, :, : len(sink)])
-            if d_total is not None:
-                d_weights += d_total[:, :, a:b].to(work).reshape(B, Hk, -1, 1)
-            d_scores = d_weights.mul_(weights)  # masked keys: weight 0, gradient 0
-            dq[:, :, a:b] = (d_scores @ keys).mul_(scale).view(B, -1, b - a, q.shape[-1])
-            dk_block = d_scores.transpose(-1, -2) @ rows
-            dk[:, :, lo:hi] += dk_block[:, :, len(sink) :]
-            dk.index_add_(2, sink, dk_block[:, :, : len(sink)])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+            rows, keys, scores = _scores(qw, kw, span, scale)
+            values = torch.cat([vw.index_select(2, sink), vw[:, :, lo:hi]], dim=2)
+            shifts, grads, deltas = (x[:, :, a:b].reshape(B, Hk, -1, x.shape[-1]) for x in (shift, d_out, delta))
+            weights = scores.sub_(shifts).exp_()
+            d_scores = (grads @ values.transpose(-1, -2)).sub_(deltas).mul_(weights)
+            dq[:, :, a:b] = (d_scores @ keys).mul_(scale).view(B, H, b - a, -1)
+            for grad, block_grad in ((dk, d_scores.transpose(-1, -2) @ rows), (dv, weights.transpose(-1, -2) @ grads)):
+                grad[:, :, lo:hi] += block_grad[:, :, len(sink) :]
+                grad.index_add_(2, sink, block_grad[:, :, : len(sink)])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def window_part(
-    q: Tensor, k: Tensor, v: Tensor, real: Tensor, first: int, is_causal: bool, scale: float, w: int, s: int,
-    block: int,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The sinks-and-window softmax part ``(top, sum, out)`` ``(B, H, c, ·)`` of queries ``q`` at key
-    positions ``first …`` over keys ``k`` and values ``v`` of the key/value heads (``real``: the
-    keys' padding mask, ``(B, S)``), in blocks of ``block`` queries; ``top`` carries no gradient."""
-    spans = _blocks(q.shape[2], k.shape[2], first, real, is_causal, w, s, block)
-    return _Window.apply(q, k, v, spans, scale)
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, real: Tensor, is_causal: bool, scale: float,
+    w: int, s: int, block: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The sinks-and-window softmax of queries ``q`` ``(B, H, L, D)`` at key positions ``S − L …`` over
+    keys ``k`` and values ``v`` of the key/value heads (``real``: the keys' padding mask ``(B, S)``,
+    True where ``key_padding_mask`` is None): its output ``(B, H, L, Dv)`` and log-sum-exp
+    ``(B, H, L, 1)`` (−inf where a query sees no key), in the work dtype, both with gradients (the backward
+    in blocks of ``block`` queries)."""
+    return _Window.apply(q, k, v, key_padding_mask, real, is_causal, scale, (w, s, block))
