@@ -88,8 +88,9 @@ def attend_rows(
     for a in range(start, lead, dense_step):
         rows = q[:, :, a : min(a + dense_step, lead)]
         outputs.append(run(_dense, rows, k, v, real, counted, low, high, a + S - L, is_causal, scale, config))
-    for a in range(lead, L, step):
-        args = (q[:, :, a : a + step], k, v, real, counted, low, high, a + S - L, is_causal, scale, config, segment)
+    for a in range(lead, L, step):  # each query's far blocks chosen outside the checkpoint (no gradient to recompute)
+        chosen = _chosen(q[:, :, a : a + step], low, high, counted, a + S - L, is_causal, config)
+        args = (q[:, :, a : a + step], k, v, counted, chosen, scale, segment)
         args += (None if kernel is None else (kernel[0], *(x[:, :, a : a + step] for x in kernel[1:])),  # keys whole
                  None if near is None else tuple(x[:, :, a - lead : a - lead + step] for x in near))  # fmt: skip
         outputs.append(run(retrieval_chunk, *args, scratch))
@@ -148,13 +149,12 @@ def _dense(
 
 
 def retrieval_chunk(
-    q: Tensor, k: Tensor, v: Tensor, real: Tensor, counted: Tensor, low: Tensor, high: Tensor, first: int,
-    is_causal: bool, scale: float, config: Config, rows: int,
+    q: Tensor, k: Tensor, v: Tensor, counted: Tensor, chosen: tuple[Tensor, Tensor], scale: float, rows: int,
     kernel: tuple[Tensor, Tensor, Tensor, Tensor] | None = None, near: tuple[Tensor, Tensor] | None = None,
     scratch: SegmentBuffers | None = None,
 ) -> Tensor:  # fmt: skip
-    """The output ``(B, H, c, Dv)`` of c queries at key positions ``first …``: their sinks and
-    windows and the far blocks each chose (``_far``), merged in one softmax. ``k``, ``v``: the
+    """The output ``(B, H, c, Dv)`` of c queries: their sinks and windows and the far blocks each
+    chose (``chosen``: ``_chosen``'s), by ``_far``, merged in one softmax. ``k``, ``v``: the
     key/value heads. ``rows``: ``TUNING.retrieval_rows`` as the forward read it (a checkpoint's
     recomputation must repeat the forward's work).
 
@@ -163,7 +163,6 @@ def retrieval_chunk(
     one normaliser (``lola``). ``near``: these queries' sinks-and-window softmax, output and
     log-sum-exp (``kernels.band.window_softmax``, or with gradients ``near_window.window_part``),
     computed for every query at once; None where there is no key. ``scratch``: ``_far``'s."""
-    chosen = _chosen(q, low, high, counted, first, is_causal, config)  # each query's far blocks
     if near is None:  # no key: top −inf, sum 0, output 0
         top = q.new_full((*q.shape[:3], 1), float("-inf"), dtype=work_dtype(q.dtype))
         near = (top, torch.zeros_like(top), q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=top.dtype))
