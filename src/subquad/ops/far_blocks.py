@@ -220,9 +220,15 @@ def _merge(*parts: tuple[Tensor, Tensor, Tensor], mass: bool = False) -> Tensor 
     with ``mass``, also whether it holds a real key (1 or 0)."""
     top = torch.stack([t for t, _, _ in parts]).amax(0)
     top = torch.where(torch.isfinite(top), top, 0.0)
-    total = sum(s * torch.exp(t - top) for t, s, _ in parts)
-    out = sum(o * torch.exp(t - top) for t, _, o in parts)
-    out = out / torch.where(total > 0, total, 1.0)
+    scales = [torch.exp(t - top) for t, _, _ in parts]  # (…, 1) each
+    total = sum(s * e for (_, s, _), e in zip(parts, scales))
+    if torch.is_grad_enabled() and any(o.requires_grad for _, _, o in parts):
+        out = sum(o * e for (_, _, o), e in zip(parts, scales)) / torch.where(total > 0, total, 1.0)
+    else:  # one output tensor, each part added into it (its rows scaled by their share)
+        shares = [e / torch.where(total > 0, total, 1.0) for e in scales]
+        out = parts[0][2] * shares[0]
+        for (_, _, o), share in zip(parts[1:], shares[1:]):
+            out.addcmul_(o, share)
     return (out, (total > 0).to(out.dtype)) if mass else out
 
 
