@@ -696,3 +696,29 @@ def test_leading_queries_whose_window_holds_every_earlier_key_are_plain_causal_a
             out = retrieval_attention(q, k[:, :2], v[:, :2], is_causal=True, config=config, enable_gqa=True)
     assert calls[0] == (8, True, True) and all(not causal for _, causal, _ in calls[1:]), calls
     matches_the_oracle(out, q, *(x[:, :2].repeat_interleave(2, dim=1) for x in (k, v)), (q, k, v), None, config)
+
+
+def test_in_place_rows_give_the_keys_and_values_their_gradients_when_the_queries_need_none():
+    """Only k and v need gradients, the rows read in place in several chunks of one size (non-causal,
+    padded; each chunk's mask built afresh, as sdpa keeps it for the backward): the oracle's outputs
+    and gradients."""
+    from unittest import mock
+
+    import subquad.mechanisms.retrieval as retrieval
+    import subquad.ops.far_blocks as far_blocks
+
+    q, k, v = qkv(1, 2, 40, 40, 6, 5, seed=4)
+    k, v = k.requires_grad_(), v.requires_grad_()
+    config, kpm = RetrievalConfig(window=3, sinks=2, blocks=2, block=3), padding(1, 40, 4)
+    with (
+        mock.patch.object(far_blocks, "dense_rows", lambda *a: 40),
+        mock.patch.object(retrieval, "every_block", lambda *a: None),
+    ):
+        with tuned(retrieval_gather=3 * 2 * 40 * 4):  # four rows a chunk
+            out = retrieval_attention(q, k, v, key_padding_mask=kpm, config=config)
+    mask = visible(q, k.detach(), kpm, False, config)
+    expected = full_attention(q, k, v, attn_mask=mask).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    weight = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    for got, want in zip(*(torch.autograd.grad((x * weight).sum(), (k, v)) for x in (out, expected))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)

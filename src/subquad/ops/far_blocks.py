@@ -130,7 +130,7 @@ def _dense(
     chosen.scatter_reduce_(-1, index.clamp(max=blocks - 1), torch.where(ok, zero, inf), "amax")
     held = torch.where(counted[:, :blocks], zero, inf)  # (B, blocks, size)
     bias = chosen.new_empty((*chosen.shape, held.shape[-1]))  # (B, U, c, blocks, size)
-    if not (torch.is_grad_enabled() and q.requires_grad):  # sdpa saves no mask: the thread's kept buffer
+    if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):  # sdpa saves no mask: kept
         bias = kept_buffer("retrieval.dense", bias.numel(), work, q.device).view(bias.shape)
     bias = torch.add(chosen[..., None], held[:, None, None], out=bias).flatten(-2)[..., :n]  # the far blocks' keys
     w, s, lo = config.window, min(config.sinks, n), max(0, first - config.window + 1)  # then the sinks' columns
