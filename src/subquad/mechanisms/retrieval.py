@@ -33,9 +33,10 @@ every key beyond the window less the chosen blocks' share, so no key counts twic
 hedgehog (``LinearState``, trained by ``convert`` + ``distill``); the cache keeps the sums.
 
 **Computation** (``ops.far_blocks``). Queries in chunks (``TUNING.retrieval_gather`` elements of
-far work; with gradients ``retrieval_gather_grad`` bytes, checkpointed). Sinks and window: without
-gradients all queries at once on the block engine (``kernels.band.window_softmax``), joined by
-log-sum-exp; with them per chunk. The far part block by block, the queries that chose a block in
+far work; with gradients ``retrieval_gather_grad`` bytes, checkpointed). Sinks and window: all
+queries at once on the block engine (``kernels.band.window_softmax``; with gradients through
+``ops.near_window``, whose backward runs block by block), outside the checkpoints, joined by
+log-sum-exp. The far part block by block, the queries that chose a block in
 segments of ``TUNING.retrieval_rows`` in position order; a query whose keys are few
 (``TUNING.retrieval_dense``) reads them all under its mask instead. Causal, unpadded, without a
 kernel part, where every query takes every block it may: ``ops.far_all`` (masked sdpa).

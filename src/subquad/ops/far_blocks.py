@@ -38,10 +38,11 @@ _CHUNK = 64  # positions per chunk of the kernel part's causal product (linear's
 
 def block_bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
     """Each block's elementwise min and max ``(B, H, n, D)`` over its counted keys (zero for a
-    block without one, which is never eligible): over all its keys where all count, and recomputed
-    over the counted ones in the few blocks that hold a sink or padding (without padding: one)."""
+    block without one, which is never eligible): on the CPU over all its keys where all count, and
+    recomputed over the counted ones in the few blocks that hold a sink or padding (without padding:
+    those of the sinks); elsewhere, or with padding in many blocks, masked (no wait on the device)."""
     mixed = ~counted.all(-1)  # (B, n)
-    if int(mixed.sum()) * 4 > mixed.numel():  # padding: mask every block's keys
+    if not kb.is_cpu or int(mixed.sum()) * 4 > mixed.numel():  # mask every block's keys
         held = counted[:, None, :, :, None]
         low, high = kb.masked_fill(~held, float("inf")).amin(3), kb.masked_fill(~held, float("-inf")).amax(3)
         empty = ~held.any(3)
@@ -58,10 +59,13 @@ def attend_rows(
     q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, real: Tensor, counted: Tensor, low: Tensor,
     high: Tensor, is_causal: bool, scale: float, config: Config, kernel: tuple | None, grad: bool, step: int,
 ) -> Tensor:  # fmt: skip
-    """``retrieval``'s output ``(B, H, L, Dv)`` for queries at positions ``S − L …``, in chunks of ``step``
-    rows, each checkpointed under autograd (``grad``): the leading ``dense_rows`` by ``_dense``, the
-    others by ``retrieval_chunk``, whose sinks and windows come from the block engine for all of them
-    at once without autograd. ``kernel``: ``kernel_inputs`` (a feature map), or None."""
+    """``retrieval``'s output ``(B, H, L, Dv)`` for queries at positions ``S − L …``: the leading
+    ``dense_rows`` by ``_dense`` (causal, unpadded, L = S: the first ``window`` of them by one causal
+    sdpa call), the others by ``retrieval_chunk`` in chunks of ``step`` rows, both checkpointed under
+    autograd (``grad``). The sinks and windows of all rows past the lead come at once from the block
+    engine (with autograd through ``near_window.window_part``), outside the checkpoints, as does each
+    chunk's choice of blocks. Rows are split once (one gradient node, where a slice per chunk made
+    each chunk's gradient a zero tensor of the whole). ``kernel``: ``kernel_inputs``, or None."""
     L, S = q.shape[2], k.shape[2]
     lead = 0  # rows read in place: on CPUs, where measured (``ops.far_all.every_block`` says why)
     if kernel is None and q.device.type == "cpu":
@@ -73,26 +77,30 @@ def attend_rows(
     elif lead < L and S:
         near = window_softmax(q[:, :, lead:], k, v, key_padding_mask, is_causal, scale, w, s)
     k, v = (x.to(work_dtype(q.dtype)) for x in (k, v))  # half inputs: once per call, not per chunk
-    # without autograd, the far part's segments gather from whole blocks into kept buffers (far_segments)
-    scratch = None if grad or lead >= L else SegmentBuffers(whole_blocks(k, v, counted))
-    outputs, segment = [], max(1, TUNING.retrieval_rows)
-    run = lambda f, *args: checkpoint(f, *args, use_reentrant=False) if grad else f(*args)  # noqa: E731
-    widest = max(1, (lead + S - L) if is_causal else S)  # keys the last in-place row reads
-    dense_step = max(1, TUNING.retrieval_gather // (3 * q.shape[0] * q.shape[1] * widest))  # its mask, thrice
+    outputs, run = [], lambda f, *args: checkpoint(f, *args, use_reentrant=False) if grad else f(*args)
     start = min(lead, config.window) if is_causal and key_padding_mask is None and L == S else 0
     if start:  # rows whose window holds every key up to them: plain causal attention (no mask, no ranking)
         rows, keys, values = (x[:, :, :start] for x in (q.to(k.dtype), k, v))
         out = torch.nn.functional.scaled_dot_product_attention(rows, keys, values, is_causal=True, scale=scale,
                                                                enable_gqa=True)  # fmt: skip
         outputs.append(out.to(q.dtype))
-    for a in range(start, lead, dense_step):
-        rows = q[:, :, a : min(a + dense_step, lead)]
+    widest = max(1, (lead + S - L) if is_causal else S)  # keys the last in-place row reads
+    dense_step = max(1, TUNING.retrieval_gather // (3 * q.shape[0] * q.shape[1] * widest))  # its mask, thrice
+    for a, rows in zip(range(start, lead, dense_step), q[:, :, start:lead].split(dense_step, dim=2)):
         outputs.append(run(_dense, rows, k, v, real, counted, low, high, a + S - L, is_causal, scale, config))
-    for a in range(lead, L, step):  # each query's far blocks chosen outside the checkpoint (no gradient to recompute)
-        chosen = _chosen(q[:, :, a : a + step], low, high, counted, a + S - L, is_causal, config)
-        args = (q[:, :, a : a + step], k, v, counted, chosen, scale, segment)
-        args += (None if kernel is None else (kernel[0], *(x[:, :, a : a + step] for x in kernel[1:])),  # keys whole
-                 None if near is None else tuple(x[:, :, a - lead : a - lead + step] for x in near))  # fmt: skip
+    if lead >= L:
+        return torch.cat(outputs, dim=2)
+    # the far part's segments gather from k and v as rows of whole blocks (one copy a call at most):
+    # without autograd into kept buffers (far_segments); with it on the CPU by index_select (its
+    # gradient one index_add); elsewhere by indexing (index_put's accumulation is deterministic)
+    scratch = SegmentBuffers(whole_blocks(k, v, counted), kept=not grad) if not grad or k.is_cpu else None
+    parts = [x[:, :, lead:].split(step, dim=2) for x in (q, *(kernel or ())[1:])]
+    nears = [x.split(step, dim=2) for x in near] if near is not None else None
+    for i, a in enumerate(range(lead, L, step)):
+        chosen = _chosen(parts[0][i], low, high, counted, a + S - L, is_causal, config)  # no gradient to recompute
+        args = (parts[0][i], k, v, counted, chosen, scale, max(1, TUNING.retrieval_rows))
+        args += (None if kernel is None else (kernel[0], *(x[i] for x in parts[1:])),  # the keys' features whole
+                 None if nears is None else tuple(x[i] for x in nears))  # fmt: skip
         outputs.append(run(retrieval_chunk, *args, scratch))
     return torch.cat(outputs, dim=2)
 
@@ -224,11 +232,11 @@ def _merge(*parts: tuple[Tensor, Tensor, Tensor], mass: bool = False) -> Tensor 
     total = sum(s * e for (_, s, _), e in zip(parts, scales))
     if torch.is_grad_enabled() and any(o.requires_grad for _, _, o in parts):
         out = sum(o * e for (_, _, o), e in zip(parts, scales)) / torch.where(total > 0, total, 1.0)
-    else:  # one output tensor, each part added into it (its rows scaled by their share)
-        shares = [e / torch.where(total > 0, total, 1.0) for e in scales]
-        out = parts[0][2] * shares[0]
-        for (_, _, o), share in zip(parts[1:], shares[1:]):
-            out.addcmul_(o, share)
+    else:  # the same operations (the same numbers as with gradients), summed and divided in place
+        out = parts[0][2] * scales[0]
+        for (_, _, o), e in zip(parts[1:], scales[1:]):
+            out.add_(o * e)
+        out.div_(torch.where(total > 0, total, 1.0))
     return (out, (total > 0).to(out.dtype)) if mass else out
 
 

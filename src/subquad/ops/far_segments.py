@@ -24,14 +24,15 @@ __all__ = ["SegmentBuffers", "per_query", "segment_blocks", "segments", "whole_b
 
 
 class SegmentBuffers:
-    """A call's far part without autograd: k and v as ``rows`` of whole blocks (``whole_blocks``), and
-    the large temporaries of its chunks in buffers: those of up to ``TUNING.kept_buffer`` elements
-    the thread keeps from call to call (``kernels.memory.kept_buffer``), larger ones this call keeps
-    from chunk to chunk (in huge pages: ``kernels.memory.new_buffers``). ``rows`` None: with
-    autograd, fresh tensors (autograd keeps them). A result returned or saved is never a buffer."""
+    """A call's far part: k and v as ``rows`` of whole blocks (``whole_blocks``), and, without
+    autograd (``kept``), the large temporaries of its chunks in buffers: those of up to
+    ``TUNING.kept_buffer`` elements the thread keeps from call to call
+    (``kernels.memory.kept_buffer``), larger ones this call keeps from chunk to chunk (in huge pages:
+    ``kernels.memory.new_buffers``). Not ``kept`` (autograd keeps its tensors), or ``rows`` None:
+    fresh tensors. A result returned or saved is never a buffer."""
 
-    def __init__(self, rows: tuple[Tensor, Tensor] | None = None) -> None:
-        self.rows, self.kept = rows, rows is not None
+    def __init__(self, rows: tuple[Tensor, Tensor] | None = None, kept: bool = True) -> None:
+        self.rows, self.kept = rows, rows is not None and kept
         self._own: dict[str, Tensor] = {}
 
     def __call__(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
@@ -68,9 +69,9 @@ def segment_blocks(
     """The keys and values ``(T, block, ·)`` of each segment's block (``owner``: of the blocks of all
     rows and units), read from the key/value heads, and the additive mask ``(T, 1, block)`` of
     its keys that count (sinks and padding: −inf). With ``scratch.rows`` (``whole_blocks``' k and v),
-    gathered from them into ``scratch``'s buffers by ``index_select``; else from ``k`` and ``v`` by
-    ``index_select`` too (its gradient one ``index_add``: advanced indexing's, ``index_put`` with
-    accumulation, took 7× as long)."""
+    gathered from them by ``index_select`` (into ``scratch``'s buffers where it keeps them; under
+    autograd its gradient is one ``index_add``, where advanced indexing's ``index_put`` with
+    accumulation took 7× as long on the CPU); else from ``k`` and ``v`` by indexing."""
     Hk, S = k.shape[1:3]
     n, size = counted.shape[1:]
     b, block = owner // (units * n), owner % n
@@ -86,9 +87,7 @@ def segment_blocks(
             k, v = (torch.nn.functional.pad(x, (0, 0, 0, n * size - S)) for x in (k, v))
         elif n * size > S:  # the whole blocks, a view
             k, v = (x[:, :, : (n - 1) * size] for x in (k, v))
-        flat = (b * Hk + head) * (k.shape[2] // size) + block  # rows of (B · Hk · blocks, size · D): one index_add back
-        keys, values = (x.to(work).reshape(-1, size * x.shape[-1]).index_select(0, flat).view(len(flat), size, -1)
-                        for x in (k, v))  # fmt: skip
+        keys, values = (x.to(work).view(*x.shape[:2], -1, size, x.shape[-1])[b, head, block] for x in (k, v))
     bias = torch.zeros(owner.shape[0], 1, size, dtype=work, device=k.device)
     return keys, values, bias.masked_fill_(~counted[b, block][:, None], float("-inf"))
 
