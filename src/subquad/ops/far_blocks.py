@@ -7,8 +7,8 @@ which Quest's bound ranks the blocks. ``attend_rows``: the queries in chunks, ea
 and far blocks, ``_far``: the queries that chose a block scored together against it, each row
 reading only its own query and block, merged in one softmax) or, where its keys are few
 (``dense_rows``), ``_dense`` (every key up to its last query read in place under the mask of those
-each query sees, one sdpa call). ``quest_bound``: the
-bound, shared with decoding's step (``ops.far_step``).
+each query sees, one sdpa call). ``quest_bound``: the bound, shared with decoding's step
+(``ops.far_step``).
 """
 
 from __future__ import annotations
@@ -248,8 +248,8 @@ def _far(
     ``index`` ``(B, H / shared, c, blocks)`` (``ok``: the block was eligible). The queries that
     chose a block are gathered into segments of ``rows`` (``far_segments``), each segment scored
     against its block in one batched product, and each query's partials summed under its largest
-    far score: a row reads only its own query and block, and its query sums its partials in block order. The
-    heads of a group share their rows' block where they share a key/value head. With ``features``
+    far score: a row reads only its own query and block, and its query sums its partials in block
+    order. The heads of a group share their rows' block where they share a key/value head. With ``features``
     (the queries' and the keys' of a kernel part), also the kernel sums over the chosen blocks'
     keys (``_taken``). ``scratch``: the call's (``far_segments.SegmentBuffers``), where nothing needs
     gradients: the segments then gather from whole blocks into buffers kept from chunk to chunk."""
