@@ -68,6 +68,10 @@ def test_a_decoder_s_perplexity_and_agreement_and_the_speed_columns(data, tmp_pa
     assert by["local:window=3"]["top1_agreement"] < 1.0
     assert all(r["time_ms"] > 0 and r["context"] == 32 and r["ratio"] > 0 for r in rows)
     assert all(r["model_ms"] > 0 for r in rows) and by["original"]["model_ratio"] == 1.0
+    assert all(r["attention_layers"] == [0, 1] and r["speed_layers"] == 3 for r in rows)  # the model's own q, k, v
+    again = ap.approx(data / "decoder", data / "passages.jsonl", ["full", "local:window=3"], tmp_path, tokens=32,
+                      samples=8, batch=4, context=32, speed_layers=0)  # fmt: skip
+    assert all(r["attention_layers"] == [] and r["speed_layers"] == 0 and r["time_ms"] > 0 for r in again)
     assert by["full"]["model_ratio"] == pytest.approx(by["full"]["model_ms"] / by["original"]["model_ms"])
     assert (tmp_path / "approx.png").stat().st_size > 0
     table = ap.format_table(rows)

@@ -56,6 +56,27 @@ def test_bench_runs_a_small_grid_and_writes_its_files(tmp_path, capsys):
     assert meta["settings"]["warmup_seconds"] == 0
 
 
+def test_bench_runs_on_the_queries_keys_and_values_of_a_file(tmp_path, capsys):
+    from subquad.bench.inputs import save_inputs
+
+    g = torch.Generator().manual_seed(0)
+    save_inputs(tmp_path / "in.safetensors", *(torch.randn(2, 1, 2, 48, 4, generator=g) for _ in range(3)))
+    argv = ["bench", "--inputs", str(tmp_path / "in.safetensors"), "--mechanisms", "local:window=8", "--causal", "no"]
+    argv += ["--backward", "no", "--repeats", "2", "--max-seconds", "0.2", "--warmup-seconds", "0"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "error.png").exists()  # one panel: the file's inputs
+    out = capsys.readouterr().out
+    assert f"on the queries, keys and values of {tmp_path / 'in.safetensors'}" in out
+    rows = json.loads((tmp_path / "o" / "results.json").read_text())["results"]
+    assert [(r["mechanism"], r["length"]) for r in rows] == [("full", 48), ("local(window=8)", 48)]
+    assert rows[0]["error_inputs"] < 1e-6 < 1e-3 < rows[1]["error_inputs"] and "error_iid" not in rows[1]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--lengths", "64", "--heads", "2", "--out", str(tmp_path / "p")])
+    assert exit_.value.code == 2
+    assert "--inputs gives the cells' N, B, H, key/value heads and D; drop --lengths --heads" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+
+
 def test_an_interrupted_bench_keeps_and_prints_the_cells_it_finished(tmp_path, capsys, monkeypatch):
     from subquad.bench import runner
 

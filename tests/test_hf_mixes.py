@@ -195,7 +195,7 @@ def test_a_mix_s_attention_time_is_its_groups_timed_on_their_heads(monkeypatch):
 
     calls = []
 
-    def bench(settings):  # exact attention costs 1 s per head, local 0.25 s (ratio 0.25), peaks 10 MB per head
+    def bench(settings, progress=None):  # exact attention 1 s per head, local 0.25 s (ratio 0.25), 10 MB per head
         calls.append((settings.heads, settings.kv_heads, [v.label for v in settings.variants]))
         cost = {"full": 1.0, "local(window=3)": 0.25}
         labels = ["full", *(v.label for v in settings.variants)]

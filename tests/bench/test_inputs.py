@@ -1,7 +1,10 @@
+import re
+
 import pytest
 import torch
 
-from subquad.bench.inputs import make_qkv
+from subquad.bench.inputs import InputShape, input_shape, make_qkv, read_inputs, save_inputs
+from subquad.files import FileError
 
 
 def _mean_entropy(q, k):
@@ -45,3 +48,76 @@ def test_grouped_query_inputs_have_fewer_key_value_heads_each_serving_its_query_
         assert torch.equal(q, k.repeat_interleave(3, dim=1)) and not torch.equal(k[:, 0], k[:, 1])
     with pytest.raises(ValueError, match="kv_heads must divide the 6 heads, got 4: each serves H / kv_heads"):
         make_qkv(kind, shape, kv_heads=4)
+
+
+def _sets(tmp_path, q_shape=(2, 1, 4, 24, 8), kv_heads=2, name="in.safetensors"):
+    g = torch.Generator().manual_seed(0)
+    kv = (*q_shape[:-3], kv_heads, *q_shape[-2:])
+    q, k, v = torch.randn(q_shape, generator=g), torch.randn(kv, generator=g), torch.randn(kv, generator=g)
+    save_inputs(tmp_path / name, q, k, v)
+    return tmp_path / name, (q, k, v)
+
+
+def test_an_inputs_file_reads_back_as_sets_with_its_shape_from_the_header(tmp_path):
+    path, (q, k, v) = _sets(tmp_path)
+    assert input_shape(path) == InputShape(sets=2, batch=1, heads=4, kv_heads=2, length=24, head_dim=8)
+    read = read_inputs(path, torch.float64)
+    assert all(torch.equal(a, b.double()) and a.dtype == torch.float64 for a, b in zip(read, (q, k, v)))
+    single, (q, k, v) = _sets(tmp_path, (1, 4, 24, 8), name="one.safetensors")  # one set: no leading dimension
+    assert input_shape(single).sets == 1 and torch.equal(read_inputs(single)[0], q[None])
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ({"q": (1, 2, 8, 4), "k": (1, 2, 8, 4)}, "holds no tensor v"),
+        ({"q": (1, 2, 8, 4), "k": (1, 2, 8, 4), "v": (2, 8, 4)}, "all 4-D, or all 5-D"),
+        ({"q": (1, 2, 8, 4), "k": (1, 2, 8, 4), "v": (1, 2, 8, 5)}, "k and v must match"),
+        ({"q": (1, 3, 8, 4), "k": (1, 2, 8, 4), "v": (1, 2, 8, 4)}, "a number of heads that divides q's"),
+        ({"q": (1, 2, 8, 4), "k": (1, 2, 9, 4), "v": (1, 2, 9, 4)}, "share q's sets, batch, length and head dim"),
+        ({"q": (1, 2, 0, 4), "k": (1, 2, 0, 4), "v": (1, 2, 0, 4)}, "k and v must match"),
+    ],
+)
+def test_an_inputs_file_that_does_not_fit_is_refused_naming_it(tmp_path, tensors, message):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "bad.safetensors"
+    save_file({n: torch.zeros(s) for n, s in tensors.items()}, str(path))
+    with pytest.raises(FileError, match=re.escape(message)) as error:
+        input_shape(path)
+    assert str(path) in str(error.value) and "save tensors q (B, H, N, D)" in str(error.value)
+    with pytest.raises(FileError, match=re.escape(message)):
+        read_inputs(path)
+    if len(tensors) == 3:  # nothing that does not fit is written either
+        with pytest.raises(FileError, match=re.escape(message)):
+            save_inputs(tmp_path / "out.safetensors", *(torch.zeros(s) for s in tensors.values()))
+        assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_an_inputs_file_that_is_not_one_or_holds_integers_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    with pytest.raises(FileNotFoundError, match="no inputs file at"):
+        input_shape(tmp_path / "missing.safetensors")
+    (tmp_path / "text.safetensors").write_text("not a safetensors file")
+    with pytest.raises(FileError, match="is not a readable safetensors file"):
+        input_shape(tmp_path / "text.safetensors")
+    save_file({n: torch.zeros(1, 2, 8, 4, dtype=torch.int32) for n in "qkv"}, str(tmp_path / "int.safetensors"))
+    with pytest.raises(FileError, match=re.escape("holds q as torch.int32, not a floating-point tensor")):
+        read_inputs(tmp_path / "int.safetensors")
+
+
+def test_bench_settings_take_the_cells_shape_from_an_inputs_file(tmp_path):
+    from subquad.bench.runner import BenchSettings
+
+    path, _ = _sets(tmp_path)
+    settings = BenchSettings(inputs=str(path), lengths=(4096,), heads=16)
+    assert (settings.lengths, settings.batch, settings.heads, settings.kv_heads, settings.head_dim) == (
+        (24,),
+        1,
+        4,
+        2,
+        8,
+    )
+    path, _ = _sets(tmp_path, kv_heads=4, name="mha.safetensors")
+    assert BenchSettings(inputs=str(path)).kv_heads is None  # as many key/value heads as query heads

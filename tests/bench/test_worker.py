@@ -287,3 +287,51 @@ def test_a_cpu_cell_probes_short_operations_before_and_after_its_timing(monkeypa
     assert result["peak_bytes"] < 32 << 20  # the first probe runs before the memory baseline
     monkeypatch.undo()
     assert "short_op_speedup" not in measure_cell({**CELL, "threads": 1})  # one thread: nothing to probe
+
+
+def test_a_cell_on_an_inputs_file_runs_every_set_and_reports_its_error_over_them(tmp_path, monkeypatch):
+    """One timed call runs each set (a model's layers) in turn; the error is over all the sets'
+    compared rows: exact on the first set and all zeros on the second gives ‖ref₁‖ / ‖(ref₀, ref₁)‖."""
+    from subquad.bench import checks, worker
+    from subquad.bench.inputs import save_inputs
+
+    q, k, v = (torch.randn(2, 1, 4, 40, 8, generator=torch.Generator().manual_seed(10 + i)) for i in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]  # grouped-query: 2 key/value heads for 4 query heads
+    save_inputs(tmp_path / "in.safetensors", q, k, v)
+    cell = {
+        **CELL,
+        "inputs": str(tmp_path / "in.safetensors"),
+        "error_rows": 40,
+        "length": 40,
+        "heads": 4,
+        "kv_heads": 2,
+    }
+    seen = []
+    real = worker._make_call
+
+    def make_call(*args, **kwargs):
+        call = real(*args, **kwargs)
+
+        def recorded(x, k, v):
+            seen.append(next((i for i in range(2) if torch.equal(x, q[i])), None))
+            out = call(x, k, v)
+            return torch.zeros_like(out) if seen[-1] == 1 else out
+
+        return recorded
+
+    monkeypatch.setattr(worker, "_make_call", make_call)
+    result = measure_cell(cell)
+    assert seen[0] is None and seen[1:] == [0, 1] * (len(seen) // 2)  # drawn rows start the pool; then both sets
+    ref = [reference_rows(q[i], k[i], v[i], torch.arange(40), True) for i in range(2)]
+    expected = float(ref[1].norm() / torch.cat(ref, 2).norm())
+    assert result["error_inputs"] == pytest.approx(expected, rel=1e-9)
+    assert result["zero_rows"] == 0.5 and result["nonfinite"] is False
+    assert "error_iid" not in result and "error_clustered" not in result
+    single = checks.set_checks(real(*_full_args()), q, k, v, {**cell, "error_rows": 40})
+    assert single["error_inputs"] < 1e-6 and single["zero_rows"] == 0.0
+
+
+def _full_args():
+    from subquad.registry import get_mechanism, make_config
+
+    return get_mechanism("full"), make_config("full"), None, True, False, 0, True

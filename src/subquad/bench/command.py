@@ -77,11 +77,17 @@ def _shown(value: Any) -> str:
     return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
+_SHAPE = ("lengths", "batch", "heads", "kv_heads", "head_dim")  # what an inputs file's tensors give
+
+
 def settings_from(args: argparse.Namespace) -> Any:
     """The `BenchSettings` that ``subquad bench``'s parsed arguments ask for."""
     from subquad.bench.runner import GRIDS, BenchSettings
 
     values = flag_values(args, BenchSettings, skip=("variants",))
+    shape = [f"--{name.replace('_', '-')}" for name in _SHAPE if values.get(name) is not None]
+    if values.get("inputs") is not None and shape:
+        raise ValueError(f"--inputs gives the cells' N, B, H, key/value heads and D; drop {' '.join(shape)}")
     values.update({k: v for k, v in GRIDS[args.grid].items() if values.get(k) is None})
     values = {k: v for k, v in values.items() if v is not None}  # set by neither: the field's default
     return BenchSettings(variants=_variants(args), **values)
@@ -184,7 +190,8 @@ def _report(rows: list[dict], settings: Any, args: argparse.Namespace, title: st
     print(report.format_table(rows))
     print("\ntime = median per call; × full = median of time ÷ full attention's, timed call for call in the cell;")
     print("peak MB = above the inputs;", end=" ")
-    print("err = ‖out − full‖ / ‖full‖ on iid and clustered q, k (float64 reference on sampled rows).")
+    on = f"the queries, keys and values of {settings.inputs} (file)" if settings.inputs else "iid and clustered q, k"
+    print(f"err = ‖out − full‖ / ‖full‖ on {on} (float64 reference on sampled rows).")
     if note := report.short_op_note(rows):
         print(note)
     if len(settings.lengths) > 1:

@@ -27,7 +27,7 @@ __all__ = [
 TABLE_HEADERS = ("mechanism", "causal", "pass", "N", "time ms", "× full", "peak MB", "err iid", "err clust", "reps")
 _CSV_FIELDS = (
     "mechanism", "name", "options", "length", "causal", "pass", "time_s", "ratio", "baseline_time_s", "peak_bytes",
-    "error_iid", "error_clustered", "zero_rows", "nonfinite", "repeats", "threads", "short_op_speedup",
+    "error_iid", "error_clustered", "error_inputs", "zero_rows", "nonfinite", "repeats", "threads", "short_op_speedup",
     "memory_method", "error",
 )  # fmt: skip
 # A cell whose probe read less than this ran while two threads gained little on short operations.
@@ -53,10 +53,17 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             r["mechanism"], _causal(r), r["pass"], str(r["length"]),
             _milliseconds(r["time_s"]), _number(r.get("ratio"), ".3f") + ("*" if slow_short_ops(r) else ""),
             _number(peak, ".1f"),
-            _number(r.get("error_iid"), ".1e"), _number(r.get("error_clustered"), ".1e"),
+            *_errors(r),
             str(len(r.get("times_s", []))),
         ])  # fmt: skip
     return cells
+
+
+def _errors(row: dict[str, Any]) -> list[str]:
+    """The two error columns: iid and clustered; on the inputs of a file (``--inputs``) that error, then -."""
+    if "error_inputs" in row:
+        return [_number(row["error_inputs"], ".1e") + " (file)", "-"]
+    return [_number(row.get("error_iid"), ".1e"), _number(row.get("error_clustered"), ".1e")]
 
 
 def slow_short_ops(row: dict[str, Any]) -> bool:
@@ -344,9 +351,12 @@ def _add_guides(ax: Any, rows: list[dict[str, Any]], key: str, scale: float) -> 
 
 
 def _error_panels(plt: Any, rows: list[dict[str, Any]], colours: dict):
-    fig, axes = plt.subplots(1, 2, figsize=(12.4, 4.4), squeeze=False)
     forward = [r for r in rows if r["pass"] == "forward"]
-    for ax, (key, kind) in zip(axes.flat, (("error_iid", "iid Gaussian"), ("error_clustered", "clustered"))):
+    panels = [("error_iid", "iid Gaussian"), ("error_clustered", "clustered")]
+    if any("error_inputs" in r for r in forward):  # --inputs: the file's queries and keys only
+        panels = [("error_inputs", "the inputs file's")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), squeeze=False)
+    for ax, (key, kind) in zip(axes.flat, panels):
         for label in colours:
             for causal, style in ((False, "-"), (True, "--")):
                 pts = sorted(

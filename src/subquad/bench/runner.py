@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from subquad._validate import DTYPE_NAMES
+from subquad.bench.inputs import input_shape
 from subquad.flags import setting
 from subquad.registry import get_mechanism, make_config
 
@@ -115,8 +116,19 @@ class BenchSettings:
     )
     timeout: float = setting(1800.0, "seconds per cell")
     seed: int = setting(0, "input and state seed")
+    inputs: str | None = setting(
+        None,
+        "queries, keys and values from a safetensors file (q, k, v; subquad.bench.inputs), in place of "
+        "drawn ones: the cells' N, B, H, key/value heads and D are the file's",
+        metavar="FILE",
+        shown_default="drawn",
+    )
 
     def __post_init__(self) -> None:
+        if self.inputs is not None:  # the shape is the file's
+            shape = input_shape(self.inputs)
+            self.lengths, self.batch, self.heads = (shape.length,), shape.batch, shape.heads
+            self.head_dim, self.kv_heads = shape.head_dim, shape.kv_heads if shape.kv_heads != shape.heads else None
         for name in ("batch", "heads", "head_dim", "repeats", "error_rows", "centres"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

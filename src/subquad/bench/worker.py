@@ -28,7 +28,10 @@ waited on the other core, the probe read 0.94–1.05 instead of 1.30–1.38, and
 many operations read about a fifth higher against full attention (README, ``subquad bench``).
 Forward cells also report the relative error against full attention, computed in float64 on
 evenly spaced query rows (exact for those rows, and cheap at any length), on iid and on clustered
-inputs, and the fraction of queries whose output is all zero.
+inputs, and the fraction of queries whose output is all zero (``bench.checks``).
+A cell with ``inputs`` (a file of queries, keys and values, ``bench.inputs``) runs on the file's
+sets instead, each timed call one call per set in turn (a model's layers, one after another), and
+reports its error over all of them (``error_inputs``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from subquad.bench.inputs import make_qkv
+from subquad.bench.checks import output_checks, reference_rows, relative_error, set_checks
+from subquad.bench.inputs import make_qkv, read_inputs
 from subquad.call import call as call_mechanism
 from subquad.kernels.tuning import TUNING
 from subquad.registry import Config, Mechanism, get_mechanism, make_config
@@ -84,7 +88,11 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cpu":  # start thread pools (on CUDA, a short call would compile a kernel for its length)
         call(*make_qkv("iid", (B, H, min(N, 64), D), dtype, device, cell["seed"], kv_heads=Hk))
     probe_before = short_op_speedup() if device.type == "cpu" else None
-    q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"], kv_heads=Hk)
+    if cell.get("inputs"):  # the file's sets (S, B, H, N, D), one call after another: one timed call
+        q, k, v = read_inputs(cell["inputs"], dtype, device)
+        single, call, baseline = call, _over_sets(call), baseline and _over_sets(baseline)
+    else:
+        q, k, v = make_qkv("iid", (B, H, N, D), dtype, device, cell["seed"], kv_heads=Hk)
     out, result, timing = _timed_calls(call, baseline, q, k, v, device, cell)
     result.update(time_s=statistics.median(timing.times), times_s=timing.times, threads=torch.get_num_threads())
     if device.type == "cuda":
@@ -101,15 +109,28 @@ def measure_cell(cell: dict[str, Any]) -> dict[str, Any]:
             baseline_times_s=timing.base_times,
             paired_ratio=statistics.median(t / b for t, b in zip(timing.times, timing.base_times)),
         )
-    if not cell["backward"]:
-        result["nonfinite"] = not bool(torch.isfinite(out).all())  # NaN or inf anywhere in the output
-        result["zero_rows"] = float((out.detach().abs().amax(dim=-1) == 0).float().mean())
-        result["error_iid"] = _relative_error(out, q, k, v, cell)
+    if not cell["backward"] and cell.get("inputs"):
+        del out
+        result.update(set_checks(single, q, k, v, cell))
+    elif not cell["backward"]:
+        result.update(output_checks(out), error_iid=relative_error(out, q, k, v, cell))
         del out, q, k, v
         structure = {"centres": cell.get("centres", 16), "spread": cell.get("spread", 0.5)}
         q, k, v = make_qkv("clustered", (B, H, N, D), dtype, device, cell["seed"] + 1, kv_heads=Hk, **structure)
-        result["error_clustered"] = _relative_error(call(q, k, v), q, k, v, cell)
+        result["error_clustered"] = relative_error(call(q, k, v), q, k, v, cell)
     return result
+
+
+def _over_sets(call: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """One call of ``call`` on each set of ``(S, B, H, N, D)`` inputs in turn (a model's layers, one
+    after another); the last set's output."""
+
+    def each(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        for i in range(q.shape[0] - 1):
+            call(q[i], k[i], v[i])  # its output freed at once, as a layer's is once the next runs
+        return call(q[-1], k[-1], v[-1])
+
+    return each
 
 
 class _Timing(NamedTuple):
@@ -263,33 +284,6 @@ def _make_call(
         return out.detach()
 
     return call
-
-
-def reference_rows(q: Tensor, k: Tensor, v: Tensor, rows: Tensor, is_causal: bool) -> Tensor:
-    """Full attention in float64 for the queries ``rows``: ``(B, H, len(rows), Dv)``; keys and values
-    of fewer heads serve consecutive query heads (grouped-query)."""
-    L, S, G = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
-    mask = None
-    if is_causal:
-        mask = torch.arange(S, device=q.device) <= (rows + S - L).unsqueeze(-1)  # (R, S), bottom-right
-    eager = make_config("full", backend="eager")
-    heads = [
-        get_mechanism("full").fn(
-            q[:, h : h + 1, rows].double(), k[:, h // G : h // G + 1].double(), v[:, h // G : h // G + 1].double(),
-            attn_mask=mask, config=eager,
-        )
-        for h in range(q.shape[1])  # one head at a time keeps the (R, S) scores small
-    ]  # fmt: skip
-    return torch.cat(heads, dim=1)
-
-
-def _relative_error(out: Tensor, q: Tensor, k: Tensor, v: Tensor, cell: dict[str, Any]) -> float:
-    """``‖out − full‖_F / ‖full‖_F`` over evenly spaced query rows, in float64."""
-    L = q.shape[2]
-    rows = torch.linspace(0, L - 1, min(L, cell["error_rows"]), device=q.device).round().long().unique()
-    ref = reference_rows(q, k, v, rows, cell["causal"])
-    diff = out.detach()[:, :, rows].double() - ref
-    return float(diff.norm() / ref.norm().clamp_min(1e-300))
 
 
 def _release_freed_memory(device: torch.device) -> None:

@@ -9,6 +9,7 @@ implementation, conversion of what a mechanism adds, and the jobs that measure a
 - ``conversion``: ``convert``, ``calibrate``, what conversion adds (``ConvertedInputs``);
 - ``io``: ``save``, ``from_pretrained``, ``model_source`` (files from elsewhere are checked, never run);
 - ``data``: passages, token windows, model loading for the jobs;
+- ``recording``: ``record``, a model's own queries, keys and values, to time mechanisms on;
 - ``approx`` and ``distill``: the ``subquad approx`` and ``subquad distill`` jobs.
 """
 
@@ -31,6 +32,7 @@ _HOMES = {
     ),
     "mixes": ("HeadShare", "LayerMix"),
     "plans": ("LayerPlan", "read_plan"),
+    "recording": ("Recorded", "record", "spread_layers"),
     "support": ("attention_modules", "check_model"),
     "io": ("SPEC_FILE", "TENSOR_FILE", "from_pretrained", "loading", "model_source", "save", "saved_layers"),
 }
@@ -45,6 +47,7 @@ __all__ = [
     "LayerAttention",
     "LayerMix",
     "LayerPlan",
+    "Recorded",
     "SubquadCache",
     "attention_modules",
     "calibratable",
@@ -60,10 +63,12 @@ __all__ = [
     "model_attention",
     "model_source",
     "read_plan",
+    "record",
     "register",
     "restore",
     "save",
     "saved_layers",
+    "spread_layers",
     "use",
 ]
 

@@ -11,8 +11,10 @@ a label where the data has labels). The original model runs once; then each mech
   the original and for the swapped embeddings).
 - Decoders: perplexity of the windows' next tokens, and top-1 next-token agreement with the original.
 - Both: time and peak memory of the attention alone at the model's longest context, against the
-  original's (``subquad bench``'s measurement, at the model's heads and head size), and the whole
-  model's forward time on one window of that length (batch 1), against the original model's.
+  original's (``subquad bench``'s measurement, on the original's own queries, keys and values of
+  ``speed_layers`` layers of one window, ``hf.record``; 0: on drawn ones at the model's heads and
+  head size), and the whole model's forward time on that window (batch 1), against the original
+  model's.
 
 Converted models (folders ``subquad distill`` or ``subquad.hf.save`` wrote, from the same original
 model) are measured the same way, each under the row ``converted:FOLDER``; their attention speed is
@@ -45,7 +47,7 @@ from subquad.hf.measures import probe_accuracy, spearman
 from subquad.hf.plans import LayerPlan, expand_plans, plan_cell, saved_plan
 from subquad.hf.recall import passkey
 from subquad.hf.report import format_decode_table, format_recall_table, format_table, plot
-from subquad.hf.speed import attention_speed, decode_speed, decode_windows, each, model_speed
+from subquad.hf.speed import attention_speed, decode_speed, decode_windows, each, model_speed, own_inputs
 
 __all__ = ["ApproxConfig", "approx", "format_table", "parse_spec", "run_approx"]
 
@@ -123,6 +125,10 @@ class ApproxConfig:
     context: int | None = setting(None, "length of the speed measurement", shown_default="the model's longest context")
     calibration: int = setting(16, "windows routing's k-means reads (after the measured ones)")
     speed: bool = setting(True, "measure the attention's and the model's speed")
+    speed_layers: int = setting(
+        3, "layers (spread over the depth) whose own queries, keys and values time the attention, one after "
+        "another; 0: the bench's drawn inputs",
+    )  # fmt: skip
     decode: tuple[int, ...] = setting(
         (), "decoders: prompt lengths at which to measure generation (prefill s, ms per new token, cache MB, peak "
         "RSS)", metavar="N", flag="--decode-lengths",
@@ -149,6 +155,8 @@ class ApproxConfig:
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
         if self.calibration < 0:
             raise ValueError(f"--calibration must be >= 0, got {self.calibration}")
+        if self.speed_layers < 0:
+            raise ValueError(f"--speed-layers must be >= 0, got {self.speed_layers}")
         if self.context is not None and self.context < 1:
             raise ValueError(f"--context must be >= 1, got {self.context}")
         if any(n < 1 for n in self.decode) or self.new_tokens < 1:
@@ -162,8 +170,8 @@ class ApproxConfig:
 
 def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str | Path, *, tokens: int = 256,
            samples: int = 300, batch: int = 8, context: int | None = None, calibration: int = 16,
-           speed: bool = True, seed: int = 0, converted: list[str | Path] = (), device: str = "auto",
-           dtype: str = "float32", decode: tuple[int, ...] = (), new_tokens: int = 16,
+           speed: bool = True, speed_layers: int = 3, seed: int = 0, converted: list[str | Path] = (),
+           device: str = "auto", dtype: str = "float32", decode: tuple[int, ...] = (), new_tokens: int = 16,
            passkey: tuple[int, ...] = (), passkey_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9),
            passkey_samples: int = 4, probe: str = "passkey") -> list[dict[str, Any]]:  # fmt: skip
     """Measure each mechanism spec, and each converted model folder, against the original model;
@@ -171,7 +179,7 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
     (float32, bfloat16, float16); quality is compared in float32 either way (`ApproxConfig`)."""
     config = ApproxConfig(str(model_path), str(data), str(out), tuple(map(os.fspath, specs)),
                           tuple(map(str, converted)), tokens, samples, batch, context, calibration, speed,
-                          tuple(decode), new_tokens, tuple(passkey),
+                          speed_layers, tuple(decode), new_tokens, tuple(passkey),
                           tuple(passkey_depths), passkey_samples, probe, seed, device, dtype)  # fmt: skip
     return run_approx(config)
 
@@ -191,8 +199,9 @@ def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
     if not isinstance(kept, list) or not all(isinstance(r, dict) and isinstance(r.get("spec"), str) for r in kept):
         raise FileError(saved, "holds rows that are not approx's own", _RESULTS_FIX)
     rows = run.quality({r["spec"]: r for r in kept}, folders, saved)
-    if config.speed and not all("time_ms" in r and "model_ms" in r for r in rows):
-        run.add_speed(rows, folders)
+    timed = ("time_ms", "model_ms")
+    if config.speed and not all(set(timed) <= set(r) and r.get("speed_layers") == config.speed_layers for r in rows):
+        _add_speed(run, rows, folders)
     lengths = [str(n) for n in config.decode] if run.decoder else []
     if lengths and not all(set(lengths) <= set(r.get("decode", {})) for r in rows):
         run.add_decoding(rows, folders, saved)
@@ -281,21 +290,6 @@ class _Run:
             raise ValueError(f"--converted {folder} is a {type(model).__name__}, not this {type(self.model).__name__}")
         return model.to(self.where, self.kind)
 
-    def add_speed(self, rows: list[dict[str, Any]], folders: dict[str, LayerPlan]) -> None:
-        """Each row's attention time and memory, and the whole model's forward time, at the longest context."""
-        config, plans = self.config, {**self.plans, **folders}  # a converted folder: its saved layers
-        specs = [
-            s for label in [*config.mechanisms, *folders] for s in (plans[label].specs() if label in plans else [label])
-        ]
-        longest = config.context or int(getattr(self.model.config, "max_position_embeddings", config.tokens))
-        timing = attention_speed(self.model, list(dict.fromkeys(specs)), longest, self.decoder, self.where,
-                                 config.dtype)  # fmt: skip
-        timing.update({label: plan_cell(self.model, plan, timing) for label, plan in plans.items()})
-        ids = decode_windows(self.tokenizer, self.texts, longest, config.seed).to(self.where)
-        whole = model_speed(self.setups(folders), ids)
-        for r in rows:
-            r.update(timing.get(r["spec"], {}), **whole.get(r["spec"], {}), context=longest)
-
     def add_decoding(self, rows: list[dict[str, Any]], folders: dict[str, LayerPlan], saved: Path) -> None:
         """Each row's generation at each ``--decode-lengths`` prompt (``hf.speed.decode_speed``);
         the file is rewritten after each row."""
@@ -325,6 +319,29 @@ class _Run:
                 done.update({n: {**m, "probe": probe} for n, m in each(setups[r["spec"]], measure).items()})
             r["passkey"] = done
             _write(saved, self.settings, rows)
+
+
+def _add_speed(run: _Run, rows: list[dict[str, Any]], folders: dict[str, LayerPlan]) -> None:
+    """Each row's attention time and memory (on the original's own queries, keys and values of
+    ``--speed-layers`` layers, on the window the whole model is timed on), and the whole model's
+    forward time, at the longest context."""
+    config, plans = run.config, {**run.plans, **folders}  # a converted folder: its saved layers
+    labels = [*config.mechanisms, *folders]
+    specs = [s for label in labels for s in (plans[label].specs() if label in plans else [label])]
+    longest = config.context or int(getattr(run.model.config, "max_position_embeddings", config.tokens))
+    ids = decode_windows(run.tokenizer, run.texts, longest, config.seed).to(run.where)
+    inputs = own_inputs(run.model, ids, config.speed_layers)
+    layers = list(inputs.layers) if inputs else []
+    on = f"the original's own q, k, v of layers {layers}" if layers else "drawn inputs"
+    print(f"  speed at {longest} tokens, attention on {on}", flush=True)
+    timing = attention_speed(run.model, list(dict.fromkeys(specs)), longest, run.decoder, run.where, config.dtype,
+                             inputs, lambda label: print(f"  attention {label}", flush=True))  # fmt: skip
+    del inputs
+    timing.update({label: plan_cell(run.model, plan, timing) for label, plan in plans.items()})
+    whole = model_speed(run.setups(folders), ids, progress=lambda label: print(f"  model {label}", flush=True))
+    used = {"speed_layers": config.speed_layers, "attention_layers": layers}
+    for r in rows:
+        r.update(timing.get(r["spec"], {}), **whole.get(r["spec"], {}), **used, context=longest)
 
 
 def _progress(probe: str, row: dict[str, Any]) -> Any:

@@ -1,6 +1,7 @@
 """What a user of a swapped or converted model feels, measured for ``subquad approx``.
 
-- ``attention_speed``: the attention alone at the model's heads and head size (``subquad bench``'s
+- ``attention_speed``: the attention alone, on the model's own queries, keys and values of a few
+  layers (``hf.record``) or on drawn ones at its heads and head size (``subquad bench``'s
   measurement), time and peak memory against exact attention;
 - ``model_speed``: the whole model's forward on one window (batch 1);
 - ``decode_speed``: generation. For each prompt length, the prefill's seconds, the median
@@ -18,10 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
+import os
 import resource
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,17 +35,29 @@ import torch
 from torch import nn
 
 from subquad.hf.data import Windows, token_windows
+from subquad.hf.recording import Recorded
 
-__all__ = ["PeakRss", "attention_speed", "decode_speed", "decode_windows", "each", "model_speed"]
+Share = tuple[int, int]  # a head group's first query head and head count
+
+__all__ = ["PeakRss", "attention_speed", "decode_speed", "decode_windows", "each", "model_speed", "own_inputs"]
 
 
 def attention_speed(
-    model: nn.Module, specs: list[str], context: int, causal: bool, device: torch.device, dtype: str
+    model: nn.Module,
+    specs: list[str],
+    context: int,
+    causal: bool,
+    device: torch.device,
+    dtype: str,
+    inputs: Recorded | None = None,
+    progress: Any = None,
 ) -> dict[str, dict[str, Any]]:
     """Time and peak memory of each spec's attention at ``context``, with the model's heads, key/value
-    heads (grouped-query, read as the model reads them) and head size, against exact attention's. A
-    head mix's time is the sum of its groups', each timed on its own heads and their key/value heads
-    (its peak, the largest of theirs)."""
+    heads (grouped-query, read as the model reads them) and head size, against exact attention's:
+    on the model's own queries, keys and values (``inputs``, ``hf.record``: one call runs each
+    recorded layer in turn), else on the bench's drawn ones. A head mix's time is the sum of its
+    groups', each timed on its own heads and their key/value heads (its peak, the largest of theirs).
+    ``progress(label)`` before each bench cell, if given."""
     from subquad.bench.runner import BenchSettings, Variant, run_bench
     from subquad.hf.interface import model_attention
 
@@ -49,43 +65,66 @@ def attention_speed(
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     group = heads // (getattr(config, "num_key_value_heads", None) or heads)  # query heads per key/value head
-    parts = {}  # each spec's groups: (variant, heads)
+    parts = {}  # each spec's groups: (variant, (first head, heads))
+    own = inputs is not None  # drawn inputs: any heads alike, a group timed by its count
     for spec in specs:
         made = model_attention(model, spec, converted=True)  # the timing only: the bench makes learned inputs
-        groups = zip(made.groups, made.heads) if hasattr(made, "groups") else [(made, heads)]
-        parts[spec] = [(Variant(g.mechanism.name, tuple(sorted(g.options.items()))), n) for g, n in groups]
-    rows = {}  # (label, heads) -> bench row
-    for count in sorted({n for groups in parts.values() for _, n in groups} | {heads}):
-        variants = [
-            v for v in dict.fromkeys(v for g in parts.values() for v, n in g if n == count) if v.label != "full"
-        ]
-        kv_heads = count // group if count % group == 0 and group > 1 else None  # a mix splits along the groups
-        settings = BenchSettings(variants=variants, lengths=(context,), heads=count, kv_heads=kv_heads,
-                                 head_dim=head_dim, causal=(causal,), backward=(False,), repeats=5,
-                                 warmup_seconds=1.0, max_seconds=3.0, device=device.type, dtype=dtype)  # fmt: skip
-        rows.update({(r["mechanism"], count): r for r in run_bench(settings)})
-    full = {count: row.get("time_s", math.nan) for (label, count), row in rows.items() if label == "full"}
-    out = {"original": _cell([(rows.get(("full", heads), {}), heads)], full, heads)}
+        groups = zip(made.groups, made.firsts, made.heads) if hasattr(made, "groups") else [(made, 0, heads)]
+        variant = lambda g: Variant(g.mechanism.name, tuple(sorted(g.options.items())))  # noqa: E731
+        parts[spec] = [(variant(g), (a * own, n)) for g, a, n in groups]
+    rows = {}  # (label, (first, heads)) -> bench row
+    with tempfile.TemporaryDirectory(prefix="subquad-inputs-") as folder:
+        for share in sorted({s for groups in parts.values() for _, s in groups} | {(0, heads)}):
+            variants = [v for v in dict.fromkeys(v for g in parts.values() for v, s in g if s == share)]
+            variants, count = [v for v in variants if v.label != "full"], share[1]
+            kv_heads = count // group if count % group == 0 and group > 1 else None  # a mix splits along the groups
+            shape: dict[str, Any] = {"lengths": (context,), "heads": count, "kv_heads": kv_heads, "head_dim": head_dim}
+            if inputs is not None:
+                shape = {"inputs": os.path.join(folder, f"heads-{share[0]}-{count}.safetensors")}
+                inputs.heads(*share).save(shape["inputs"])
+            settings = BenchSettings(variants=variants, **shape, causal=(causal,), backward=(False,), repeats=5,
+                                     warmup_seconds=1.0, max_seconds=3.0, device=device.type, dtype=dtype)  # fmt: skip
+            shown = progress and functools.partial(_cell_progress, progress, f"heads {share[0]}-{sum(share) - 1}")
+            rows.update({(r["mechanism"], share): r for r in run_bench(settings, shown)})
+    full = {share: row.get("time_s", math.nan) for (label, share), row in rows.items() if label == "full"}
+    out = {"original": _cell([(rows.get(("full", (0, heads)), {}), (0, heads))], full, (0, heads))}
     for spec, groups in parts.items():
-        out[spec] = _cell([(rows.get((v.label, n), {}), n) for v, n in groups], full, heads)
+        out[spec] = _cell([(rows.get((v.label, s), {}), s) for v, s in groups], full, (0, heads))
     return out
 
 
-def _cell(rows: list[tuple[dict[str, Any], int]], full: dict[int, float], heads: int) -> dict[str, Any]:
-    """One spec's time (its groups' summed), ratio to exact attention's on all ``heads`` (each
-    group's paired ratio to exact attention on its heads, weighted by that one's time) and peak MB."""
+def _cell_progress(progress: Any, heads: str, done: int, total: int, label: str) -> None:
+    if done < total:
+        progress(f"{label}, {heads}")
+
+
+def own_inputs(model: nn.Module, ids: torch.Tensor, count: int) -> Recorded | None:
+    """The queries, keys and values ``model``'s attention receives on ``ids`` at ``count`` layers
+    spread over its depth (``hf.record``); None for 0."""
+    from subquad.hf.recording import record, spread_layers
+
+    return record(model, ids, spread_layers(model, count)) if count else None
+
+
+def _cell(rows: list[tuple[dict[str, Any], Share]], full: dict[Share, float], whole: Share) -> dict[str, Any]:
+    """One spec's time (its groups' summed), ratio to exact attention's on the ``whole`` layer's heads
+    (each group's paired ratio to exact attention on its heads, weighted by that one's time) and
+    peak MB. A ``Share`` is a group's first query head and head count."""
     time_s = sum(r.get("time_s", math.nan) for r, _ in rows)
-    ratio = sum((r.get("ratio") or math.nan) * full.get(n, math.nan) for r, n in rows) / full.get(heads, math.nan)
+    ratio = sum((r.get("ratio") or math.nan) * full.get(s, math.nan) for r, s in rows) / full.get(whole, math.nan)
     peaks = [r["peak_bytes"] / 2**20 for r, _ in rows if r.get("peak_bytes")]
     return {"time_ms": time_s * 1e3, "ratio": ratio, "peak_mb": max(peaks) if len(peaks) == len(rows) else None}
 
 
 @torch.no_grad()
-def model_speed(models: dict[str, Any], ids: torch.Tensor, budget: float = 20.0) -> dict[str, dict[str, float]]:
+def model_speed(
+    models: dict[str, Any], ids: torch.Tensor, budget: float = 20.0, progress: Any = None
+) -> dict[str, dict[str, float]]:
     """The whole model's forward time on ``ids`` ``(1, N)``, for each label's model (a callable
     that sets it up and returns it, or None after it): the median of up to 3 timed calls after
     one untimed call (fewer where the calls take over ``budget`` seconds). The body runs without a
-    language-model head, whose logits do not change with the attention. ``"original"`` first."""
+    language-model head, whose logits do not change with the attention. ``"original"`` first.
+    ``progress(label)`` before each, if given."""
 
     def timed(model: nn.Module) -> float:
         body = getattr(model, "base_model", model)
@@ -97,7 +136,11 @@ def model_speed(models: dict[str, Any], ids: torch.Tensor, budget: float = 20.0)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    seconds = {label: each(setup, timed) for label, setup in models.items()}
+    seconds = {}
+    for label, setup in models.items():
+        if progress is not None:
+            progress(label)
+        seconds[label] = each(setup, timed)
     return {label: {"model_ms": t * 1e3, "model_ratio": t / seconds["original"]} for label, t in seconds.items()}
 
 

@@ -1,0 +1,118 @@
+"""A model's own queries, keys and values, as its attention receives them, to time mechanisms on.
+
+A mechanism that chooses what to read (retrieval's far blocks, routing's and clustering's groups)
+costs what the inputs make it cost: on a model's queries and keys after its position encoding it
+reads other keys, in other proportions, than on drawn ones. ``record(model, ids)`` runs the model
+once on ``ids`` and keeps, at a few layers spread over its depth, the queries ``(B, H, N, D)`` and
+the keys and values ``(B, Hk, N, D)`` (grouped-query heads as the model holds them) that its
+attention function receives; the queries carry the model's softmax scale, so that the default
+``1/√D`` gives the model's scores. ``save`` writes them for ``subquad bench --inputs``.
+
+The pass runs exact attention through torch's sdpa (transformers' ``"sdpa"``), whatever the model
+was set to, and puts the model's own setting back after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from subquad.hf.support import attention_modules, layer_index
+
+__all__ = ["Recorded", "record", "spread_layers"]
+
+NAME = "subquad-record"  # the attention implementation of the recording pass
+_WANTED: dict[nn.Module, list[Tensor]] | None = None  # while recording: each chosen module's q, k, v
+
+
+@dataclass
+class Recorded:
+    """The queries, keys and values of ``layers``: ``q`` ``(S, B, H, N, D)``, ``k`` and ``v``
+    ``(S, B, Hk, N, D)``, one set per layer."""
+
+    layers: tuple[int, ...]
+    q: Tensor
+    k: Tensor
+    v: Tensor
+
+    def heads(self, first: int, count: int) -> Recorded:
+        """The query heads ``first … first + count - 1`` and the key/value heads they read."""
+        group = self.q.shape[2] // self.k.shape[2]
+        if first % group or count % group:
+            raise ValueError(f"heads {first}..{first + count - 1} split a key/value head of {group} query heads")
+        kv = slice(first // group, (first + count) // group)
+        return Recorded(self.layers, self.q[:, :, first : first + count], self.k[:, :, kv], self.v[:, :, kv])
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write them as ``subquad bench --inputs`` reads them."""
+        from subquad.bench.inputs import save_inputs
+
+        save_inputs(path, self.q, self.k, self.v)
+
+
+def spread_layers(model: nn.Module, count: int) -> list[int]:
+    """``count`` layer indices spread evenly over the model's attention layers, first and last included."""
+    indices = sorted({layer_index(m) for m in attention_modules(model)})
+    if count < 1:
+        raise ValueError(f"count must be >= 1 layer, got {count}")
+    if count == 1:
+        return [indices[len(indices) // 2]]
+    return sorted({indices[round(i * (len(indices) - 1) / (count - 1))] for i in range(count)})
+
+
+@torch.no_grad()
+def record(model: nn.Module, ids: Tensor, layers: Sequence[int] | None = None) -> Recorded:
+    """Run ``model`` on ``ids`` ``(B, N)`` and keep the queries, keys and values of ``layers``
+    (their ``layer_idx``; default: three spread over the depth, ``spread_layers``)."""
+    layers = list(spread_layers(model, 3) if layers is None else layers)
+    modules = {layer_index(m): m for m in attention_modules(model)}
+    unknown = sorted(set(layers) - set(modules))
+    if unknown or not layers:
+        raise ValueError(f"{type(model).__name__} has no layer {unknown or layers}; its layers are {sorted(modules)}")
+    with _recording([modules[i] for i in layers], model) as kept:
+        body = getattr(model, "base_model", model)  # no language-model head: its logits are not needed
+        body(input_ids=ids)
+    missing = [i for i in layers if not kept[modules[i]]]
+    if missing:
+        raise ValueError(f"layers {missing} of {type(model).__name__} did not run their attention on these inputs")
+    q, k, v = (torch.stack([kept[modules[i]][n] for i in layers]) for n in range(3))
+    return Recorded(tuple(layers), q, k, v)
+
+
+@contextlib.contextmanager
+def _recording(modules: list[nn.Module], model: nn.Module) -> Iterator[dict[nn.Module, list[Tensor]]]:
+    """While open, ``model`` runs ``NAME``, which keeps the chosen modules' q, k, v."""
+    global _WANTED
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, _record_forward)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    previous = model.config._attn_implementation
+    _WANTED = {m: [] for m in modules}
+    try:
+        model.set_attn_implementation(NAME)
+        yield _WANTED
+    finally:
+        _WANTED = None
+        model.set_attn_implementation(previous)
+
+
+def _record_forward(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, **kwargs: Any
+) -> tuple[Tensor, Any]:
+    """transformers' sdpa attention, keeping the chosen modules' inputs on the way."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if _WANTED is not None and module in _WANTED and not _WANTED[module]:
+        scaling = kwargs.get("scaling")
+        factor = 1.0 if scaling is None else scaling * query.shape[-1] ** 0.5  # then 1/√D gives the model's scores
+        scaled = query if factor == 1.0 else query * factor
+        _WANTED[module].extend(x.detach().contiguous() for x in (scaled, key, value))
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
