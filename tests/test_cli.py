@@ -66,7 +66,7 @@ def test_bench_runs_on_the_queries_keys_and_values_of_a_file(tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path / "o")]) == 0
     assert (tmp_path / "o" / "error.png").exists()  # one panel: the file's inputs
     out = capsys.readouterr().out
-    assert f"on the queries, keys and values of {tmp_path / 'in.safetensors'}" in out
+    assert f"on the queries, keys and values of {tmp_path / 'in.safetensors'}" in out and "err (file)" in out
     rows = json.loads((tmp_path / "o" / "results.json").read_text())["results"]
     assert [(r["mechanism"], r["length"]) for r in rows] == [("full", 48), ("local(window=8)", 48)]
     assert rows[0]["error_inputs"] < 1e-6 < 1e-3 < rows[1]["error_inputs"] and "error_iid" not in rows[1]

@@ -45,6 +45,20 @@ def test_recorded_inputs_give_the_model_s_attention_and_its_setting_comes_back()
         recorded.heads(1, 2)
 
 
+def test_the_model_s_implementation_and_mode_come_back_also_when_the_pass_raises():
+    model = llama()
+    model.set_attn_implementation("eager")
+    model.train()
+    recorded = record(model, torch.randint(0, 40, (1, 8)), layers=[1])
+    assert recorded.layers == (1,) and model.config._attn_implementation == "eager" and model.training
+    with pytest.raises(IndexError):
+        record(model, torch.full((1, 8), 10_000), layers=[0])  # past the vocabulary: the embedding raises
+    assert model.config._attn_implementation == "eager" and model.training
+    from subquad.hf import recording
+
+    assert recording._WANTED is None
+
+
 def test_layers_spread_over_the_depth_and_a_bad_choice_is_refused():
     model = llama()
     assert spread_layers(model, 2) == [0, 1] and spread_layers(model, 5) == [0, 1] and spread_layers(model, 1) == [1]
@@ -52,6 +66,8 @@ def test_layers_spread_over_the_depth_and_a_bad_choice_is_refused():
         spread_layers(model, 0)
     with pytest.raises(ValueError, match=r"LlamaForCausalLM has no layer \[7\]; its layers are \[0, 1\]"):
         record(model, torch.zeros(1, 4, dtype=torch.long), layers=[0, 7])
+    with pytest.raises(ValueError, match=r"record at least one layer of LlamaForCausalLM; its layers are \[0, 1\]"):
+        record(model, torch.zeros(1, 4, dtype=torch.long), layers=[])
 
 
 def test_approx_times_the_attention_on_the_models_own_inputs(monkeypatch):

@@ -184,7 +184,7 @@ def load_safetensors(path: str | os.PathLike, what: str = "safetensors file", fi
     data = read_bytes(path, what)
     try:
         return load(data)
-    except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError) as error:
+    except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError, KeyError) as error:  # KeyError: F4…
         raise FileError(
             path, f"is not a readable safetensors file ({error}); it may be truncated or damaged",
             fix or "copy it again from where it was written",

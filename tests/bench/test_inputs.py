@@ -60,7 +60,7 @@ def _sets(tmp_path, q_shape=(2, 1, 4, 24, 8), kv_heads=2, name="in.safetensors")
 
 def test_an_inputs_file_reads_back_as_sets_with_its_shape_from_the_header(tmp_path):
     path, (q, k, v) = _sets(tmp_path)
-    assert input_shape(path) == InputShape(sets=2, batch=1, heads=4, kv_heads=2, length=24, head_dim=8)
+    assert input_shape(path) == InputShape(sets=2, batch=1, heads=4, kv_heads=2, length=24, head_dim=8, value_dim=8)
     read = read_inputs(path, torch.float64)
     assert all(torch.equal(a, b.double()) and a.dtype == torch.float64 for a, b in zip(read, (q, k, v)))
     single, (q, k, v) = _sets(tmp_path, (1, 4, 24, 8), name="one.safetensors")  # one set: no leading dimension
@@ -72,10 +72,11 @@ def test_an_inputs_file_reads_back_as_sets_with_its_shape_from_the_header(tmp_pa
     [
         ({"q": (1, 2, 8, 4), "k": (1, 2, 8, 4)}, "holds no tensor v"),
         ({"q": (1, 2, 8, 4), "k": (1, 2, 8, 4), "v": (2, 8, 4)}, "all 4-D, or all 5-D"),
-        ({"q": (1, 2, 8, 4), "k": (1, 2, 8, 4), "v": (1, 2, 8, 5)}, "k and v must match"),
-        ({"q": (1, 3, 8, 4), "k": (1, 2, 8, 4), "v": (1, 2, 8, 4)}, "a number of heads that divides q's"),
-        ({"q": (1, 2, 8, 4), "k": (1, 2, 9, 4), "v": (1, 2, 9, 4)}, "share q's sets, batch, length and head dim"),
-        ({"q": (1, 2, 0, 4), "k": (1, 2, 0, 4), "v": (1, 2, 0, 4)}, "k and v must match"),
+        ({"q": (1, 2, 8, 4), "k": (1, 2, 8, 4), "v": (1, 1, 8, 4)}, "k and v must have the same heads"),
+        ({"q": (1, 3, 8, 4), "k": (1, 2, 8, 4), "v": (1, 2, 8, 4)}, "their number of heads must divide q's"),
+        ({"q": (1, 2, 8, 4), "k": (1, 2, 9, 4), "v": (1, 2, 9, 4)}, "share q's sets, batch and length"),
+        ({"q": (1, 2, 8, 4), "k": (1, 2, 8, 5), "v": (1, 2, 8, 5)}, "k q's head dim"),
+        ({"q": (1, 2, 0, 4), "k": (1, 2, 0, 4), "v": (1, 2, 0, 4)}, "a dimension of size 0"),
     ],
 )
 def test_an_inputs_file_that_does_not_fit_is_refused_naming_it(tmp_path, tensors, message):
@@ -85,7 +86,7 @@ def test_an_inputs_file_that_does_not_fit_is_refused_naming_it(tmp_path, tensors
     save_file({n: torch.zeros(s) for n, s in tensors.items()}, str(path))
     with pytest.raises(FileError, match=re.escape(message)) as error:
         input_shape(path)
-    assert str(path) in str(error.value) and "save tensors q (B, H, N, D)" in str(error.value)
+    assert str(path) in str(error.value) and "save floating-point tensors q (B, H, N, D)" in str(error.value)
     with pytest.raises(FileError, match=re.escape(message)):
         read_inputs(path)
     if len(tensors) == 3:  # nothing that does not fit is written either
@@ -103,15 +104,33 @@ def test_an_inputs_file_that_is_not_one_or_holds_integers_is_refused(tmp_path):
     with pytest.raises(FileError, match="is not a readable safetensors file"):
         input_shape(tmp_path / "text.safetensors")
     save_file({n: torch.zeros(1, 2, 8, 4, dtype=torch.int32) for n in "qkv"}, str(tmp_path / "int.safetensors"))
+    with pytest.raises(FileError, match=re.escape("holds q as I32, not a floating-point type (F64, F32")):
+        input_shape(tmp_path / "int.safetensors")  # refused before any cell runs
     with pytest.raises(FileError, match=re.escape("holds q as torch.int32, not a floating-point tensor")):
         read_inputs(tmp_path / "int.safetensors")
+
+
+def test_values_may_have_their_own_head_dim(tmp_path):
+    """Multi-head latent attention's values are narrower than its queries and keys: a cell runs on them."""
+    from subquad.bench.worker import measure_cell
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 32, 12, generator=g), torch.randn(1, 4, 32, 12, generator=g), torch.randn(1, 4, 32, 6)
+    save_inputs(tmp_path / "mla.safetensors", q, k, v)
+    assert input_shape(tmp_path / "mla.safetensors")[-2:] == (12, 6)
+    cell = dict(mechanism="local", options={"window": 8}, length=32, batch=1, heads=4, head_dim=12, dtype="float32",
+                device="cpu", causal=True, backward=False, repeats=1, max_seconds=0.1, warmup_seconds=0.0,
+                error_rows=32, seed=0, inputs=str(tmp_path / "mla.safetensors"))  # fmt: skip
+    result = measure_cell(cell)
+    assert "error" not in result and 0 < result["error_inputs"] < 1 and result["nonfinite"] is False
 
 
 def test_bench_settings_take_the_cells_shape_from_an_inputs_file(tmp_path):
     from subquad.bench.runner import BenchSettings
 
     path, _ = _sets(tmp_path)
-    settings = BenchSettings(inputs=str(path), lengths=(4096,), heads=16)
+    settings = BenchSettings(inputs=path, lengths=(4096,), heads=16)  # a Path: kept as the text the workers read
+    assert settings.inputs == str(path)
     assert (settings.lengths, settings.batch, settings.heads, settings.kv_heads, settings.head_dim) == (
         (24,),
         1,

@@ -137,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
     kv = "" if settings.kv_heads is None else f" Hkv={settings.kv_heads}"
     title = f"B={settings.batch} H={settings.heads}{kv} D={settings.head_dim} {settings.dtype} {settings.device}"
     title += f", {threads} threads"
+    if settings.inputs:
+        from subquad.bench.inputs import input_shape
+
+        sets = input_shape(settings.inputs).sets
+        title += f", on {settings.inputs}" + (f" ({sets} sets, one after another in each call)" if sets > 1 else "")
     cells = settings.cells()
     without = sorted({v.label for v in settings.all_variants() if not get_mechanism(v.mechanism).causal})
     if without and True in settings.causal:  # said, not dropped silently
@@ -190,7 +195,7 @@ def _report(rows: list[dict], settings: Any, args: argparse.Namespace, title: st
     print(report.format_table(rows))
     print("\ntime = median per call; × full = median of time ÷ full attention's, timed call for call in the cell;")
     print("peak MB = above the inputs;", end=" ")
-    on = f"the queries, keys and values of {settings.inputs} (file)" if settings.inputs else "iid and clustered q, k"
+    on = f"the queries, keys and values of {settings.inputs}" if settings.inputs else "iid and clustered q, k"
     print(f"err = ‖out − full‖ / ‖full‖ on {on} (float64 reference on sampled rows).")
     if note := report.short_op_note(rows):
         print(note)
@@ -277,5 +282,6 @@ BENCH = Command(
     run,
     "Benchmark mechanisms against full attention over sequence lengths. The cells of each length run in a worker "
     "process of their own; time is the median of repeats after a warm-up; memory is the peak above the inputs; "
-    "error is relative to full attention on iid and clustered inputs.",
+    "error is relative to full attention on iid and clustered inputs, or on the queries, keys and values of a "
+    "file (--inputs).",
 )

@@ -11,9 +11,10 @@ with z, y uniform over ``centres`` and spread 0.5. At D = 64 and scale D^-1/2 a 
 keys of its own centre are about 8 above the others, with a spread of about 1 among them.
 
 A model's own queries, keys and values (``subquad approx`` captures them from its layers; a user may
-save any) come from a safetensors file (``--inputs``): tensors ``q`` ``(B, H, N, D)`` and ``k``, ``v``
-``(B, Hk, N, D)``, Hk dividing H (grouped-query), or each with a leading dimension of sets (layers)
-``(S, B, H, N, D)``, which a timed call runs one after another. The file is read as data only.
+save any) come from a safetensors file (``--inputs``): floating-point tensors ``q`` ``(B, H, N, D)``,
+``k`` ``(B, Hk, N, D)`` and ``v`` ``(B, Hk, N, Dv)``, Hk dividing H (grouped-query), or each with a
+leading dimension of sets (layers) ``(S, B, H, N, D)``, which a timed call runs one after another.
+The file is read as data only.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def _around(centre: Tensor, n: int, spread: float, generator: torch.Generator) -
 
 
 class InputShape(NamedTuple):
-    """The shape of an inputs file's sets: each ``(batch, heads, length, head_dim)`` queries and
-    ``(batch, kv_heads, length, head_dim)`` keys and values."""
+    """The shape of an inputs file's sets: each ``(batch, heads, length, head_dim)`` queries,
+    ``(batch, kv_heads, length, head_dim)`` keys and ``(batch, kv_heads, length, value_dim)`` values."""
 
     sets: int
     batch: int
@@ -80,12 +81,15 @@ class InputShape(NamedTuple):
     kv_heads: int
     length: int
     head_dim: int
+    value_dim: int
 
 
 _FIX = (
-    "save tensors q (B, H, N, D), k and v (B, Hk, N, D), or each (S, B, ...) for S sets "
-    "(subquad.bench.inputs.save_inputs)"
+    "save floating-point tensors q (B, H, N, D), k (B, Hk, N, D) and v (B, Hk, N, Dv), or each (S, B, ...) for S "
+    "sets (subquad.bench.inputs.save_inputs)"
 )
+# The element types torch reads from safetensors that can hold attention's inputs.
+_FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
 def input_shape(path: str | os.PathLike) -> InputShape:
@@ -100,10 +104,16 @@ def input_shape(path: str | os.PathLike) -> InputShape:
     try:
         with safe_open(os.fspath(path), framework="pt") as f:
             names = set(f.keys())
-            shapes = {n: tuple(f.get_slice(n).get_shape()) for n in ("q", "k", "v") if n in names}
+            slices = {n: f.get_slice(n) for n in ("q", "k", "v") if n in names}
+            shapes = {n: tuple(x.get_shape()) for n, x in slices.items()}
+            types = {n: x.get_dtype() for n, x in slices.items()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         raise FileError(path, f"is not a readable safetensors file ({error})", _FIX) from error
-    return _check_shapes(path, shapes)
+    shape = _check_shapes(path, shapes)
+    for name, kind in types.items():
+        if kind not in _FLOATS:
+            raise FileError(path, f"holds {name} as {kind}, not a floating-point type ({', '.join(_FLOATS)})", _FIX)
+    return shape
 
 
 def _check_shapes(path: str | os.PathLike, shapes: dict[str, tuple[int, ...]]) -> InputShape:
@@ -115,12 +125,14 @@ def _check_shapes(path: str | os.PathLike, shapes: dict[str, tuple[int, ...]]) -
         raise FileError(path, f"holds q, k, v of shapes {list(q)}, {list(k)}, {list(v)}: all 4-D, or all 5-D", _FIX)
     if len(q) == 4:
         q, k, v = (1, *q), (1, *k), (1, *v)
-    if k != v or min(q + k) < 1 or (q[0], q[1], q[3], q[4]) != (k[0], k[1], k[3], k[4]) or q[2] % k[2]:
+    if min(q + k + v) < 1:
+        raise FileError(path, f"holds q {list(q)}, k {list(k)}, v {list(v)}: a dimension of size 0", _FIX)
+    if k[:4] != v[:4] or (q[0], q[1], q[3], q[4]) != (k[0], k[1], k[3], k[4]) or q[2] % k[2]:
         raise FileError(
-            path, f"holds q {list(q)}, k {list(k)}, v {list(v)}: k and v must match, share q's sets, batch, "
-            "length and head dim, and have a number of heads that divides q's", _FIX,
+            path, f"holds q {list(q)}, k {list(k)}, v {list(v)}: k and v must have the same heads, share q's sets, "
+            "batch and length, k q's head dim, and their number of heads must divide q's", _FIX,
         )  # fmt: skip
-    return InputShape(q[0], q[1], q[2], k[2], q[3], q[4])
+    return InputShape(q[0], q[1], q[2], k[2], q[3], q[4], v[4])
 
 
 def read_inputs(

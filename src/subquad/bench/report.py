@@ -62,7 +62,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
 def _errors(row: dict[str, Any]) -> list[str]:
     """The two error columns: iid and clustered; on the inputs of a file (``--inputs``) that error, then -."""
     if "error_inputs" in row:
-        return [_number(row["error_inputs"], ".1e") + " (file)", "-"]
+        return [_number(row["error_inputs"], ".1e"), "-"]
     return [_number(row.get("error_iid"), ".1e"), _number(row.get("error_clustered"), ".1e")]
 
 
@@ -101,8 +101,11 @@ def _causal(row: dict[str, Any]) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A plain-text table of the results."""
-    cells = [list(TABLE_HEADERS), *table_rows(rows)]
-    widths = [max(len(c[i]) for c in cells if i < len(c)) for i in range(len(TABLE_HEADERS))]
+    headers = list(TABLE_HEADERS)
+    if any("error_inputs" in r for r in rows):  # --inputs: one error, on the file's inputs
+        headers[headers.index("err iid") : headers.index("err clust") + 1] = ["err (file)", "-"]
+    cells = [headers, *table_rows(rows)]
+    widths = [max(len(c[i]) for c in cells if i < len(c)) for i in range(len(headers))]
     lines = []
     for n, row in enumerate(cells):
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
@@ -206,6 +209,8 @@ def plot_results(rows: list[dict[str, Any]], out_dir: Path, title: str) -> list[
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if not r.get("error")]
+    if not ok:  # every cell failed: nothing to plot
+        return []
     labels = list(dict.fromkeys(r["mechanism"] for r in rows))
     colours = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}
     written = []

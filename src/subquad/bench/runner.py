@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import queue
 import subprocess
 import sys
@@ -118,14 +119,17 @@ class BenchSettings:
     seed: int = setting(0, "input and state seed")
     inputs: str | None = setting(
         None,
-        "queries, keys and values from a safetensors file (q, k, v; subquad.bench.inputs), in place of "
-        "drawn ones: the cells' N, B, H, key/value heads and D are the file's",
+        "time every cell on the queries, keys and values of a safetensors file, in place of drawn ones: tensors "
+        "q (B, H, N, D), k (B, Hk, N, D) and v (B, Hk, N, Dv), or each (S, B, ...) for S sets run one after "
+        "another in each timed call; the cells' N, B, H, key/value heads and D are the file's, and "
+        "--lengths, --batch, --heads, --kv-heads and --head-dim are refused with it",
         metavar="FILE",
         shown_default="drawn",
     )
 
     def __post_init__(self) -> None:
         if self.inputs is not None:  # the shape is the file's
+            self.inputs = os.fspath(self.inputs)  # a Path too; the workers read it from JSON
             shape = input_shape(self.inputs)
             self.lengths, self.batch, self.heads = (shape.length,), shape.batch, shape.heads
             self.head_dim, self.kv_heads = shape.head_dim, shape.kv_heads if shape.kv_heads != shape.heads else None

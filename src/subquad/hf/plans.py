@@ -174,9 +174,10 @@ def use_plan(model: nn.Module, plan: LayerPlan, layers: Iterable[int] | None = N
 
 
 def plan_cell(model: nn.Module, plan: LayerPlan, cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """A plan's attention time as ``hf.speed.attention_speed`` gives a spec's: per layer on average
-    (each layer its group's spec, ``original`` the exact attention's cell), the ratio to exact
-    attention likewise, and the largest peak."""
+    """A plan's attention time as ``hf.speed.attention_speed`` gives a spec's: the mean over the
+    plan's layers of their specs' cells (each layer its group's spec, ``original`` the exact
+    attention's cell; a cell is one call over the recorded layers, or over drawn inputs), the ratio
+    to exact attention likewise, and the largest peak."""
     per_layer = [cells[spec] for spec, layers in plan_layers(model, plan) for _ in layers]
     mean = lambda key: sum(c.get(key, float("nan")) for c in per_layer) / len(per_layer)  # noqa: E731
     peaks = [c.get("peak_mb") for c in per_layer]

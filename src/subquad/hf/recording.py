@@ -8,8 +8,12 @@ the keys and values ``(B, Hk, N, D)`` (grouped-query heads as the model holds th
 attention function receives; the queries carry the model's softmax scale, so that the default
 ``1/√D`` gives the model's scores. ``save`` writes them for ``subquad bench --inputs``.
 
-The pass runs exact attention through torch's sdpa (transformers' ``"sdpa"``), whatever the model
-was set to, and puts the model's own setting back after it.
+The pass runs in eval mode (no dropout), without a generation cache, with exact attention through
+torch's sdpa (transformers' ``"sdpa"``), whatever the model was set to, and puts the model's own
+setting and mode back after it, also when it raises. The kept tensors go to the CPU as each layer
+runs, so a model on a GPU does not hold them there. ``"subquad-record"`` stays registered in
+transformers' attention and mask interfaces after a pass, as ``subquad.hf.register``'s names do;
+run by a model it is torch's sdpa.
 """
 
 from __future__ import annotations
@@ -73,11 +77,13 @@ def record(model: nn.Module, ids: Tensor, layers: Sequence[int] | None = None) -
     layers = list(spread_layers(model, 3) if layers is None else layers)
     modules = {layer_index(m): m for m in attention_modules(model)}
     unknown = sorted(set(layers) - set(modules))
-    if unknown or not layers:
-        raise ValueError(f"{type(model).__name__} has no layer {unknown or layers}; its layers are {sorted(modules)}")
+    if not layers:
+        raise ValueError(f"record at least one layer of {type(model).__name__}; its layers are {sorted(modules)}")
+    if unknown:
+        raise ValueError(f"{type(model).__name__} has no layer {unknown}; its layers are {sorted(modules)}")
     with _recording([modules[i] for i in layers], model) as kept:
         body = getattr(model, "base_model", model)  # no language-model head: its logits are not needed
-        body(input_ids=ids)
+        body(input_ids=ids, use_cache=False)
     missing = [i for i in layers if not kept[modules[i]]]
     if missing:
         raise ValueError(f"layers {missing} of {type(model).__name__} did not run their attention on these inputs")
@@ -94,14 +100,16 @@ def _recording(modules: list[nn.Module], model: nn.Module) -> Iterator[dict[nn.M
 
     AttentionInterface.register(NAME, _record_forward)
     AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    previous = model.config._attn_implementation
+    previous, training = model.config._attn_implementation, model.training
     _WANTED = {m: [] for m in modules}
     try:
         model.set_attn_implementation(NAME)
+        model.eval()
         yield _WANTED
     finally:
         _WANTED = None
         model.set_attn_implementation(previous)
+        model.train(training)
 
 
 def _record_forward(
@@ -114,5 +122,5 @@ def _record_forward(
         scaling = kwargs.get("scaling")
         factor = 1.0 if scaling is None else scaling * query.shape[-1] ** 0.5  # then 1/√D gives the model's scores
         scaled = query if factor == 1.0 else query * factor
-        _WANTED[module].extend(x.detach().contiguous() for x in (scaled, key, value))
+        _WANTED[module].extend(x.detach().to("cpu", copy=True).contiguous() for x in (scaled, key, value))
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
