@@ -85,6 +85,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("agglomerative_chunk", _cells("agglomerative", (1024, 4096), (True,), _BOTH), (0.5, 2.0)),
     Knob("retrieval_gather", _cells("retrieval", (1024, 4096), _BOTH, (False,))),
     Knob("retrieval_rows", _cells("retrieval", (1024, 4096), (True,), (False,)), (0.5, 2.0)),
+    # which causal rows read every key in place (sdpa under a mask) rather than gathering their far blocks:
+    # where sdpa is fast against small products (another CPU's cores, its kernels), more rows pay
+    Knob("retrieval_dense", _cells("retrieval", (1024, 4096), (True,), (False,)), (0.5, 1.5, 2.0)),
+    Knob("retrieval_window_block", _cells("retrieval", (1024, 4096), _BOTH, (True,)), (0.5, 2.0)),
 )
 
 
