@@ -37,8 +37,8 @@ _WANTED: dict[nn.Module, list[Tensor]] | None = None  # while recording: each ch
 
 @dataclass
 class Recorded:
-    """The queries, keys and values of ``layers``: ``q`` ``(S, B, H, N, D)``, ``k`` and ``v``
-    ``(S, B, Hk, N, D)``, one set per layer."""
+    """The queries, keys and values of ``layers``: ``q`` ``(S, B, H, N, D)``, ``k`` ``(S, B, Hk, N, D)``
+    and ``v`` ``(S, B, Hk, N, Dv)``, one set per layer, on the CPU."""
 
     layers: tuple[int, ...]
     q: Tensor
