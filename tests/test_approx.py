@@ -231,3 +231,18 @@ def test_a_converted_folder_of_another_model_class_is_refused_by_name(data, tmp_
     with pytest.raises(ValueError, match=r"--converted .*enc is a BertModel, not this GPT2LMHeadModel"):
         ap.approx(data / "decoder", data / "passages.jsonl", [], tmp_path / "o", tokens=32, samples=4, batch=4,
                   speed=False, converted=[tmp_path / "enc"])  # fmt: skip
+
+
+def test_the_speed_step_is_saved_before_the_steps_after_it(data, tmp_path, monkeypatch):
+    """A run stopped during generation keeps its speed columns: a rerun does not time them again."""
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ap._Run, "add_decoding", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        ap.approx(data / "decoder", data / "passages.jsonl", ["local:window=3"], tmp_path, tokens=32, samples=4,
+                  batch=4, context=32, decode=(12,), new_tokens=2)  # fmt: skip
+    rows = json.loads((tmp_path / "approx.json").read_text())["rows"]
+    assert [r["spec"] for r in rows] == ["original", "local:window=3"]
+    assert all(r["time_ms"] > 0 and r["model_ms"] > 0 and r["attention_layers"] == [0, 1] for r in rows)

@@ -202,6 +202,7 @@ def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
     timed = ("time_ms", "model_ms")
     if config.speed and not all(set(timed) <= set(r) and r.get("speed_layers") == config.speed_layers for r in rows):
         _add_speed(run, rows, folders)
+        _write(saved, run.settings, rows)  # kept before the longer steps that follow
     lengths = [str(n) for n in config.decode] if run.decoder else []
     if lengths and not all(set(lengths) <= set(r.get("decode", {})) for r in rows):
         run.add_decoding(rows, folders, saved)
