@@ -58,7 +58,7 @@ def attention_speed(
     recorded layer in turn), else on the bench's drawn ones. A head mix's time is the sum of its
     groups', each timed on its own heads and their key/value heads (its peak, the largest of theirs).
     ``progress(label)`` before each bench cell, if given."""
-    from subquad.bench.runner import BenchSettings, Variant, run_bench
+    from subquad.bench.runner import BASELINE, BenchSettings, Variant, run_bench
     from subquad.hf.interface import model_attention
 
     config = model.config.get_text_config(decoder=True)
@@ -67,16 +67,16 @@ def attention_speed(
     group = heads // (getattr(config, "num_key_value_heads", None) or heads)  # query heads per key/value head
     parts = {}  # each spec's groups: (variant, (first head, heads))
     own = inputs is not None  # drawn inputs: any heads alike, a group timed by its count
+    variant = lambda g: Variant(g.mechanism.name, tuple(sorted(g.options.items())))  # noqa: E731
     for spec in specs:
         made = model_attention(model, spec, converted=True)  # the timing only: the bench makes learned inputs
         groups = zip(made.groups, made.firsts, made.heads) if hasattr(made, "groups") else [(made, 0, heads)]
-        variant = lambda g: Variant(g.mechanism.name, tuple(sorted(g.options.items())))  # noqa: E731
         parts[spec] = [(variant(g), (a * own, n)) for g, a, n in groups]
     rows = {}  # (label, (first, heads)) -> bench row
     with tempfile.TemporaryDirectory(prefix="subquad-inputs-") as folder:
         for share in sorted({s for groups in parts.values() for _, s in groups} | {(0, heads)}):
-            variants = [v for v in dict.fromkeys(v for g in parts.values() for v, s in g if s == share)]
-            variants, count = [v for v in variants if v.label != "full"], share[1]
+            timed = dict.fromkeys(v for g in parts.values() for v, s in g if s == share)
+            variants, count = [v for v in timed if v != BASELINE], share[1]
             kv_heads = count // group if count % group == 0 and group > 1 else None  # a mix splits along the groups
             shape: dict[str, Any] = {"lengths": (context,), "heads": count, "kv_heads": kv_heads, "head_dim": head_dim}
             if inputs is not None:
