@@ -331,10 +331,12 @@ def test_cli_only_wires_the_commands_each_job_declares():
 
     names = [c.name for c in COMMANDS]
     assert names == ["list", "bench", "tune", "train", "evaluate", "generate", "upgrade-run", "compare", "approx",
-                     "distill"]  # fmt: skip
+                     "distill", "heads"]  # fmt: skip
     modules = {c.name: c.run.__module__ for c in COMMANDS}
     assert modules["tune"] == "subquad.bench.tune"
-    assert modules["bench"] == "subquad.bench.command" and modules["distill"] == "subquad.hf.command"
+    assert (
+        modules["bench"] == "subquad.bench.command" and modules["distill"] == modules["heads"] == "subquad.hf.command"
+    )
     assert all(not m.startswith("subquad.cli") for m in modules.values())
 
 

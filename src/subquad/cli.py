@@ -2,8 +2,8 @@
 
 Every command declares its own flags and ``run`` where its job lives: ``list`` in ``subquad.listing``;
 ``bench`` in ``subquad.bench.command``; ``tune`` in ``subquad.bench.tune``; ``train``, ``evaluate``,
-``generate``, ``upgrade-run`` and ``compare`` in ``subquad.train.command``; ``approx`` and ``distill``
-in ``subquad.hf.command``.
+``generate``, ``upgrade-run`` and ``compare`` in ``subquad.train.command``; ``approx``, ``distill`` and
+``heads`` in ``subquad.hf.command``.
 """
 
 from __future__ import annotations

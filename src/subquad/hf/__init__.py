@@ -10,7 +10,8 @@ implementation, conversion of what a mechanism adds, and the jobs that measure a
 - ``io``: ``save``, ``from_pretrained``, ``model_source`` (files from elsewhere are checked, never run);
 - ``data``: passages, token windows, model loading for the jobs;
 - ``recording``: ``record``, a model's own queries, keys and values, to time mechanisms on;
-- ``approx`` and ``distill``: the ``subquad approx`` and ``subquad distill`` jobs.
+- ``heads``: ``retrieval_scores``, the heads whose answer attends to a needle, and a layer plan from them;
+- ``approx``, ``distill`` and ``heads``: the ``subquad approx``, ``distill`` and ``heads`` jobs.
 """
 
 import importlib
@@ -33,6 +34,7 @@ _HOMES = {
     "mixes": ("HeadShare", "LayerMix"),
     "plans": ("LayerPlan", "read_plan"),
     "recording": ("Recorded", "record", "spread_layers"),
+    "heads": ("HeadScores", "retrieval_scores"),
     "support": ("attention_modules", "check_model"),
     "io": ("SPEC_FILE", "TENSOR_FILE", "from_pretrained", "loading", "model_source", "save", "saved_layers"),
 }
@@ -43,6 +45,7 @@ __all__ = [
     "SPEC_FILE",
     "TENSOR_FILE",
     "ConvertedInputs",
+    "HeadScores",
     "HeadShare",
     "LayerAttention",
     "LayerMix",
@@ -66,6 +69,7 @@ __all__ = [
     "record",
     "register",
     "restore",
+    "retrieval_scores",
     "save",
     "saved_layers",
     "spread_layers",

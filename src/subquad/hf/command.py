@@ -1,5 +1,5 @@
-"""The pretrained-model job's commands: ``approx`` and ``distill``, each its flags (from `ApproxConfig`
-and `DistillConfig`, through ``subquad.flags``) and its ``run``."""
+"""The pretrained-model job's commands: ``approx``, ``distill`` and ``heads``, each its flags (from
+`ApproxConfig`, `DistillConfig` and `HeadsConfig`, through ``subquad.flags``) and its ``run``."""
 
 from __future__ import annotations
 
@@ -48,6 +48,23 @@ def _distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _heads_arguments(parser: argparse.ArgumentParser) -> None:
+    from subquad.hf.heads import HeadsConfig
+
+    add_flags(parser, HeadsConfig, positional=("model",))
+
+
+def _heads(args: argparse.Namespace) -> int:
+    from subquad.hf.heads import HeadsConfig, format_scores, run_heads
+
+    config = HeadsConfig(**flag_values(args, HeadsConfig))
+    scores, _ = run_heads(config)
+    print(format_scores(scores, config.per_layer))
+    print(f"wrote {config.out}/heads.json and {config.out}/plan.toml (subquad approx MODEL --mechanisms "
+          f"{config.out}/plan.toml measures it)")  # fmt: skip
+    return 0
+
+
 COMMANDS = (
     Command(
         "approx", "swap mechanisms into a pretrained Hugging Face model and measure how closely they reproduce it",
@@ -67,5 +84,15 @@ COMMANDS = (
         "OUT/metrics.jsonl, checkpoints to OUT/checkpoints (--resume continues a run exactly), the converted model "
         "to OUT/model (subquad.hf.from_pretrained loads it). "
         "Example: subquad distill MODEL --data passages.jsonl --mechanism linear:feature_map=hedgehog --out runs/d",
+    ),
+    Command(
+        "heads", "find the heads of a pretrained decoder that fetch what it read long before, and write a layer plan",
+        _heads_arguments, _heads,
+        "Run a local decoder (a folder, or a .gguf file) on needle cases made of your text (a sentence giving a "
+        "number, the question asking for it) and score each query head by the attention its answer gives the needle "
+        "(subquad.hf.heads). Writes OUT/heads.json and OUT/plan.toml: in each layer the key/value heads that fetch "
+        "most take --far (default retrieval's far blocks), the others --near (a window with sinks), so every layer "
+        "stays sub-quadratic. Example: subquad heads MODEL --data train.jsonl --out runs/heads; then subquad approx "
+        "MODEL --data heldout.jsonl --mechanisms runs/heads/plan.toml --out runs/approx",
     ),
 )  # fmt: skip

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 __all__ = ["FILLER", "INSTRUCTION", "MAGIC", "NEEDLE", "QUESTION", "PasskeyCase", "needle_case", "passkey",
-           "passkey_case", "score"]  # fmt: skip
+           "passkey_case", "score", "seeded_needle"]  # fmt: skip
 
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -60,11 +60,13 @@ WORDS = ("apple", "river", "lantern", "violet", "harbor", "meadow", "copper", "f
 
 @dataclass(frozen=True)
 class PasskeyCase:
-    """One prompt: its token ids ``(1, n)``, the key, and where the needle's tokens start."""
+    """One prompt: its token ids ``(1, n)``, the key, where the needle's tokens start and how many
+    they are."""
 
     ids: torch.Tensor
     key: str
     needle_at: int
+    needle_tokens: int = 0
 
 
 def passkey_case(tokenizer: Any, length: int, depth: float, key: str) -> PasskeyCase:
@@ -87,7 +89,7 @@ def passkey_case(tokenizer: Any, length: int, depth: float, key: str) -> Passkey
     count = room // len(unit)
     before = round(depth * count)
     ids = head + unit * before + needle + unit * (count - before) + question
-    return PasskeyCase(torch.tensor([ids]), key, len(head) + len(unit) * before)
+    return PasskeyCase(torch.tensor([ids]), key, len(head) + len(unit) * before, len(needle))
 
 
 def needle_case(tokenizer: Any, haystack: list[str], length: int, depth: float, word: str, key: str) -> PasskeyCase:
@@ -116,10 +118,12 @@ def needle_case(tokenizer: Any, haystack: list[str], length: int, depth: float, 
     before = round(depth * len(pieces))
     start = len(head) + sum(map(len, pieces[:before]))
     ids = head + [t for p in pieces[:before] for t in p] + needle + [t for p in pieces[before:] for t in p] + question
-    return PasskeyCase(torch.tensor([ids]), key, start)
+    return PasskeyCase(torch.tensor([ids]), key, start, len(needle))
 
 
-def _needle(tokenizer: Any, haystack: list[str], seed: int, length: int, depth: float, sample: int) -> PasskeyCase:
+def seeded_needle(
+    tokenizer: Any, haystack: list[str], seed: int, length: int, depth: float, sample: int
+) -> PasskeyCase:
     """One needle case: its word, key and passage order drawn from a generator seeded by the case."""
     rng = random.Random(f"needle:{seed}:{length}:{depth:g}:{sample}")
     order = rng.sample(range(len(haystack)), len(haystack))
@@ -160,7 +164,7 @@ def passkey(
                 if haystack is None:
                     case = passkey_case(tokenizer, length, depth, case_key(seed, length, depth, sample))
                 else:
-                    case = _needle(tokenizer, haystack, seed, length, depth, sample)
+                    case = seeded_needle(tokenizer, haystack, seed, length, depth, sample)
                 count = NEW_TOKENS if haystack is None else NEEDLE_TOKENS
                 text = tokenizer.decode(_greedy(model, case.ids.to(device), count), skip_special_tokens=True)
                 hit, answer = score(text, case.key)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +29,12 @@ from torch import Tensor, nn
 
 from subquad.hf.support import attention_modules, layer_index
 
-__all__ = ["Recorded", "record", "spread_layers"]
+__all__ = ["Recorded", "observe", "record", "spread_layers"]
 
 NAME = "subquad-record"  # the attention implementation of the recording pass
-_WANTED: dict[nn.Module, list[Tensor]] | None = None  # while recording: each chosen module's q, k, v
+Take = Callable[[Tensor, Tensor, Tensor, "Tensor | None"], list[Any]]  # what a pass keeps of a layer's inputs
+_WANTED: dict[nn.Module, list[Any]] | None = None  # while recording: what is kept of each chosen module's inputs
+_TAKE: Take | None = None  # and how
 
 
 @dataclass
@@ -75,39 +77,54 @@ def record(model: nn.Module, ids: Tensor, layers: Sequence[int] | None = None) -
     """Run ``model`` on ``ids`` ``(B, N)`` and keep the queries, keys and values of ``layers``
     (their ``layer_idx``; default: three spread over the depth, ``spread_layers``)."""
     layers = list(spread_layers(model, 3) if layers is None else layers)
+    kept = observe(model, ids, layers, _copies)
+    q, k, v = (torch.stack([kept[i][n] for i in layers]) for n in range(3))
+    return Recorded(tuple(layers), q, k, v)
+
+
+@torch.no_grad()
+def observe(model: nn.Module, ids: Tensor, layers: Sequence[int], take: Take) -> dict[int, list[Any]]:
+    """Run ``model`` once on ``ids`` ``(B, N)`` (as ``record`` does) and return, for each of ``layers``,
+    what ``take(q, k, v, attention_mask)`` made of the inputs of its attention's first call: the
+    queries carry the model's scale, ``attention_mask`` is the one transformers built for sdpa
+    (None, or boolean or additive ``(B, 1, L, S)``)."""
     modules = {layer_index(m): m for m in attention_modules(model)}
     unknown = sorted(set(layers) - set(modules))
     if not layers:
         raise ValueError(f"record at least one layer of {type(model).__name__}; its layers are {sorted(modules)}")
     if unknown:
         raise ValueError(f"{type(model).__name__} has no layer {unknown}; its layers are {sorted(modules)}")
-    with _recording([modules[i] for i in layers], model) as kept:
+    with _recording([modules[i] for i in layers], model, take) as kept:
         body = getattr(model, "base_model", model)  # no language-model head: its logits are not needed
         body(input_ids=ids, use_cache=False)
     missing = [i for i in layers if not kept[modules[i]]]
     if missing:
         raise ValueError(f"layers {missing} of {type(model).__name__} did not run their attention on these inputs")
-    q, k, v = (torch.stack([kept[modules[i]][n] for i in layers]) for n in range(3))
-    return Recorded(tuple(layers), q, k, v)
+    return {i: kept[modules[i]] for i in layers}
+
+
+def _copies(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None) -> list[Tensor]:
+    """``record``'s take: the inputs themselves, copied to the CPU."""
+    return [x.detach().to("cpu", copy=True).contiguous() for x in (query, key, value)]
 
 
 @contextlib.contextmanager
-def _recording(modules: list[nn.Module], model: nn.Module) -> Iterator[dict[nn.Module, list[Tensor]]]:
-    """While open, ``model`` runs ``NAME``, which keeps the chosen modules' q, k, v."""
-    global _WANTED
+def _recording(modules: list[nn.Module], model: nn.Module, take: Take) -> Iterator[dict[nn.Module, list[Any]]]:
+    """While open, ``model`` runs ``NAME``, which keeps what ``take`` makes of the chosen modules' q, k, v."""
+    global _WANTED, _TAKE
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(NAME, _record_forward)
     AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     previous, training = model.config._attn_implementation, model.training
-    _WANTED = {m: [] for m in modules}
+    _WANTED, _TAKE = {m: [] for m in modules}, take
     try:
         model.set_attn_implementation(NAME)
         model.eval()
         yield _WANTED
     finally:
-        _WANTED = None
+        _WANTED = _TAKE = None
         model.set_attn_implementation(previous)
         model.train(training)
 
@@ -122,5 +139,5 @@ def _record_forward(
         scaling = kwargs.get("scaling")
         factor = 1.0 if scaling is None else scaling * query.shape[-1] ** 0.5  # then 1/√D gives the model's scores
         scaled = query if factor == 1.0 else query * factor
-        _WANTED[module].extend(x.detach().to("cpu", copy=True).contiguous() for x in (scaled, key, value))
+        _WANTED[module].extend(_TAKE(scaled, key, value, attention_mask))
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
