@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers", minversion="5")
 
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from subquad import hf
 from subquad.cli import main
@@ -19,23 +19,33 @@ from subquad.hf.heads import HeadsConfig, HeadScores, retrieval_scores
 from subquad.hf.plans import plan_layers, read_plan
 from subquad.hf.recall import seeded_needle
 
+from .test_approx import data  # noqa: F401 - tiny saved encoder and decoder (GPT-2, 64 positions)
 from .test_recall import HAYSTACK, CharTokenizer
 from .test_recall import llama as saved_llama  # noqa: F401 - the tiny saved model and its passages
 
 
-def char_llama(layers=3):
-    """A tiny Llama over CharTokenizer's code points: 4 query heads on 2 key/value heads."""
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+def char_llama():
+    """A tiny Llama over CharTokenizer's code points: 4 query heads on 2 key/value heads, layer 1 at
+    its own softmax scale."""
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)  # fmt: skip
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval()
+    model.model.layers[1].self_attn.scaling = 0.5  # not 1/√8: the score reads the layer's own scale
+    return model
 
 
-def test_a_head_s_score_is_its_answer_s_attention_on_the_needle_averaged_over_the_cases():
+def char_gpt2():
+    """A tiny GPT-2 (no grouped-query heads, a table of positions) over CharTokenizer's code points."""
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=3, n_head=4, n_positions=1024)).eval()
+
+
+@pytest.mark.parametrize("build", [char_llama, char_gpt2])
+def test_a_head_s_score_is_its_answer_s_attention_on_the_needle_averaged_over_the_cases(build):
     """The oracle: transformers' eager attention probabilities of the prompt's last position, summed
     over the needle sentence's tokens, averaged over the seeded cases; the model's setting comes back."""
-    model, tokenizer = char_llama(), CharTokenizer()
-    model.model.layers[1].self_attn.scaling = 0.5  # not 1/√8: the score reads the layer's own scale
+    model, tokenizer = build(), CharTokenizer()
     scores = retrieval_scores(model, tokenizer, HAYSTACK, length=700, depths=(0.2, 0.8), samples=2, seed=3)
     assert model.config._attn_implementation == "sdpa" and not model.training
     expected = torch.zeros(3, 4)
@@ -49,8 +59,9 @@ def test_a_head_s_score_is_its_answer_s_attention_on_the_needle_averaged_over_th
             weights = model(case.ids, output_attentions=True).attentions  # (1, H, N, N) each
             expected += torch.stack([w[0, :, -1, span].sum(-1) for w in weights])
     torch.testing.assert_close(scores.scores, expected / 4, rtol=1e-4, atol=1e-6)
-    assert (scores.layers, scores.kv_heads, scores.length, scores.cases) == ((0, 1, 2), 2, 700, 4)
-    torch.testing.assert_close(scores.groups(), scores.scores.view(3, 2, 2).sum(-1))
+    kv = model.config.num_key_value_heads if build is char_llama else 4
+    assert (scores.layers, scores.kv_heads, scores.length, scores.cases) == ((0, 1, 2), kv, 700, 4)
+    torch.testing.assert_close(scores.groups(), scores.scores.view(3, kv, 4 // kv).sum(-1))
 
 
 def test_a_mask_the_model_builds_is_applied_to_the_answer_s_row():
@@ -119,7 +130,7 @@ def test_every_refusal_names_the_value_and_the_fix(call, match):
         call()
 
 
-def test_the_command_writes_the_scores_and_a_plan_the_model_takes(saved_llama, tmp_path, capsys):  # noqa: F811
+def test_the_command_writes_the_scores_and_a_plan_the_model_takes(saved_llama, tmp_path, capsys, monkeypatch):  # noqa: F811
     out = tmp_path / "heads"
     argv = ["heads", str(saved_llama / "model"), "--data", str(saved_llama / "passages.jsonl"), "--out", str(out),
             "--length", "300", "--depths", "0.3", "0.7", "--far", "retrieval:window=8,blocks=2,block=4",
@@ -129,12 +140,40 @@ def test_the_command_writes_the_scores_and_a_plan_the_model_takes(saved_llama, t
     assert "needle cases: 2/2" in printed and "layer     kv0      kv1 \n" in printed and "plan.toml" in printed
     saved = json.loads((out / "heads.json").read_text())
     assert saved["layers"] == [0, 1] and len(saved["scores"][0]) == 4 and saved["cases"] == 2
+    assert saved["settings"]["depths"] == [0.3, 0.7] and saved["settings"]["length"] == 300
     model, _, _ = hf.data.load_model(saved_llama / "model")
     layers = plan_layers(model, read_plan(out / "plan.toml"))
     assert sorted(i for _, group in layers for i in group) == [0, 1]
     assert all("retrieval:window=8,blocks=2,block=4*2" in spec and "local:window=8,sinks=2*2" in spec
                for spec, _ in layers)  # fmt: skip
+
+    def fail(*args, **kwargs):
+        raise AssertionError("scored again")
+
+    monkeypatch.setattr(hd, "retrieval_scores", fail)
+    assert main([*argv, "--per-layer", "2"]) == 0  # the same cases: a new plan from the saved scores
+    assert "scores of the same cases from" in capsys.readouterr().out
+    assert plan_layers(model, read_plan(out / "plan.toml")) == [("retrieval:window=8,blocks=2,block=4", [0, 1])]
     with pytest.raises(SystemExit):
-        main(["heads", str(saved_llama / "model"), "--data", str(saved_llama / "passages.jsonl"), "--out",
-              str(out), "--per-layer", "3"])  # fmt: skip
+        main([*argv, "--per-layer", "3"])
     assert "per_layer=3: give 0 to 2 key/value heads per layer" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="scored again"):
+        main([*argv, "--seed", "1"])  # other cases: scored again
+    saved["scores"][1] = saved["scores"][1][:3]
+    (out / "heads.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit):
+        main(argv)
+    err = capsys.readouterr().err
+    assert "heads.json: does not hold one row of numbers per layer" in err and "to score the heads again" in err
+    (out / "heads.json").write_text(json.dumps({**saved, "kv_heads": "2"}))
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "kv_heads" in capsys.readouterr().err
+
+
+def test_an_encoder_and_a_case_past_a_table_of_positions_are_refused_before_any_case_runs(data, tmp_path):  # noqa: F811
+    run = dict(data=str(data / "passages.jsonl"), out=str(tmp_path / "h"))
+    with pytest.raises(ValueError, match="encoder is an encoder: the needle cases ask a decoder to answer"):
+        hd.run_heads(HeadsConfig(str(data / "encoder"), **run))
+    with pytest.raises(ValueError, match="--length 4096 is longer than the 64 positions this model reads"):
+        hd.run_heads(HeadsConfig(str(data / "decoder"), **run))

@@ -115,7 +115,7 @@ def load_model(path: str | Path) -> tuple[nn.Module, Any, bool]:
     return model.eval(), tokenizer, decoder
 
 
-def check_window(model: nn.Module, tokens: int) -> None:
+def check_window(model: nn.Module, tokens: int, flag: str = "--window-tokens") -> None:
     """Refuse windows longer than ``max_position_embeddings`` where a model has a table of positions
     (an embedding named as BERT's, GPT-2's or OPT's), which would fail deep in it; rotary positions
     (Llama's) have no table and run on past their trained length."""
@@ -123,7 +123,7 @@ def check_window(model: nn.Module, tokens: int) -> None:
     named = ("position_embeddings", "wpe", "embed_positions")  # BERT's, GPT-2's, OPT's tables
     table = any(isinstance(m, nn.Embedding) and n.endswith(named) for n, m in model.named_modules())
     if isinstance(most, int) and table and tokens > most:
-        raise ValueError(f"--window-tokens {tokens} is longer than the {most} positions this model reads "
+        raise ValueError(f"{flag} {tokens} is longer than the {most} positions this model reads "
                          f"(max_position_embeddings); pass at most {most}")  # fmt: skip
 
 

@@ -32,13 +32,14 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from subquad.config import one_mechanism
-from subquad.files import out_folder
+from subquad.files import FileError, check_fields, out_folder, read_json
 from subquad.flags import setting
 from subquad.hf.recall import seeded_needle
 from subquad.hf.recording import observe
@@ -104,8 +105,7 @@ class HeadScores:
                 "length": self.length, "cases": self.cases}  # fmt: skip
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
+        _write(Path(path), self.to_dict())
 
 
 def check_specs(far: str, near: str) -> None:
@@ -162,7 +162,8 @@ class HeadsConfig:
     model: str = setting(help="a local Hugging Face decoder folder or .gguf file")
     data: str = setting(help="text for the needle cases (.jsonl, a text file or a folder of .txt), apart from the "
                         "text the converted model is measured on")  # fmt: skip
-    out: str = setting(help="folder for heads.json (the scores) and plan.toml (the layer plan)")
+    out: str = setting(help="folder for heads.json (the scores; a rerun of the same cases reads them) and plan.toml "
+                       "(the layer plan)")  # fmt: skip
     length: int = setting(4096, "tokens per needle case")
     depths: tuple[float, ...] = setting(DEPTHS, "where the needle sits in the text (0-1)", metavar="D")
     samples: int = setting(1, "needle cases at each depth")
@@ -184,21 +185,63 @@ class HeadsConfig:
 
 def run_heads(config: HeadsConfig) -> tuple[HeadScores, str]:
     """Score the model's heads on ``config.data``, write ``heads.json`` and ``plan.toml`` in
-    ``config.out``; return the scores and the plan."""
-    from subquad.hf.data import load_model, read_passages
+    ``config.out``; return the scores and the plan. Where ``heads.json`` holds scores of the same
+    cases (model, data, length, depths, samples, seed), they are read instead of measured again:
+    another ``--far``, ``--near`` or ``--per-layer`` only writes a new plan."""
+    from subquad.hf.data import check_window, load_model, read_passages
 
+    check_specs(config.far, config.near)
     out = out_folder(config.out)
-    texts, _ = read_passages(config.data)
-    model, tokenizer, decoder = load_model(config.model)
-    if not decoder:
-        raise ValueError(f"{config.model} is an encoder: the needle cases ask a decoder to answer; give a decoder")
-    show = lambda done, total: print(f"\r  needle cases: {done}/{total}", end="\n" if done == total else "",  # noqa: E731
-                                     flush=True)  # fmt: skip
-    scores = retrieval_scores(model, tokenizer, texts, config.length, config.depths, config.samples, config.seed, show)
-    plan = scores.plan(config.far, config.near, config.per_layer)  # checked before anything is written
-    scores.save(out / "heads.json")
-    (out / "plan.toml").write_text(plan)
+    settings = {"model": os.path.abspath(config.model), "data": os.path.abspath(config.data), "length": config.length,
+                "depths": list(config.depths), "samples": config.samples, "seed": config.seed}  # fmt: skip
+    scores = _saved(out / "heads.json", settings)
+    if scores is None:
+        texts, _ = read_passages(config.data)
+        model, tokenizer, decoder = load_model(config.model)
+        if not decoder:
+            raise ValueError(f"{config.model} is an encoder: the needle cases ask a decoder to answer; give a decoder")
+        check_window(model, config.length, "--length")
+        show = lambda done, total: print(f"\r  needle cases: {done}/{total}", end="\n" if done == total else "",  # noqa: E731
+                                         flush=True)  # fmt: skip
+        scores = retrieval_scores(model, tokenizer, texts, config.length, config.depths, config.samples, config.seed,
+                                  show)  # fmt: skip
+        _write(out / "heads.json", {"settings": settings, **scores.to_dict()})
+    else:
+        print(f"  scores of the same cases from {out / 'heads.json'}")
+    plan = scores.plan(config.far, config.near, config.per_layer)
+    _write(out / "plan.toml", plan)
     return scores, plan
+
+
+_SAVED_FIX = "remove it (or pass another --out) to score the heads again"
+
+
+def _saved(path: Path, settings: dict[str, Any]) -> HeadScores | None:
+    """The scores ``path`` holds for these ``settings`` (None: no file, or other settings), each
+    field checked: the file is data from wherever the folder came from."""
+    if not path.exists():
+        return None
+    data = read_json(path, "head scores", _SAVED_FIX)
+    check_fields(data, path, {"settings": dict, "layers": list, "scores": list, "kv_heads": int, "length": int,
+                              "cases": int}, required=("settings", "layers", "scores", "kv_heads", "length", "cases"),
+                 fix=_SAVED_FIX)  # fmt: skip
+    if data["settings"] != settings:
+        return None
+    layers, rows, kv = data["layers"], data["scores"], data["kv_heads"]
+    width = len(rows[0]) if rows and isinstance(rows[0], list) else 0
+    numbers = all(isinstance(r, list) and len(r) == width and all(type(x) in (int, float) for x in r) for r in rows)
+    if not (numbers and all(type(i) is int for i in layers) and len(rows) == len(layers) and kv > 0
+            and width and width % kv == 0):  # fmt: skip
+        raise FileError(path, "does not hold one row of numbers per layer, as many per row, a multiple of "
+                        "kv_heads", _SAVED_FIX)  # fmt: skip
+    return HeadScores(tuple(layers), torch.tensor(rows, dtype=torch.float32), kv, data["length"], data["cases"])
+
+
+def _write(path: Path, value: Any) -> None:
+    """``value`` (text, or JSON) into ``path`` whole: a run stopped while writing leaves the old file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(value if isinstance(value, str) else json.dumps(value, indent=1))
+    tmp.replace(path)
 
 
 def format_scores(scores: HeadScores, per_layer: int) -> str:
