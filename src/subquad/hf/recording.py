@@ -7,6 +7,9 @@ once on ``ids`` and keeps, at a few layers spread over its depth, the queries ``
 the keys and values ``(B, Hk, N, D)`` (grouped-query heads as the model holds them) that its
 attention function receives; the queries carry the model's softmax scale, so that the default
 ``1/√D`` gives the model's scores. ``save`` writes them for ``subquad bench --inputs``.
+``observe(model, ids, layers, take)`` runs the same pass and keeps, at each layer, what ``take``
+(a non-empty list) makes of those inputs and the mask, where a whole tensor per layer would be too
+much (``subquad.hf.heads`` keeps one attention row).
 
 The pass runs in eval mode (no dropout), without a generation cache, with exact attention through
 torch's sdpa (transformers' ``"sdpa"``), whatever the model was set to, and puts the model's own
