@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from subquad.files import FileError, out_folder, read_json
+from subquad.files import FileError, out_folder, read_json, write_atomic
 from subquad.flags import DTYPES, check_choices, setting
 from subquad.hf.data import Windows, check_window, load_model, read_passages, token_windows
 from subquad.hf.measures import probe_accuracy, spearman
@@ -376,6 +376,4 @@ _RESULTS_FIX = "remove it (or pass another --out) to measure every mechanism aga
 
 
 def _write(path: Path, settings: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
-    tmp.replace(path)
+    write_atomic(path, json.dumps({"settings": settings, "rows": rows}, indent=2))

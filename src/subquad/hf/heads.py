@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from subquad.config import one_mechanism
-from subquad.files import FileError, check_fields, out_folder, read_json
+from subquad.files import FileError, check_fields, out_folder, read_json, write_atomic
 from subquad.flags import setting
 from subquad.hf.recall import seeded_needle
 from subquad.hf.recording import observe
@@ -105,7 +105,7 @@ class HeadScores:
                 "length": self.length, "cases": self.cases}  # fmt: skip
 
     def save(self, path: str | os.PathLike) -> None:
-        _write(Path(path), self.to_dict())
+        write_atomic(path, json.dumps(self.to_dict(), indent=1))
 
 
 def check_specs(far: str, near: str) -> None:
@@ -190,8 +190,7 @@ def run_heads(config: HeadsConfig) -> tuple[HeadScores, str]:
     another ``--far``, ``--near`` or ``--per-layer`` only writes a new plan."""
     from subquad.hf.data import check_window, load_model, read_passages
 
-    check_specs(config.far, config.near)
-    out = out_folder(config.out)
+    out = out_folder(config.out)  # the specs were checked with the settings (HeadsConfig)
     settings = {"model": os.path.abspath(config.model), "data": os.path.abspath(config.data), "length": config.length,
                 "depths": list(config.depths), "samples": config.samples, "seed": config.seed}  # fmt: skip
     scores = _saved(out / "heads.json", settings)
@@ -205,11 +204,11 @@ def run_heads(config: HeadsConfig) -> tuple[HeadScores, str]:
                                          flush=True)  # fmt: skip
         scores = retrieval_scores(model, tokenizer, texts, config.length, config.depths, config.samples, config.seed,
                                   show)  # fmt: skip
-        _write(out / "heads.json", {"settings": settings, **scores.to_dict()})
+        write_atomic(out / "heads.json", json.dumps({"settings": settings, **scores.to_dict()}, indent=1))
     else:
         print(f"  scores of the same cases from {out / 'heads.json'}")
     plan = scores.plan(config.far, config.near, config.per_layer)
-    _write(out / "plan.toml", plan)
+    write_atomic(out / "plan.toml", plan)
     return scores, plan
 
 
@@ -235,13 +234,6 @@ def _saved(path: Path, settings: dict[str, Any]) -> HeadScores | None:
         raise FileError(path, "does not hold one row of numbers per layer, as many per row, a multiple of "
                         "kv_heads", _SAVED_FIX)  # fmt: skip
     return HeadScores(tuple(layers), torch.tensor(rows, dtype=torch.float32), kv, data["length"], data["cases"])
-
-
-def _write(path: Path, value: Any) -> None:
-    """``value`` (text, or JSON) into ``path`` whole: a run stopped while writing leaves the old file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(value if isinstance(value, str) else json.dumps(value, indent=1))
-    tmp.replace(path)
 
 
 def format_scores(scores: HeadScores, per_layer: int) -> str:
