@@ -14,6 +14,7 @@ pytest.importorskip("transformers", minversion="5")
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
 from subquad import hf
+from subquad.files import FileError
 from subquad.hf import approx as ap
 from subquad.hf.data import is_decoder
 from subquad.hf.interface import capturing
@@ -119,6 +120,24 @@ def test_a_rerun_keeps_the_mechanisms_it_measured(data, tmp_path):
     rows = ap.approx(data / "encoder", data / "passages.jsonl", ["local:window=4", "linear"], tmp_path, **settings)
     assert rows[:2] == first and [r["spec"] for r in rows] == ["original", "local:window=4", "linear"]
     assert json.loads(stamp)["rows"] == first
+
+
+def test_a_rerun_with_other_mechanisms_keeps_the_rows_it_does_not_measure(data, tmp_path):
+    settings = dict(tokens=32, samples=10, batch=5, speed=False)
+    first = ap.approx(data / "encoder", data / "passages.jsonl", ["local:window=4"], tmp_path, **settings)
+    rows = ap.approx(data / "encoder", data / "passages.jsonl", ["linear"], tmp_path, **settings)
+    assert [r["spec"] for r in rows] == ["original", "linear", "local:window=4"] and rows[2] == first[1]
+    assert json.loads((tmp_path / "approx.json").read_text())["rows"] == rows
+
+
+def test_a_rerun_with_other_settings_is_refused_and_the_results_are_kept(data, tmp_path):
+    ap.approx(data / "encoder", data / "passages.jsonl", ["local:window=4"], tmp_path, tokens=32, samples=10,
+              batch=5, speed=False)  # fmt: skip
+    stamp = (tmp_path / "approx.json").read_text()
+    with pytest.raises(FileError, match=r"other settings \(samples 10 → 8\).*pass another --out to keep them"):
+        ap.approx(data / "encoder", data / "passages.jsonl", ["linear"], tmp_path, tokens=32, samples=8, batch=4,
+                  speed=False)  # fmt: skip
+    assert (tmp_path / "approx.json").read_text() == stamp
 
 
 def test_calibration_fits_routing_centroids_to_the_model_s_queries_and_keys(data):

@@ -20,8 +20,9 @@ Converted models (folders ``subquad distill`` or ``subquad.hf.save`` wrote, from
 model) are measured the same way, each under the row ``converted:FOLDER``; their attention speed is
 that of their mechanism and options.
 
-``approx.json`` is rewritten after each mechanism (a rerun skips those done), the table printed, and
-``approx.png`` plots quality against speed.
+``approx.json`` is rewritten after each mechanism (a rerun skips those done and keeps the rows of
+specs it is not given; one with other settings is refused), the table printed, and ``approx.png``
+plots quality against speed.
 
 Data: a ``.jsonl`` file of ``{"text": ..., "label": ...}`` lines (label optional), a text file of
 passages separated by blank lines, or a folder of ``.txt`` files (labelled by their subfolder).
@@ -195,24 +196,24 @@ def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
     run = _Run.load(config)
     saved = out / "approx.json"
     previous = read_json(saved, "approx results", _RESULTS_FIX) if saved.exists() else {}
-    kept = previous.get("rows", []) if previous.get("settings") == run.settings else []
-    if not isinstance(kept, list) or not all(isinstance(r, dict) and isinstance(r.get("spec"), str) for r in kept):
-        raise FileError(saved, "holds rows that are not approx's own", _RESULTS_FIX)
-    rows = run.quality({r["spec"]: r for r in kept}, folders, saved)
+    kept = _kept_rows(saved, previous, run.settings)
+    labels = {"original", *config.mechanisms, *folders}
+    run.saved, run.others = saved, [r for r in kept if r["spec"] not in labels]  # other specs' rows: kept as they were
+    rows = run.quality({r["spec"]: r for r in kept}, folders)
     timed = ("time_ms", "model_ms")
     if config.speed and not all(set(timed) <= set(r) and r.get("speed_layers") == config.speed_layers for r in rows):
         _add_speed(run, rows, folders)
-        _write(saved, run.settings, rows)  # kept before the longer steps that follow
+        run.write(rows)  # kept before the longer steps that follow
     lengths = [str(n) for n in config.decode] if run.decoder else []
     if lengths and not all(set(lengths) <= set(r.get("decode", {})) for r in rows):
-        run.add_decoding(rows, folders, saved)
+        run.add_decoding(rows, folders)
         print(format_decode_table(rows), flush=True)
     if run.decoder and config.passkey:
-        run.add_recall(rows, folders, saved)
+        run.add_recall(rows, folders)
         print(format_recall_table(rows), flush=True)
-    _write(saved, run.settings, rows)
-    plot(rows, out / "approx.png", run.decoder)
-    return rows
+    run.write(rows)
+    plot([*rows, *run.others], out / "approx.png", run.decoder)
+    return [*rows, *run.others]
 
 
 class _Run:
@@ -242,6 +243,11 @@ class _Run:
                         "device": run.where.type, "dtype": config.dtype}  # fmt: skip
         return run
 
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        """``approx.json``: this run's rows, then those of the specs an earlier run measured and this
+        one does not."""
+        write_atomic(self.saved, json.dumps({"settings": self.settings, "rows": [*rows, *self.others]}, indent=2))
+
     def calibrate(self, spec: str) -> None:
         """Calibrate the swapped-in ``spec`` on the calibration windows, where it has centroids."""
         from subquad import hf
@@ -250,7 +256,7 @@ class _Run:
             ids, batch = self.calib.ids, self.config.batch
             hf.calibrate(self.model, [{"input_ids": ids[i : i + batch]} for i in range(0, len(ids), batch)])
 
-    def quality(self, done: dict[str, dict], folders: dict[str, LayerPlan], saved: Path) -> list[dict[str, Any]]:
+    def quality(self, done: dict[str, dict], folders: dict[str, LayerPlan]) -> list[dict[str, Any]]:
         """The original's row, then each spec's and each converted folder's: done ones as they were,
         the others measured, the file rewritten after each."""
         from subquad import hf
@@ -269,7 +275,7 @@ class _Run:
             rows.append({"spec": label, **plans.get(label, {}), **quality})
             if label not in folders:
                 hf.restore(self.model)
-            _write(saved, self.settings, rows)
+            self.write(rows)
             print(format_table(rows[-1:], header=False), flush=True)
         return rows
 
@@ -291,7 +297,7 @@ class _Run:
             raise ValueError(f"--converted {folder} is a {type(model).__name__}, not this {type(self.model).__name__}")
         return model.to(self.where, self.kind)
 
-    def add_decoding(self, rows: list[dict[str, Any]], folders: dict[str, LayerPlan], saved: Path) -> None:
+    def add_decoding(self, rows: list[dict[str, Any]], folders: dict[str, LayerPlan]) -> None:
         """Each row's generation at each ``--decode-lengths`` prompt (``hf.speed.decode_speed``);
         the file is rewritten after each row."""
         config = self.config
@@ -301,9 +307,9 @@ class _Run:
             measure = functools.partial(decode_speed, ids=ids, lengths=list(config.decode),
                                         new_tokens=config.new_tokens, progress=_progress("decoding", r))  # fmt: skip
             r["decode"] = each(setups[r["spec"]], measure)
-            _write(saved, self.settings, rows)
+            self.write(rows)
 
-    def add_recall(self, rows: list[dict[str, Any]], folders: dict[str, LayerPlan], saved: Path) -> None:
+    def add_recall(self, rows: list[dict[str, Any]], folders: dict[str, LayerPlan]) -> None:
         """Each row's passkey probe (``hf.recall``) at each ``--passkey-lengths``, where it has not
         run with these depths, samples and seed; the file is rewritten after each row."""
         config = self.config
@@ -319,7 +325,7 @@ class _Run:
                                             haystack=self.texts if config.probe == "needle" else None)  # fmt: skip
                 done.update({n: {**m, "probe": probe} for n, m in each(setups[r["spec"]], measure).items()})
             r["passkey"] = done
-            _write(saved, self.settings, rows)
+            self.write(rows)
 
 
 def _add_speed(run: _Run, rows: list[dict[str, Any]], folders: dict[str, LayerPlan]) -> None:
@@ -375,5 +381,17 @@ class _Swapped:
 _RESULTS_FIX = "remove it (or pass another --out) to measure every mechanism again"
 
 
-def _write(path: Path, settings: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    write_atomic(path, json.dumps({"settings": settings, "rows": rows}, indent=2))
+def _kept_rows(saved: Path, previous: dict[str, Any], settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of an earlier run into the same folder. With other settings its rows were measured on
+    other windows (or another model): they are refused by name rather than overwritten."""
+    if not previous:
+        return []
+    if previous.get("settings") != settings:
+        was = previous.get("settings") if isinstance(previous.get("settings"), dict) else {}
+        changed = ", ".join(f"{k} {was.get(k)!r} → {v!r}" for k, v in settings.items() if was.get(k) != v)
+        fix = "pass another --out to keep them, or remove it to measure again with these settings"
+        raise FileError(saved, f"holds results measured with other settings ({changed or 'unreadable'})", fix)
+    kept = previous.get("rows", [])
+    if not isinstance(kept, list) or not all(isinstance(r, dict) and isinstance(r.get("spec"), str) for r in kept):
+        raise FileError(saved, "holds rows that are not approx's own", _RESULTS_FIX)
+    return kept
