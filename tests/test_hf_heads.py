@@ -96,6 +96,7 @@ def test_each_layer_s_top_key_value_heads_take_the_far_spec_as_a_plan_of_head_mi
         "", "[[layers]]", "layers = [3]", f'attention = "{near}*4+{far}*2"',
     ]  # fmt: skip
     assert 'attention = "local:window=4"\n' in SCORES.plan(near="local:window=4", per_layer=0)  # no far heads
+    assert SCORES.chosen() == SCORES.chosen(1) and SCORES.plan(far, near) == text  # one per layer by default
     model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
                                          num_attention_heads=6, num_key_value_heads=3)).eval()  # fmt: skip
     path = tmp_path / "plan.toml"
@@ -110,17 +111,46 @@ def test_each_layer_s_top_key_value_heads_take_the_far_spec_as_a_plan_of_head_mi
     assert saved == {**SCORES.to_dict(), "scores": SCORES.scores.tolist()} and saved["kv_heads"] == 3
 
 
+def test_a_total_takes_the_key_value_heads_of_highest_score_in_any_layer():
+    # summed: layer 0 (0.1, 0.4, 0.0), 1 (0.6, 0.0, 0.3), 2 all 0, 3 (0.1, 0, 0.3): 0.3 twice, the earlier layer first
+    assert SCORES.chosen(total=3) == [[1], [0, 2], [], []]
+    assert SCORES.chosen(total=4) == [[1], [0, 2], [], [2]]
+    assert SCORES.chosen(total=0) == [[], [], [], []] and SCORES.chosen(total=12) == [[0, 1, 2]] * 4
+    far, near = "retrieval:blocks=2,block=4", "local:window=4,sinks=1"
+    lines = SCORES.plan(far, near, total=3).splitlines()
+    assert lines[0].startswith("# subquad heads: the 3 key/value head(s) across all layers that fetch most")
+    assert lines[1:] == [
+        "", "[[layers]]", "layers = [0]", f'attention = "{near}*2+{far}*2+{near}*2"',
+        "", "[[layers]]", "layers = [1]", f'attention = "{far}*2+{near}*2+{far}*2"',
+        "", "[[layers]]", "layers = [2, 3]", f'attention = "{near}"',
+    ]  # fmt: skip
+    assert hd.format_scores(SCORES, total=3).splitlines()[2:4] == [
+        "    0   0.100    0.400*   0.000 ", "    1   0.600*   0.000    0.300*"
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
         (lambda: SCORES.chosen(4), r"per_layer=4: give 0 to 3 key/value heads per layer \(the model has 3\)"),
+        (
+            lambda: SCORES.chosen(total=13),
+            r"total=13: give 0 to 12 key/value heads in all \(the model has 3 in each "
+            r"of 4 layers\)",
+        ),
+        (lambda: SCORES.chosen(1, 2), r"per_layer=1 and total=2: give one \(per layer, or across layers\)"),
         (lambda: SCORES.plan(far="local*2+full"), r"'local\*2\+full' is a head mix \(the far spec\); give one"),
         (lambda: SCORES.plan(near="local:windw=3"), r"unknown option\(s\) \['windw'\] for local"),
         (lambda: SCORES.plan(near="nosuch"), "unknown mechanism 'nosuch'"),
         (lambda: retrieval_scores(None, None, [], samples=0), r"give samples >= 1 and depths from 0 to 1; got 0"),
         (lambda: retrieval_scores(None, None, [], depths=(1.5,)), r"got 1 and \(1.5,\)"),
-        (lambda: HeadsConfig("m", "d", "o", length=0), "--samples must be >= 1 and --per-layer >= 0, got 0, 1 and 1"),
-        (lambda: HeadsConfig("m", "d", "o", per_layer=-1), "got 4096, 1 and -1"),
+        (
+            lambda: HeadsConfig("m", "d", "o", length=0),
+            "--samples must be >= 1 and --per-layer and --total >= 0, got 0, 1, None and None",
+        ),
+        (lambda: HeadsConfig("m", "d", "o", per_layer=-1), "got 4096, 1, -1 and None"),
+        (lambda: HeadsConfig("m", "d", "o", total=-1), "got 4096, 1, None and -1"),
+        (lambda: HeadsConfig("m", "d", "o", per_layer=1, total=3), "--per-layer 1 and --total 3: give one of them"),
         (lambda: HeadsConfig("m", "d", "o", depths=()), r"--depths are fractions from 0 to 1, got \(\)"),
         (lambda: HeadsConfig("m", "d", "o", far="full*2+local"), "is a head mix"),  # before any model loads
     ],
@@ -154,6 +184,12 @@ def test_the_command_writes_the_scores_and_a_plan_the_model_takes(saved_llama, t
     assert main([*argv, "--per-layer", "2"]) == 0  # the same cases: a new plan from the saved scores
     assert "scores of the same cases from" in capsys.readouterr().out
     assert plan_layers(model, read_plan(out / "plan.toml")) == [("retrieval:window=8,blocks=2,block=4", [0, 1])]
+    assert main([*argv, "--total", "1"]) == 0  # one key/value head in all: where the saved scores are highest
+    best = torch.tensor(saved["scores"]).view(2, 2, 2).sum(-1).flatten().argmax().item()
+    layers = plan_layers(model, read_plan(out / "plan.toml"))
+    far_layer = [group for spec, group in layers if "retrieval" in spec]
+    assert far_layer == [[best // 2]] and ("local:window=8,sinks=2", [1 - best // 2]) in layers
+    assert "across all layers" in (out / "plan.toml").read_text() and capsys.readouterr().out.count("*") == 1
     with pytest.raises(SystemExit):
         main([*argv, "--per-layer", "3"])
     assert "per_layer=3: give 0 to 2 key/value heads per layer" in capsys.readouterr().err

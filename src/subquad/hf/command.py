@@ -59,7 +59,7 @@ def _heads(args: argparse.Namespace) -> int:
 
     config = HeadsConfig(**flag_values(args, HeadsConfig))
     scores, _ = run_heads(config)
-    print(format_scores(scores, config.per_layer))
+    print(format_scores(scores, config.per_layer, config.total))
     print(f"wrote {config.out}/heads.json and {config.out}/plan.toml (subquad approx MODEL --mechanisms "
           f"{config.out}/plan.toml measures it)")  # fmt: skip
     return 0

@@ -19,8 +19,9 @@ the model's own mask (no logit soft-capping), averaged over the cases. Calibrate
 from the text the converted model is measured on.
 
 **The plan** (``HeadScores.plan``). In each layer, the ``per_layer`` key/value heads whose query
-heads' scores sum highest (the lower index first among equal sums) take ``far`` on their query
-heads, and the other heads ``near``: a head mix (``mixes``), key/value heads never split. Layers
+heads' scores sum highest (the lower index first among equal sums), or the ``total`` such heads of
+highest sums wherever they lie (DuoAttention's global choice: a layer may get none or all), take
+``far`` on their query heads, and the other heads ``near``: a head mix (``mixes``), key/value heads never split. Layers
 with the same mix share a table of the TOML layer plan (``plans``) that ``subquad.hf.use``,
 ``convert``, ``subquad approx --mechanisms`` and ``subquad distill --mechanism`` read.
 """
@@ -68,23 +69,39 @@ class HeadScores:
         """``(layers, kv_heads)``: the scores of each key/value head's query heads summed."""
         return self.scores.view(len(self.layers), self.kv_heads, -1).sum(-1)
 
-    def chosen(self, per_layer: int) -> list[list[int]]:
-        """Each layer's ``per_layer`` key/value heads of highest summed score, in index order."""
+    def chosen(self, per_layer: int | None = None, total: int | None = None) -> list[list[int]]:
+        """Each layer's chosen key/value heads, in index order: its ``per_layer`` of highest summed
+        score (default 1), or with ``total`` those among the ``total`` of highest summed score across
+        all layers (equal sums: the earlier layer, then the lower index, first)."""
+        groups = self.groups()
+        if total is not None:
+            if per_layer is not None:
+                raise ValueError(f"per_layer={per_layer} and total={total}: give one (per layer, or across layers)")
+            if not 0 <= total <= groups.numel():
+                raise ValueError(
+                    f"total={total}: give 0 to {groups.numel()} key/value heads in all (the model has "
+                    f"{self.kv_heads} in each of {len(self.layers)} layers)"
+                )
+            picked: list[list[int]] = [[] for _ in self.layers]
+            for flat in torch.argsort(-groups.flatten(), stable=True)[:total].tolist():
+                picked[flat // self.kv_heads].append(flat % self.kv_heads)
+            return [sorted(row) for row in picked]
+        per_layer = 1 if per_layer is None else per_layer
         if not 0 <= per_layer <= self.kv_heads:
             raise ValueError(
                 f"per_layer={per_layer}: give 0 to {self.kv_heads} key/value heads per layer (the model has "
                 f"{self.kv_heads})"
             )
-        order = torch.argsort(-self.groups(), dim=1, stable=True)[:, :per_layer]
+        order = torch.argsort(-groups, dim=1, stable=True)[:, :per_layer]
         return [sorted(row) for row in order.tolist()]
 
-    def plan(self, far: str = FAR, near: str = NEAR, per_layer: int = 1) -> str:
+    def plan(self, far: str = FAR, near: str = NEAR, per_layer: int | None = None, total: int | None = None) -> str:
         """The TOML layer plan (module docstring): ``far`` on the chosen key/value heads' query heads
-        of each layer, ``near`` on the others."""
+        (``chosen``), ``near`` on the others."""
         check_specs(far, near)
         per = self.scores.shape[1] // self.kv_heads
         tables: dict[str, list[int]] = {}
-        for layer, picked in zip(self.layers, self.chosen(per_layer)):
+        for layer, picked in zip(self.layers, self.chosen(per_layer, total)):
             runs: list[list[Any]] = []  # [spec, query heads] of consecutive key/value heads alike
             for head in range(self.kv_heads):
                 spec = far if head in picked else near
@@ -94,7 +111,9 @@ class HeadScores:
                     runs.append([spec, per])
             text = runs[0][0] if len(runs) == 1 else "+".join(f"{spec}*{count}" for spec, count in runs)
             tables.setdefault(text, []).append(layer)
-        lines = [f"# subquad heads: per layer, the {per_layer} key/value head(s) that fetch most take the far spec "
+        which = (f"the {total} key/value head(s) across all layers" if total is not None
+                 else f"per layer, the {1 if per_layer is None else per_layer} key/value head(s)")  # fmt: skip
+        lines = [f"# subquad heads: {which} that fetch most take the far spec "
                  f"({self.cases} needle cases of {self.length} tokens)"]  # fmt: skip
         for text, layers in tables.items():
             lines += ["", "[[layers]]", f"layers = {layers}", f"attention = {json.dumps(text)}"]
@@ -170,14 +189,21 @@ class HeadsConfig:
     seed: int = setting(0, "the cases' passage order, words and numbers")
     far: str = setting(FAR, "the spec of the heads that fetch")
     near: str = setting(NEAR, "the spec of the other heads")
-    per_layer: int = setting(1, "key/value heads per layer that take --far")
+    per_layer: int | None = setting(None, "key/value heads per layer that take --far", shown_default="1")
+    total: int | None = setting(
+        None, "key/value heads in all that take --far, those of highest score in any layer (DuoAttention's "
+        "choice), in place of --per-layer", shown_default="--per-layer"
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.length < 1 or self.samples < 1 or self.per_layer < 0:
+        counts = [x for x in (self.per_layer, self.total) if x is not None]
+        if self.length < 1 or self.samples < 1 or any(x < 0 for x in counts):
             raise ValueError(
-                f"--length and --samples must be >= 1 and --per-layer >= 0, got {self.length}, {self.samples} and "
-                f"{self.per_layer}"
+                f"--length and --samples must be >= 1 and --per-layer and --total >= 0, got {self.length}, "
+                f"{self.samples}, {self.per_layer} and {self.total}"
             )
+        if len(counts) == 2:
+            raise ValueError(f"--per-layer {self.per_layer} and --total {self.total}: give one of them")
         if not self.depths or not all(0 <= d <= 1 for d in self.depths):
             raise ValueError(f"--depths are fractions from 0 to 1, got {self.depths}")
         check_specs(self.far, self.near)
@@ -207,7 +233,7 @@ def run_heads(config: HeadsConfig) -> tuple[HeadScores, str]:
         write_atomic(out / "heads.json", json.dumps({"settings": settings, **scores.to_dict()}, indent=1))
     else:
         print(f"  scores of the same cases from {out / 'heads.json'}")
-    plan = scores.plan(config.far, config.near, config.per_layer)
+    plan = scores.plan(config.far, config.near, config.per_layer, config.total)
     write_atomic(out / "plan.toml", plan)
     return scores, plan
 
@@ -236,9 +262,10 @@ def _saved(path: Path, settings: dict[str, Any]) -> HeadScores | None:
     return HeadScores(tuple(layers), torch.tensor(rows, dtype=torch.float32), kv, data["length"], data["cases"])
 
 
-def format_scores(scores: HeadScores, per_layer: int) -> str:
-    """A table of each layer's key/value heads' summed scores, the chosen marked ``*``."""
-    picked = scores.chosen(per_layer)
+def format_scores(scores: HeadScores, per_layer: int | None = None, total: int | None = None) -> str:
+    """A table of each layer's key/value heads' summed scores, the chosen (``HeadScores.chosen``)
+    marked ``*``."""
+    picked = scores.chosen(per_layer, total)
     head = "layer  " + "  ".join(f"{f'kv{h}':>6} " for h in range(scores.kv_heads))
     rows = [head, "-" * len(head)]
     for layer, sums, chosen in zip(scores.layers, scores.groups().tolist(), picked):
