@@ -122,22 +122,51 @@ def test_a_rerun_keeps_the_mechanisms_it_measured(data, tmp_path):
     assert json.loads(stamp)["rows"] == first
 
 
-def test_a_rerun_with_other_mechanisms_keeps_the_rows_it_does_not_measure(data, tmp_path):
+def test_a_rerun_with_other_mechanisms_keeps_the_rows_it_does_not_measure(data, tmp_path, monkeypatch):
     settings = dict(tokens=32, samples=10, batch=5, speed=False)
     first = ap.approx(data / "encoder", data / "passages.jsonl", ["local:window=4"], tmp_path, **settings)
     rows = ap.approx(data / "encoder", data / "passages.jsonl", ["linear"], tmp_path, **settings)
-    assert [r["spec"] for r in rows] == ["original", "linear", "local:window=4"] and rows[2] == first[1]
-    assert json.loads((tmp_path / "approx.json").read_text())["rows"] == rows
+    assert [r["spec"] for r in rows] == ["original", "linear"] and rows[0] == first[0]  # this run's rows
+    saved = json.loads((tmp_path / "approx.json").read_text())["rows"]
+    assert saved == [*rows, first[1]]  # the file keeps the earlier spec's row
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ap, "_add_speed", stopped)  # stopped after a new spec, before the rows given again
+    with pytest.raises(KeyboardInterrupt):
+        ap.approx(data / "encoder", data / "passages.jsonl", ["linear:feature_map=relu", "local:window=4"], tmp_path,
+                  **{**settings, "speed": True})  # fmt: skip
+    saved = json.loads((tmp_path / "approx.json").read_text())["rows"]
+    assert [r["spec"] for r in saved] == ["original", "linear:feature_map=relu", "linear", "local:window=4"]
+    assert saved[2] == rows[1] and saved[3] == first[1]
 
 
-def test_a_rerun_with_other_settings_is_refused_and_the_results_are_kept(data, tmp_path):
-    ap.approx(data / "encoder", data / "passages.jsonl", ["local:window=4"], tmp_path, tokens=32, samples=10,
-              batch=5, speed=False)  # fmt: skip
+def test_a_rerun_with_other_settings_is_refused_before_the_model_loads_and_the_results_are_kept(
+    data, tmp_path, monkeypatch
+):
+    settings = dict(tokens=32, samples=10, batch=5, speed=False)
+    first = ap.approx(data / "encoder", data / "passages.jsonl", ["local:window=4"], tmp_path, **settings)
     stamp = (tmp_path / "approx.json").read_text()
-    with pytest.raises(FileError, match=r"other settings \(samples 10 → 8\).*pass another --out to keep them"):
-        ap.approx(data / "encoder", data / "passages.jsonl", ["linear"], tmp_path, tokens=32, samples=8, batch=4,
-                  speed=False)  # fmt: skip
+    monkeypatch.chdir(data)  # the same files by relative paths: the same settings, the rows read back
+    assert ap.approx("encoder", "./passages.jsonl", ["local:window=4"], tmp_path, **settings) == first
+    fix = "pass another --out to keep them, rerun with the earlier values, or remove it"
+    with pytest.raises(FileError, match=rf"other settings \(--windows 10 → 8\).*{fix}"):
+        ap.approx("encoder", "passages.jsonl", ["linear"], tmp_path, **{**settings, "samples": 8})
     assert (tmp_path / "approx.json").read_text() == stamp
+
+    def load(*args):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(ap._Run, "load", load)
+    with pytest.raises(FileError, match=r"other settings \(--window-tokens 32 → 16, --seed 0 → 1\)"):
+        ap.approx("encoder", "passages.jsonl", ["linear"], tmp_path, **{**settings, "tokens": 16, "seed": 1})
+    with pytest.raises(FileError, match=r"other settings \(MODEL .*encoder' → 'decoder'\)"):
+        ap.approx("decoder", "passages.jsonl", ["linear"], tmp_path, **settings)
+    saved = json.loads(stamp)
+    (tmp_path / "approx.json").write_text(json.dumps({"rows": saved["rows"]}))
+    with pytest.raises(FileError, match="holds no settings object: it is not approx's own; remove it"):
+        ap.approx("encoder", "passages.jsonl", ["linear"], tmp_path, **settings)
 
 
 def test_calibration_fits_routing_centroids_to_the_model_s_queries_and_keys(data):

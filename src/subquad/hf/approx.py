@@ -31,7 +31,6 @@ passages separated by blank lines, or a folder of ``.txt`` files (labelled by th
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -41,13 +40,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from subquad.files import FileError, out_folder, read_json, write_atomic
+from subquad.files import out_folder
 from subquad.flags import DTYPES, check_choices, setting
 from subquad.hf.data import Windows, check_window, load_model, read_passages, token_windows
 from subquad.hf.measures import probe_accuracy, spearman
 from subquad.hf.plans import LayerPlan, expand_plans, plan_cell, saved_plan
 from subquad.hf.recall import passkey
 from subquad.hf.report import format_decode_table, format_recall_table, format_table, plot
+from subquad.hf.rows import kept_rows, previous_results, settings_path, write_rows
 from subquad.hf.speed import attention_speed, decode_speed, decode_windows, each, model_speed, own_inputs
 
 __all__ = ["ApproxConfig", "approx", "format_table", "parse_spec", "run_approx"]
@@ -192,14 +192,17 @@ def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
     for spec in config.mechanisms:
         hf.check_spec(spec)  # a bad spec fails before the model loads
     folders = {f"converted:{folder}": saved_plan(folder) for folder in config.converted}  # its saved layers
+    from subquad.train.loop import resolve_device
+
     out = out_folder(config.out)
-    run = _Run.load(config)
     saved = out / "approx.json"
-    previous = read_json(saved, "approx results", _RESULTS_FIX) if saved.exists() else {}
-    kept = _kept_rows(saved, previous, run.settings)
-    labels = {"original", *config.mechanisms, *folders}
-    run.saved, run.others = saved, [r for r in kept if r["spec"] not in labels]  # other specs' rows: kept as they were
-    rows = run.quality({r["spec"]: r for r in kept}, folders)
+    previous = previous_results(saved)
+    early = {"model": config.model, "data": config.data, "tokens": config.tokens, "seed": config.seed,
+             "device": resolve_device(config.device).type, "dtype": config.dtype}  # fmt: skip
+    kept_rows(saved, previous, early)  # other settings: refused before the model loads
+    run = _Run.load(config)
+    run.saved, run.kept = saved, kept_rows(saved, previous, run.settings)  # the rows of other specs stay in the file
+    rows = run.quality({r["spec"]: r for r in run.kept}, folders)
     timed = ("time_ms", "model_ms")
     if config.speed and not all(set(timed) <= set(r) and r.get("speed_layers") == config.speed_layers for r in rows):
         _add_speed(run, rows, folders)
@@ -212,8 +215,8 @@ def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
         run.add_recall(rows, folders)
         print(format_recall_table(rows), flush=True)
     run.write(rows)
-    plot([*rows, *run.others], out / "approx.png", run.decoder)
-    return [*rows, *run.others]
+    plot(rows, out / "approx.png", run.decoder)
+    return rows
 
 
 class _Run:
@@ -238,15 +241,15 @@ class _Run:
                 f"the text gives {len(run.windows.ids)} window(s) of {config.tokens} tokens; pass more text"
             )
         run.plans = expand_plans(config.mechanisms)[1]  # each plan file read once: what is measured is recorded
-        run.settings = {"model": config.model, "data": config.data, "tokens": config.tokens,
-                        "samples": len(run.windows.ids), "decoder": run.decoder, "seed": config.seed,
-                        "device": run.where.type, "dtype": config.dtype}  # fmt: skip
+        run.settings = {"model": settings_path(config.model), "data": settings_path(config.data),
+                        "tokens": config.tokens, "samples": len(run.windows.ids), "decoder": run.decoder,
+                        "seed": config.seed, "device": run.where.type, "dtype": config.dtype}  # fmt: skip
         return run
 
     def write(self, rows: list[dict[str, Any]]) -> None:
-        """``approx.json``: this run's rows, then those of the specs an earlier run measured and this
-        one does not."""
-        write_atomic(self.saved, json.dumps({"settings": self.settings, "rows": [*rows, *self.others]}, indent=2))
+        """``approx.json``: this run's rows so far, then every row an earlier run measured that they
+        do not replace (other specs', and this run's not reached yet)."""
+        write_rows(self.saved, self.settings, rows, self.kept)
 
     def calibrate(self, spec: str) -> None:
         """Calibrate the swapped-in ``spec`` on the calibration windows, where it has centroids."""
@@ -376,22 +379,3 @@ class _Swapped:
         from subquad import hf
 
         hf.restore(self.run.model)
-
-
-_RESULTS_FIX = "remove it (or pass another --out) to measure every mechanism again"
-
-
-def _kept_rows(saved: Path, previous: dict[str, Any], settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows of an earlier run into the same folder. With other settings its rows were measured on
-    other windows (or another model): they are refused by name rather than overwritten."""
-    if not previous:
-        return []
-    if previous.get("settings") != settings:
-        was = previous.get("settings") if isinstance(previous.get("settings"), dict) else {}
-        changed = ", ".join(f"{k} {was.get(k)!r} → {v!r}" for k, v in settings.items() if was.get(k) != v)
-        fix = "pass another --out to keep them, or remove it to measure again with these settings"
-        raise FileError(saved, f"holds results measured with other settings ({changed or 'unreadable'})", fix)
-    kept = previous.get("rows", [])
-    if not isinstance(kept, list) or not all(isinstance(r, dict) and isinstance(r.get("spec"), str) for r in kept):
-        raise FileError(saved, "holds rows that are not approx's own", _RESULTS_FIX)
-    return kept

@@ -90,9 +90,10 @@ COMMANDS = (
         _heads_arguments, _heads,
         "Run a local decoder (a folder, or a .gguf file) on needle cases made of your text (a sentence giving a "
         "number, the question asking for it) and score each query head by the attention its answer gives the needle "
-        "(subquad.hf.heads). Writes OUT/heads.json and OUT/plan.toml: in each layer the key/value heads that fetch "
-        "most take --far (default retrieval's far blocks), the others --near (a window with sinks), so every layer "
-        "stays sub-quadratic. Example: subquad heads MODEL --data train.jsonl --out runs/heads; then subquad approx "
-        "MODEL --data heldout.jsonl --mechanisms runs/heads/plan.toml --out runs/approx",
+        "(subquad.hf.heads). Writes OUT/heads.json and OUT/plan.toml: in each layer the --per-layer key/value heads "
+        "that fetch most (or the --total that fetch most in any layer) take --far (default retrieval's far blocks), "
+        "the others --near (a window with sinks), so every layer stays sub-quadratic. Example: subquad heads MODEL "
+        "--data train.jsonl --out runs/heads; then subquad approx MODEL --data heldout.jsonl --mechanisms "
+        "runs/heads/plan.toml --out runs/approx",
     ),
 )  # fmt: skip

@@ -189,10 +189,12 @@ class HeadsConfig:
     seed: int = setting(0, "the cases' passage order, words and numbers")
     far: str = setting(FAR, "the spec of the heads that fetch")
     near: str = setting(NEAR, "the spec of the other heads")
-    per_layer: int | None = setting(None, "key/value heads per layer that take --far", shown_default="1")
+    per_layer: int | None = setting(
+        None, "key/value heads per layer that take --far (not with --total)", shown_default="1, without --total"
+    )
     total: int | None = setting(
         None, "key/value heads in all that take --far, those of highest score in any layer (DuoAttention's "
-        "choice), in place of --per-layer", shown_default="--per-layer"
+        "choice; a layer may get none or all), in place of --per-layer", shown_default="unset"
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -213,7 +215,7 @@ def run_heads(config: HeadsConfig) -> tuple[HeadScores, str]:
     """Score the model's heads on ``config.data``, write ``heads.json`` and ``plan.toml`` in
     ``config.out``; return the scores and the plan. Where ``heads.json`` holds scores of the same
     cases (model, data, length, depths, samples, seed), they are read instead of measured again:
-    another ``--far``, ``--near`` or ``--per-layer`` only writes a new plan."""
+    another ``--far``, ``--near``, ``--per-layer`` or ``--total`` only writes a new plan."""
     from subquad.hf.data import check_window, load_model, read_passages
 
     out = out_folder(config.out)  # the specs were checked with the settings (HeadsConfig)
