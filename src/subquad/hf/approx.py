@@ -188,12 +188,11 @@ def approx(model_path: str | Path, data: str | Path, specs: list[str], out: str 
 def run_approx(config: ApproxConfig) -> list[dict[str, Any]]:
     """`approx` of one `ApproxConfig`."""
     from subquad import hf
+    from subquad.train.loop import resolve_device
 
     for spec in config.mechanisms:
         hf.check_spec(spec)  # a bad spec fails before the model loads
     folders = {f"converted:{folder}": saved_plan(folder) for folder in config.converted}  # its saved layers
-    from subquad.train.loop import resolve_device
-
     out = out_folder(config.out)
     saved = out / "approx.json"
     previous = previous_results(saved)
