@@ -148,9 +148,9 @@ def test_the_cache_s_layers_follow_the_layers_mechanisms_and_hold_what_the_mecha
         model(tokens(1, n), cache=cache)
         sizes.append((cache.layers[0].nbytes, cache.layers[1].keys.shape[2]))
         assert cache.get_seq_length() == n and cache.layers[0].decoder.length == n
-    # layer 0 keeps 2 sinks and the last 4 keys (4 heads, after grouped keys are repeated) at any length
+    # layer 0 keeps 2 sinks and the last 4 keys (its key/value heads, unrepeated) at any length
     assert sizes[0][0] == sizes[1][0] == cache.layers[0].decoder.kept.nbytes
-    assert cache.layers[0].decoder.kept.keys.shape[2] == 6
+    assert cache.layers[0].decoder.kept.keys.shape[1:3] == (model.config.num_key_value_heads, 6)
     assert (sizes[0][1], sizes[1][1]) == (20, 60)  # the exact layer keeps every key
     assert cache_bytes(cache) == cache.nbytes == sizes[1][0] + 2 * cache.layers[1].keys.nbytes
 

@@ -416,6 +416,31 @@ def test_window_cache_with_sinks_keeps_them_and_equals_parallel(window, sinks):
     assert torch.equal(cache.kept.keys[:, :, :sinks], k[:, :, :sinks])  # one-token steps never move the sinks
 
 
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_window_cache_keeps_grouped_keys_unrepeated_and_equals_parallel(sinks):
+    """Two key/value heads for six query heads: the cache holds two, after a padded prefill it
+    absorbs and through steps of one token and of several, and equals the parallel pass per row."""
+    q, k, v = qkv(2, 6, 90, 90, 8)
+    k, v = k[:, :2], v[:, :2]
+    config = LocalConfig(window=12, sinks=sinks)
+    real = torch.ones(2, 40, dtype=torch.bool)
+    real[1, :7] = False  # row 1: 7 pads before its first real token
+    cache = WindowCache(get_mechanism("local"), config, None)
+    cache.absorb(q[:, :, :40], k[:, :, :40], v[:, :, :40], real)
+    steps = [cache.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1]) for t in range(40, 70)]
+    steps.append(cache.step(q[:, :, 70:], k[:, :, 70:], v[:, :, 70:]))
+    decoded = torch.cat(steps, dim=2)
+    assert cache.kept.keys.shape[1] == cache.kept.values.shape[1] == 2
+    for row, first in ((0, 0), (1, 7)):
+        rows = slice(row, row + 1)
+        alone = local_attention(q[rows, :, first:], k[rows, :, first:], v[rows, :, first:], is_causal=True,
+                                config=config, enable_gqa=True)  # fmt: skip
+        assert (decoded[rows] - alone[:, :, 40 - first :]).abs().max() <= 1e-12
+    with pytest.raises(ValueError, match="the cache holds keys of 2 key/value heads, got 6; start a new cache"):
+        cache.step(*qkv(2, 6, 1, 1, 8))
+    assert cache.length == 90, "the refused step changed nothing"
+
+
 def test_window_cache_rejects_bad_steps():
     cache = WindowCache(get_mechanism("local"), LocalConfig(window=4), None)
     cache.step(*qkv(2, 2, 1, 1, 4))

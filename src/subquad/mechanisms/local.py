@@ -129,10 +129,12 @@ class WindowCache(Decoder):
     """Decoding cache of each row's first ``sinks`` and last ``window`` keys and values
     (``ops.kept_window``): each step attends the new tokens to them and to each other, so its
     cost is independent of the prompt length. It takes over a parallel prefill (``absorb``), with
-    padding: a row's sinks are its first real tokens."""
+    padding: a row's sinks are its first real tokens. Grouped-query keys and values are kept as
+    given, one slot set per key/value head, and read by its query heads in place."""
 
     recurrent = True
     absorbs = True
+    grouped = True
     description = "window cache (the sinks and the last window keys and values: O(window) per head)"
     holds = "keys"
 
@@ -150,14 +152,19 @@ class WindowCache(Decoder):
         s, w = self.config.sinks, self.config.window
         if self.kept is None:
             self.kept, _ = kept_from_prompt(k[:, :, :0], v[:, :, :0], None, s, w)
+        if k.shape[1] != self.kept.keys.shape[1]:
+            raise ValueError(f"the cache holds keys of {self.kept.keys.shape[1]} key/value heads, got {k.shape[1]}; "
+                             "start a new cache for a new batch")  # fmt: skip
         if q.shape[2] == 1:  # generation's step: in place, every kept key in view
             *_, filled = one_step(self.kept, k, v, s, leaving=False)
-            return scaled_dot_product_attention(q, self.kept.keys, self.kept.values, filled, scale=self.scale)
+            return scaled_dot_product_attention(q, self.kept.keys, self.kept.values, filled, scale=self.scale,
+                                                enable_gqa=True)  # fmt: skip
         outputs = []
         for piece in pieces(q.shape[2]):
             keys, values, positions, new = extend(self.kept, k[:, :, piece], v[:, :, piece])
             near, _ = reach(positions, new, s, w)
-            outputs.append(scaled_dot_product_attention(q[:, :, piece], keys, values, near[:, None], scale=self.scale))
+            outputs.append(scaled_dot_product_attention(q[:, :, piece], keys, values, near[:, None], scale=self.scale,
+                                                        enable_gqa=True))  # fmt: skip
             self.kept, _ = trim(keys, values, positions, new[:, -1] + 1, s, w)
         return torch.cat(outputs, dim=2)
 
