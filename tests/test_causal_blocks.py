@@ -110,3 +110,34 @@ def test_blocks_without_sinks_read_their_keys_in_place(sinks):
         shares = [a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for a, b in
                   ((keys, k), (values, v), (block_mask, mask))]  # fmt: skip
         assert all(shares) if sinks == 0 else not any(shares)
+
+
+def test_local_inference_reads_each_window_in_place_and_merges_the_sinks_once(monkeypatch):
+    """``local`` with sinks, causal, without gradients: each query block's window alone, its keys a
+    view of the inputs (no copy joining the sinks), then the sinks for all queries in one product
+    (``leading_keys``), not a sinks part per block; the output is the parallel form's (above), and a
+    tuple-returning ``run`` gets its tuple assembled."""
+    import subquad.mechanisms.local as local
+
+    monkeypatch.setattr(causal_blocks, "BLOCK", 16)
+    q, k, v = inputs(2, 4, 2, 100, 8, seed=5)
+    windows, sinks = [], []
+    window_softmax, leading_keys = local.window_softmax, local.leading_keys
+
+    def spy_window(q_, keys, values, *args):
+        windows.append((q_.shape[2], keys, args[-1]))
+        return window_softmax(q_, keys, values, *args)
+
+    def spy_sinks(q_, keys, *args):
+        sinks.append((q_.shape[2], keys.shape[2]))
+        return leading_keys(q_, keys, *args)
+
+    monkeypatch.setattr(local, "window_softmax", spy_window)
+    monkeypatch.setattr(local, "leading_keys", spy_sinks)
+    with torch.no_grad():
+        out = attention(q, k, v, is_causal=True, mechanism="local", window=5, sinks=3, enable_gqa=True)
+    assert sinks == [(100, 3)]  # all 100 queries, the 3 sinks, once
+    assert len(windows) == 7 and all(s == 0 for _, _, s in windows)  # 16-query blocks, the window alone
+    assert all(keys.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() for _, keys, _ in windows)
+    expected = attention(q, k, v, is_causal=True, mechanism="local", window=5, sinks=3, enable_gqa=True, kernel="eager")
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-11)

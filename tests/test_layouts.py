@@ -192,3 +192,42 @@ def test_the_sinks_part_reads_views_where_its_blocks_are_whole_and_equals_its_ga
         results.append((out, *torch.autograd.grad(out, inputs, randn(*out.shape, seed=4))))
     for a, b in zip(*results, strict=True):
         assert (a - b).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("kernel", ["fused", "eager"])
+@pytest.mark.parametrize(
+    ("L", "S", "heads", "is_causal", "padded"),
+    [(128, 128, (4, 2), True, True), (96, 160, (2, 2), True, False), (100, 100, (3, 1), False, True)],
+)
+def test_the_sinks_part_in_one_product_equals_it_block_by_block(kernel, L, S, heads, is_causal, padded):
+    """The forward computes a sinks part (``Group.leading``) for all its queries at once
+    (``blocksparse_forward.leading_keys``): the same outputs and gradients as the part block by
+    block through the kernel, with key padding, grouped-query heads and L ≠ S; a query whose sinks
+    are all padding, in a row whose window is all padding too, gets zeros."""
+    import dataclasses
+
+    from subquad.kernels.band import window_layout
+    from subquad.kernels.blocksparse import block_sparse_attention
+
+    from .conftest import qkv, randn
+
+    H, Hkv = heads
+    q, _, _ = qkv(2, H, L, S, 8, seed=1)
+    _, k, v = qkv(2, Hkv, L, S, 8, seed=2)
+    kpm = None
+    if padded:  # row 1: the sinks and the first 20 keys padding, so its first queries see nothing
+        kpm = torch.ones(2, S, dtype=torch.bool)
+        kpm[1, :20] = False
+    parts = window_layout(L, S - L, 9, is_causal, 3, 16, torch.device("cpu"))
+    (sinks,) = parts[1]
+    assert sinks.leading is not None
+    by_block = [parts[0], [dataclasses.replace(sinks, leading=None)]]
+    results = []
+    for layout in (parts, by_block):
+        inputs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = block_sparse_attention(*inputs, layout, kpm, 8**-0.5, kernel)
+        results.append((out, *torch.autograd.grad(out, inputs, randn(*out.shape, seed=4))))
+    for a, b in zip(*results, strict=True):
+        assert (a - b).abs().max() <= 1e-12
+    if padded and is_causal:
+        assert results[0][0][1, :, : 20 - (S - L)].abs().max() == 0  # queries before any real key

@@ -8,6 +8,12 @@ fp32 on AVX2 CPUs), whose cost per short block is lower. Where it cannot run, ``
 to what ``fused`` runs and warns once; groups of long blocks (``native_runs``) keep that too. The
 backward of ``native`` is the ``fused`` one.
 
+**The sinks.** A group whose blocks all read the sequence's first few keys (``Group.leading``:
+StreamingLLM's sinks beside a window or a pattern) is computed for runs of queries at once, one
+product, softmax and product over all its queries' rows, instead of block by block through a
+kernel's call: per block it is a call for a handful of keys (SmolLM2's local window at 8,192
+tokens: 256 calls of 4 keys, a third of the call's time). Its backward is still the blocks'.
+
 **Softmax.** Each part gives, per query, its normalised output ``o_p`` and log-sum-exp ``lse_p``.
 Parts hold disjoint key sets, so the pattern's softmax is their log-sum-exp merge, done chunk by
 chunk in place: ``out = Σ_p exp(lse_p − lse) o_p`` with ``lse = log Σ_p exp(lse_p)``. A query with
@@ -16,7 +22,7 @@ no visible key has ``lse = −inf`` and returns zeros.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -24,10 +30,10 @@ from torch import Tensor
 from subquad.kernels import native as _native
 from subquad.kernels.blocksparse_chunks import Chunk, Part, as_batch, chunks, from_batch, padded, pads
 from subquad.kernels.memory import new_output
-from subquad.kernels.softmax import eager_forward, fused_forward, fused_reads_grouped, work_dtype
+from subquad.kernels.softmax import eager_forward, fused_forward, fused_reads_grouped, merge_into, work_dtype
 from subquad.kernels.tuning import TUNING, block_elements
 
-__all__ = ["block_sparse_forward", "native_runs"]
+__all__ = ["block_sparse_forward", "leading_keys", "native_runs"]
 
 
 def native_runs(queries: int, keys: int) -> bool:
@@ -121,6 +127,11 @@ def block_sparse_forward(
             lse = q.new_full((B, H, rows, 1), float("-inf"), dtype=work)
             merge = False
         for group in part:
+            if group.leading is not None and not group.transposed:  # the sinks: all queries at once
+                W = group.keys.shape[-1]
+                keys, values = kf.narrow(2, pad, W), vf.narrow(2, pad, W)
+                leading_keys(q, keys, values, group.leading, key_padding_mask, scale, out, lse, merge)
+                continue
             # the native kernel's gain is on short blocks; torch's tiles are faster on long ones
             group_kernel = kernel
             if kernel == "native" and not native_runs(group.queries.shape[1], group.keys.shape[-1]):
@@ -138,6 +149,43 @@ def block_sparse_forward(
                     c.write(lse, chunk_lse.unsqueeze(-1))
         merge = True
     return out[:, :, :L], lse[:, :, :L, 0]
+
+
+def leading_keys(
+    q: Tensor, k: Tensor, v: Tensor, seen: Callable[[int, int], Tensor], key_padding_mask: Tensor | None,
+    scale: float, out: Tensor, lse: Tensor, merge: bool = True,
+) -> None:  # fmt: skip
+    """The softmax of queries ``q`` ``(B, H, L, D)`` over a few keys ``k``, ``v`` ``(B, Hk, W, ·)``
+    (the sequence's first: the sinks), written or merged (``merge``) into ``out`` ``(B, H, ≥ L, Dv)``
+    and ``lse`` ``(B, H, ≥ L, 1)`` (work dtype) for runs of queries at once: one product, softmax
+    and product over all their rows (module docstring). ``seen(a, b)``: bool, broadcastable to
+    ``(H, b − a, W)``, which keys queries ``a … b − 1`` see (on the CPU applied only where it hides
+    some), and real keys only (``key_padding_mask`` ``(B, ≥ W)``); a row that sees none gets zero
+    and lse = −inf. Grouped-query keys are read by their query heads in place."""
+    B, H, L, D = q.shape
+    Hk, W, Dv, work = k.shape[1], k.shape[2], v.shape[-1], out.dtype
+    G, inf = H // Hk, float("-inf")
+    keys, values = k.to(work) * scale, v.to(work)
+    real = None if key_padding_mask is None else key_padding_mask[:, None, None, :W]
+    step = max(1, min(TUNING.blocksparse_rows, TUNING.blocksparse_fused_tile // max(1, W)) // (B * H))
+    for a in range(0, L, step):
+        b = min(L, a + step)
+        rows = q[:, :, a:b].to(work).reshape(B, Hk, G * (b - a), D)
+        scores = torch.matmul(rows, keys.transpose(-1, -2)).view(B, H, b - a, W)
+        hidden = ~(seen(a, b) if real is None else seen(a, b) & real)
+        if not (q.is_cpu and not bool(hidden.any())):
+            scores.masked_fill_(hidden, inf)
+        top = scores.amax(-1, keepdim=True)  # (B, H, b − a, 1): −inf where no key is seen
+        top.masked_fill_(top == inf, 0.0)
+        weights = scores.sub_(top).exp_()  # rows seeing none: all zero
+        total = weights.sum(-1, keepdim=True)
+        part = torch.matmul(weights.view(B, Hk, G * (b - a), W), values).view(B, H, b - a, Dv).div_(total)
+        top.add_(total.log_())  # the part's log-sum-exp: −inf where it sees no key (its output 0 / 0 …
+        part.masked_fill_(top == inf, 0.0)  # … made 0)
+        if merge:
+            merge_into(out[:, :, a:b], lse[:, :, a:b], part, top)
+        else:
+            out[:, :, a:b], lse[:, :, a:b] = part, top
 
 
 def _empty_slots(parts: Sequence[Part], L: int) -> bool:

@@ -20,6 +20,9 @@ Two optional records say what the engine may skip, each checked when built:
   visible, exactly causal, triangular), so a chunk needs less of it or none.
 - ``Views``: for regular layouts, how to read the blocks' rows through views of the inputs (a
   band's overlapping windows, a segment's strided rows) instead of gathering them.
+- ``leading``: a group whose every block reads the sequence's first ``W`` keys (the sinks) gives
+  their mask over any run of queries, so the forward computes it for many queries in one product
+  (``blocksparse_forward``) instead of block by block.
 
 The layouts built here are the band (``band_groups``: a sliding window, Sparse Transformer's local
 step) and the segments (``segment_groups``: dense attention inside runs of positions, the strided
@@ -117,6 +120,9 @@ class Group:
     # from the layout alone, so that later calls without key padding reuse them; None: not kept.
     memo: dict | None = field(default=None, compare=False, repr=False)
     transposed: bool = False  # blocks of keys against windows of queries (module docstring)
+    # every block reads keys 0 … W − 1: leading(a, b) -> bool (heads, b − a, W), which of them
+    # queries a … b − 1 see (module docstring); None for other layouts
+    leading: Callable[[int, int], Tensor] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.queries.dim() != 2 or self.keys.dim() != 3 or self.keys.shape[1] != self.queries.shape[0]:
@@ -234,7 +240,8 @@ def sink_groups(L: int, sinks: int, block: int, heads: int, mask_mod: MaskMod, d
     attention sinks), under ``mask_mod`` (``sink_mask``), evaluated per head where it depends on
     the head. ``sinks`` must not exceed the number of keys. Where the blocks hold the queries
     whole, they read views: the queries in place, the sinks repeated for each block, and the
-    outputs merged in place (a gather and a scatter of every query's row otherwise)."""
+    outputs merged in place (a gather and a scatter of every query's row otherwise). The group's
+    ``leading`` lets the forward compute it for many queries at once."""
     n = -(-L // block)
     views = None
     if n * block == L:
@@ -253,7 +260,11 @@ def sink_groups(L: int, sinks: int, block: int, heads: int, mask_mod: MaskMod, d
         rows, cols = queries[start:stop, :, None], keys[0, start:stop, None, :]
         return mask_mod(zero, head, rows, cols) & (rows < L)  # (H, n, bq, W)
 
-    return [Group(queries, keys, allowed, MaskFacts(in_range=True), views)]
+    def leading(start: int, stop: int) -> Tensor:
+        rows = torch.arange(start, stop, device=device)[:, None]
+        return mask_mod(zero, head[..., 0], rows, keys[0, 0][None])  # (H, stop − start, W)
+
+    return [Group(queries, keys, allowed, MaskFacts(in_range=True), views, leading=leading)]
 
 
 def _repeated_view(first: int, W: int) -> Callable[[Tensor, int, int, int], Tensor]:

@@ -34,7 +34,10 @@ values it first returned.
 **Sinks.** ``sinks = s`` keeps the first s keys visible to every query (causal: those before it),
 besides its window: StreamingLLM's attention sinks (Xiao et al. 2024), which pretrained decoders
 lean on. They are a second, disjoint part of the block-sparse engine (``kernels.layouts.sink_groups``):
-each query block against the first s keys its window leaves out.
+the first s keys each query's window leaves out, computed for all queries in one product
+(``kernels.blocksparse_forward.leading_keys``) and merged by log-sum-exp. Causal inference in
+query blocks (``ops.causal_blocks``) runs each block's window alone, its keys a view of the inputs,
+and the sinks once for the whole call.
 
 **Decoding.** ``WindowCache`` keeps the sinks and the last ``window`` keys and values: each new
 token attends to them and itself, so decoding cost and memory do not grow with the prompt.
@@ -52,7 +55,8 @@ from torch.nn.functional import scaled_dot_product_attention
 from subquad._validate import check_grouped_inputs
 from subquad.decoding import Decoder
 from subquad.kernels import flex
-from subquad.kernels.band import window_attention, window_mask
+from subquad.kernels.band import window_attention, window_mask, window_softmax
+from subquad.kernels.blocksparse_forward import leading_keys
 from subquad.kernels.layouts import sink_mask
 from subquad.masks import MaskMod, or_masks, window_covers_all
 from subquad.mechanisms._options import kernel_option
@@ -112,8 +116,40 @@ def local_attention(
     def run(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, initial: None = None) -> Tensor:
         return window_attention(q, k, v, mask, is_causal, scale, w, s, config.kernel, enable_gqa)
 
+    if is_causal and s and config.kernel == "fused":  # inference by blocks: the window, then the sinks once
+        out = _window_then_sinks(q, k, v, key_padding_mask, shape.scale, w, s)
+        if out is not None:
+            return out
     out = in_query_blocks(q, k, v, key_padding_mask, s, w, run) if is_causal else None  # inference: by blocks
     return run(q, k, v, key_padding_mask) if out is None else out
+
+
+def _window_then_sinks(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float, w: int, s: int
+) -> Tensor | None:  # fmt: skip
+    """Causal inference in query blocks (``ops.causal_blocks``) with sinks: each block's window
+    alone, its keys a view of the inputs (``kernels.band.window_softmax``, with its log-sum-exp),
+    then the sinks each query's window leaves out for all queries at once, merged
+    (``kernels.blocksparse_forward.leading_keys``): a sinks part per block was a dozen small
+    operations each (docs/performance.md). None where blocks do not apply."""
+
+    def window(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, initial: None = None) -> tuple[Tensor, Tensor]:
+        return window_softmax(q, k, v, mask, True, scale, w, 0)
+
+    parts = in_query_blocks(q, k, v, key_padding_mask, 0, w, window)
+    if parts is None:
+        return None
+    out, lse = parts
+    s, offset = min(s, k.shape[2]), k.shape[2] - q.shape[2]
+    sinks = sink_mask(s, window_mask(w, True, offset), True, offset)
+    zero = torch.zeros((), dtype=torch.long, device=q.device)
+    columns = torch.arange(s, device=q.device)
+
+    def seen(a: int, b: int) -> Tensor:
+        return sinks(zero, zero, torch.arange(a, b, device=q.device)[:, None], columns)
+
+    leading_keys(q, k[:, :, :s], v[:, :, :s], seen, key_padding_mask, scale, out, lse)
+    return out.to(q.dtype)
 
 
 def local_mask_mod(config: LocalConfig, num_queries: int, num_keys: int, is_causal: bool) -> MaskMod:

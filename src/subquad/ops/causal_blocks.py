@@ -29,10 +29,12 @@ BLOCK, PARTS = 256, 32  # queries per block: at least BLOCK, and the sequence in
 
 def in_query_blocks(
     q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, sinks: int, window: int | None,
-    run: Callable[..., Tensor], far: Callable[..., Tensor] | None = None, needs_grad: tuple = (),
-) -> Tensor | None:  # fmt: skip
+    run: Callable[..., Tensor | tuple[Tensor, ...]], far: Callable[..., Tensor] | None = None,
+    needs_grad: tuple = (),
+) -> Tensor | tuple[Tensor, ...] | None:  # fmt: skip
     """``run(q, k, v, key_padding_mask, initial)`` over query blocks (module docstring), or None
-    where blocks do not apply. ``far(k, v, mask)``: the sums ``(B, H, F, Dv + 1)`` of keys that
+    where blocks do not apply; where ``run`` returns a tuple of per-query tensors (an output and
+    its log-sum-exp), a tuple of them. ``far(k, v, mask)``: the sums ``(B, H, F, Dv + 1)`` of keys that
     left every later window (``linear``); ``initial`` is their running total ``(B·H, F, Dv + 1)``,
     None before any. ``window`` None: a pattern that may reach any earlier key; each block then
     reads the keys from the start. ``needs_grad``: more tensors (a learned state's) whose gradients would be lost."""
@@ -57,10 +59,12 @@ def in_query_blocks(
             keys, values = _sinks_and(k, 2, sinks, lo, b), _sinks_and(v, 2, sinks, lo, b)
             mask = None if key_padding_mask is None else _sinks_and(key_padding_mask, 1, sinks, lo, b)
         o = run(q[:, :, a:b], keys, values, mask, initial)
+        parts = o if isinstance(o, tuple) else (o,)  # (output, log-sum-exp, …): each per query row
         if out is None:
-            out = o.new_empty(*q.shape[:3], o.shape[-1])
-        out[:, :, a:b] = o
-    return out
+            out = tuple(x.new_empty(*q.shape[:3], x.shape[-1]) for x in parts)
+        for whole, x in zip(out, parts):
+            whole[:, :, a:b] = x
+    return out if isinstance(o, tuple) else out[0]
 
 
 def _sinks_and(x: Tensor, dim: int, sinks: int, lo: int, b: int) -> Tensor:
