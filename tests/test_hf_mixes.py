@@ -129,6 +129,35 @@ def test_cached_generation_of_a_mix_equals_uncached_over_a_left_padded_batch(nam
     assert torch.equal(model.generate(prompt[:1], **beams), model.generate(prompt[:1], use_cache=False, **beams))
 
 
+def test_groups_of_one_stateless_spec_run_as_one_call_equal_to_the_groups_apart(monkeypatch):
+    """Non-adjacent groups of one spec whose mechanism keeps no state run as one call on their heads
+    together (``LayerMix.calls``), in the parallel pass and in generation (the first group's cache
+    part holds both groups' key/value heads); logits and generated tokens equal the groups run
+    apart. Seeded or learned states, other options and learned inputs keep their groups apart."""
+    far = "retrieval:window=3,sinks=1,blocks=2,block=2"
+    spec = f"{far}*2+local:window=4,sinks=1*2+{far}*2"
+    model = hf.use(llama(heads=6, kv_heads=3), spec)
+    assert hf.attention_modules(model)[0].subquad_attention.calls == ((0, 2), (1,))
+    calls = lambda s: hf.model_attention(model, s, converted=True).calls
+    assert calls("local:window=4*2+local:window=5*2+local:window=4*2") == ((0, 2), (1,))
+    assert calls("routing:clusters=2*2+local*2+routing:clusters=2*2") == ((0,), (1,), (2,))  # seeded centroids
+    hedgehog = "linear:feature_map=hedgehog"
+    assert calls(f"{hedgehog}*2+local*2+{hedgehog}*2") == ((0,), (1,), (2,))  # learned maps per group
+    assert calls("linear*2+local*2+linear*2") == ((0, 2), (1,))  # elu: nothing learned
+    ids, mask = tokens(2, 24), left_padded(2, 24)
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "attention_mask": mask}
+    merged = model(ids, attention_mask=mask).logits
+    out = model.generate(ids, use_cache=True, return_dict_in_generate=True, **settings)
+    first, _, last = out.cache.layers[0].parts
+    assert first.decoder.keys.shape[1] == 2 and last.decoder is None  # both far groups' key/value heads, one part
+    monkeypatch.setattr(LayerMix, "calls", property(lambda mix: tuple((i,) for i in range(len(mix.groups)))))
+    apart = model(ids, attention_mask=mask).logits
+    torch.testing.assert_close(merged, apart, rtol=1e-6, atol=1e-6)
+    out_apart = model.generate(ids, use_cache=True, return_dict_in_generate=True, **settings)
+    assert out_apart.cache.layers[0].parts[2].decoder.keys.shape[1] == 1  # apart: each its own
+    assert torch.equal(out.sequences, out_apart.sequences)
+
+
 def test_a_mix_without_a_decoder_keeps_keys_and_a_refused_step_changes_nothing():
     model = hf.use(llama(), "local:window=4,sinks=2*2+full*2")
     assert isinstance(SubquadCache(hf.use(llama(), "routing*2+full*2")).layers[0], DynamicLayer)
@@ -211,3 +240,34 @@ def test_a_mix_s_attention_time_is_its_groups_timed_on_their_heads(monkeypatch):
     assert out["original"] == {"time_ms": 4000.0, "ratio": 1.0, "peak_mb": 40.0}
     assert out["local:window=3*2+full*2"] == {"time_ms": 2500.0, "ratio": 0.625, "peak_mb": 20.0}
     assert out["local:window=3"] == {"time_ms": 1000.0, "ratio": 0.25, "peak_mb": 40.0}
+
+
+def test_groups_run_as_one_call_are_timed_together_on_their_heads(monkeypatch):
+    """``subquad approx``'s attention column times what the model runs: the groups one call runs
+    (``LayerMix.calls``) in one bench cell on their query heads together, in their order, with the
+    key/value heads they read (the model's own inputs: the recorded heads picked)."""
+    from safetensors.torch import load_file
+
+    from subquad.bench import runner
+    from subquad.hf.recording import record
+    from subquad.hf.speed import attention_speed
+
+    calls = []
+
+    def bench(settings, progress=None):
+        heads = settings.heads if settings.inputs is None else load_file(settings.inputs)
+        calls.append((heads, [v.label for v in settings.variants]))
+        labels = ["full", *(v.label for v in settings.variants)]
+        return [{"mechanism": x, "time_s": 1.0, "ratio": 1.0, "peak_bytes": 2**20} for x in labels]
+
+    monkeypatch.setattr(runner, "run_bench", bench)
+    model, spec = llama(heads=6, kv_heads=3), "local:window=3*2+full*2+local:window=3*2"
+    attention_speed(model, [spec], 64, True, torch.device("cpu"), "float32")
+    assert calls == [(2, []), (4, ["local(window=3)"]), (6, [])]  # the full group; both window groups; the layer
+    calls.clear()
+    recorded = record(model, tokens(1, 16), layers=[1])
+    attention_speed(model, [spec], 16, True, torch.device("cpu"), "float32", inputs=recorded)
+    ((both, labels),) = [c for c in calls if c[1]]
+    assert labels == ["local(window=3)"]
+    assert torch.equal(both["q"], recorded.q[:, :, [0, 1, 4, 5]].contiguous())
+    assert torch.equal(both["k"], recorded.k[:, :, [0, 2]].contiguous())

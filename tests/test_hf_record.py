@@ -39,10 +39,12 @@ def test_recorded_inputs_give_the_model_s_attention_and_its_setting_comes_back()
         )
         assert torch.allclose(out.transpose(1, 2).reshape(1, 24, 32), seen[i], atol=1e-6)
     assert model.config._attn_implementation == "sdpa"  # as it was
-    half = recorded.heads(2, 2)
+    half = recorded.heads([(2, 2)])
     assert torch.equal(half.q, recorded.q[:, :, 2:]) and torch.equal(half.k, recorded.k[:, :, 1:])
+    turned = recorded.heads([(2, 2), (0, 2)])  # runs in their order: the second key/value head first
+    assert torch.equal(turned.q, recorded.q[:, :, [2, 3, 0, 1]]) and torch.equal(turned.v, recorded.v[:, :, [1, 0]])
     with pytest.raises(ValueError, match="heads 1..2 split a key/value head of 2 query heads"):
-        recorded.heads(1, 2)
+        recorded.heads([(0, 2), (1, 2)])
 
 
 def test_the_model_s_implementation_and_mode_come_back_also_when_the_pass_raises():

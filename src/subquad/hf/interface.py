@@ -277,7 +277,10 @@ def _forward(
         spec = _FULL = _FULL or LayerAttention.build("full")
     causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
     if isinstance(spec, LayerMix):
-        return mixed_forward(module, _forward, query, key, value, attention_mask, dropout, scaling, causal, **kwargs)
+        merge = _CAPTURE is None  # a capture records each group's own heads
+        return mixed_forward(
+            module, _forward, query, key, value, attention_mask, dropout, scaling, causal, merge, **kwargs
+        )
     if dropout and not spec.mechanism.dropout:
         raise ValueError(
             f"{spec.mechanism.name} has no attention dropout, but this model applies {dropout} in training: call "

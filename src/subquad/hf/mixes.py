@@ -14,14 +14,22 @@ without ``*N`` takes the heads the others leave (the spec grammar of ``subquad.c
   mechanism and, like an attention module, its state (routing's centroids, seeded by layer and
   first head; ``calibrate`` fits them): the layer's output is the groups' outputs side by side,
   exactly what each group's call gives on its heads.
+- Groups of one spec whose mechanism keeps no state (no learned inputs, no state tensors: a
+  window, retrieval without a learned map) run as one call on their heads together, wherever they
+  lie in the layer (``LayerMix.calls``): ``retrieval*3+local*3+retrieval*3`` is one retrieval
+  call on the first and last key/value heads, and its output is the per-group calls' (every
+  mechanism is computed head by head). A call is a fixed cost (about 65 µs a token in SmolLM2's
+  generation, docs/performance.md); ``subquad approx`` times such groups together as well.
 - Generation: in ``SubquadCache`` a mixed layer is a ``MixLayer``: each group whose decoder takes
-  over a prefill (local, linear) steps at its own cost, each other group keeps its key/value heads.
+  over a prefill (local, linear) steps at its own cost, each other group keeps its key/value heads
+  (groups run as one call keep theirs in the first one's part).
 - ``convert`` adds what each group's mechanism needs on the group's heads (``distill`` trains it),
   ``save`` writes the mix's spec, and ``subquad approx`` measures a mix as any spec.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +54,35 @@ class LayerMix:
     @property
     def firsts(self) -> list[int]:
         return [sum(self.heads[:i]) for i in range(len(self.heads))]
+
+    @functools.cached_property
+    def calls(self) -> tuple[tuple[int, ...], ...]:
+        """The groups each call runs (module docstring), in the order of their first group: the
+        groups of one spec whose mechanism keeps no state together, every other group alone."""
+        calls: list[list[int]] = []
+        for index, group in enumerate(self.groups):
+            same = next((c for c in calls if stateless(group) and self.groups[c[0]] == group), None)
+            if same is None:
+                calls.append([index])
+            else:
+                same.append(index)
+        return tuple(tuple(c) for c in calls)
+
+
+def stateless(group: Any) -> bool:
+    """Whether a group's ``LayerAttention`` computes from its inputs alone: no learned inputs and
+    no state, or a state holding no tensor (``retrieval`` and ``linear`` without hedgehog's maps);
+    seeded states (routing's centroids, clustered's seed) hold theirs."""
+    mechanism = group.mechanism
+    if mechanism.inputs is not None:
+        return False
+    if mechanism.state is None:
+        return True
+    try:
+        probe = mechanism.state(group.config, 1, 8, 0)
+    except Exception:  # a state that cannot be built so small: kept apart
+        return False
+    return not any(True for _ in probe.parameters()) and not any(True for _ in probe.buffers())
 
 
 class HeadShare(nn.Module):
@@ -100,11 +137,13 @@ def shares(mix: LayerMix, layer_idx: int) -> nn.ModuleList:
 
 def mixed_forward(
     module: nn.Module, forward: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, dropout: float,
-    scaling: float | None, causal: bool, **kwargs: Any,
+    scaling: float | None, causal: bool, merge: bool = True, **kwargs: Any,
 ) -> tuple[Tensor, None]:  # fmt: skip
-    """A mixed layer's attention: each ``HeadShare`` of ``module`` runs ``forward`` (the interface's
-    attention call) on its query heads and their key/value heads, with its part of subquad's cache
-    (``subquad.hf.cache.MixLayer``) if one is passed; the outputs ``(B, L, h, D)`` side by side."""
+    """A mixed layer's attention: each call of ``module``'s mix (``LayerMix.calls``; with ``merge``
+    False, each group alone) runs ``forward`` (the interface's attention call) through its first
+    ``HeadShare`` on its groups' query heads and their key/value heads, with that group's part of
+    subquad's cache (``subquad.hf.cache.MixLayer``) if one is passed; the outputs ``(B, L, h, D)``
+    side by side, in the groups' order."""
     per, layer = query.shape[1] // key.shape[1], kwargs.pop(KEY, None)
     shares = list(module.subquad_shares)
     if sum(share.heads for share in shares) != query.shape[1]:
@@ -112,21 +151,32 @@ def mixed_forward(
             f"the head mix {module.subquad_attention.text!r} splits {sum(s.heads for s in shares)} query heads, but "
             f"this layer's attention hands over {query.shape[1]}: apply the mix to layers of that many heads"
         )
+    calls = module.subquad_attention.calls if merge else tuple((i,) for i in range(len(shares)))
+    if layer is not None:  # those that keep keys first (MixLayer.order)
+        calls = [call for index in layer.order() for call in calls if call[0] == index]
     outputs: list[Tensor | None] = [None] * len(shares)
     try:
-        for index in range(len(shares)) if layer is None else layer.order():
-            share = shares[index]
-            q = query[:, share.first : share.first + share.heads]
-            kv = slice(share.first // per, (share.first + share.heads) // per)
-            k, v, extra = key[:, kv], value[:, kv], kwargs
+        for call in calls:
+            members = [shares[i] for i in call]
+            q, k, v = (_heads(x, members, n) for x, n in ((query, 1), (key, per), (value, per)))
+            extra = kwargs
             if layer is not None:
-                k, v, extra = layer.share(module.subquad_attention, index, k, v, kwargs)
-            outputs[index], _ = forward(share, q, k, v, attention_mask, dropout, scaling, causal, **extra)
+                k, v, extra = layer.share(module.subquad_attention, call[0], k, v, kwargs)
+            out, _ = forward(members[0], q, k, v, attention_mask, dropout, scaling, causal, **extra)
+            for index, part in zip(call, out.split([share.heads for share in members], dim=2)):
+                outputs[index] = part
     except Exception:
         if layer is not None:
             layer.undo(key.shape[2])
         raise
     return torch.cat(outputs, dim=2), None
+
+
+def _heads(x: Tensor, members: list[HeadShare], per: int) -> Tensor:
+    """The heads of ``x`` ``(B, H, ·, ·)`` the ``members`` read, ``per`` of their query heads to one
+    of x's: a slice for one group, the groups' slices joined for several."""
+    parts = [x[:, s.first // per : (s.first + s.heads) // per] for s in members]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def units(modules: list[nn.Module]) -> list[nn.Module]:

@@ -50,13 +50,15 @@ class Recorded:
     k: Tensor
     v: Tensor
 
-    def heads(self, first: int, count: int) -> Recorded:
-        """The query heads ``first … first + count - 1`` and the key/value heads they read."""
+    def heads(self, runs: Sequence[tuple[int, int]]) -> Recorded:
+        """The query heads of ``runs`` (``(first, count)`` each: heads ``first … first + count − 1``),
+        in that order, and the key/value heads they read."""
         group = self.q.shape[2] // self.k.shape[2]
-        if first % group or count % group:
-            raise ValueError(f"heads {first}..{first + count - 1} split a key/value head of {group} query heads")
-        kv = slice(first // group, (first + count) // group)
-        return Recorded(self.layers, self.q[:, :, first : first + count], self.k[:, :, kv], self.v[:, :, kv])
+        for first, count in runs:
+            if first % group or count % group:
+                raise ValueError(f"heads {first}..{first + count - 1} split a key/value head of {group} query heads")
+        pick = lambda x, per: torch.cat([x[:, :, a // per : (a + n) // per] for a, n in runs], dim=2)  # noqa: E731
+        return Recorded(self.layers, pick(self.q, 1), pick(self.k, group), pick(self.v, group))
 
     def save(self, path: str | os.PathLike) -> None:
         """Write them as ``subquad bench --inputs`` reads them."""

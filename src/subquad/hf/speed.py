@@ -37,7 +37,7 @@ from torch import nn
 from subquad.hf.data import Windows, token_windows
 from subquad.hf.recording import Recorded
 
-Share = tuple[int, int]  # a head group's first query head and head count
+Share = tuple[tuple[int, int], ...]  # a call's query heads: runs of (first head, count)
 
 __all__ = ["PeakRss", "attention_speed", "decode_speed", "decode_windows", "each", "model_speed", "own_inputs"]
 
@@ -56,7 +56,8 @@ def attention_speed(
     heads (grouped-query, read as the model reads them) and head size, against exact attention's:
     on the model's own queries, keys and values (``inputs``, ``hf.record``: one call runs each
     recorded layer in turn), else on the bench's drawn ones. A head mix's time is the sum of its
-    groups', each timed on its own heads and their key/value heads (its peak, the largest of theirs).
+    calls' (``LayerMix.calls``: groups of one stateless spec together), each timed on its own heads
+    and their key/value heads (its peak, the largest of theirs).
     ``progress(label)`` before each bench cell, if given."""
     from subquad.bench.runner import BASELINE, BenchSettings, Variant, run_bench
     from subquad.hf.interface import model_attention
@@ -65,32 +66,44 @@ def attention_speed(
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     group = heads // (getattr(config, "num_key_value_heads", None) or heads)  # query heads per key/value head
-    parts = {}  # each spec's groups: (variant, (first head, heads))
-    own = inputs is not None  # drawn inputs: any heads alike, a group timed by its count
+    parts = {}  # each spec's calls: (variant, share)
+    own = inputs is not None  # drawn inputs: any heads alike, a call timed by its count
     variant = lambda g: Variant(g.mechanism.name, tuple(sorted(g.options.items())))  # noqa: E731
+    whole: Share = ((0, heads),)
     for spec in specs:
         made = model_attention(model, spec, converted=True)  # the timing only: the bench makes learned inputs
-        groups = zip(made.groups, made.firsts, made.heads) if hasattr(made, "groups") else [(made, 0, heads)]
-        parts[spec] = [(variant(g), (a * own, n)) for g, a, n in groups]
-    rows = {}  # (label, (first, heads)) -> bench row
+        if not hasattr(made, "groups"):
+            parts[spec] = [(variant(made), whole)]
+            continue
+        firsts = made.firsts  # the groups one call runs (LayerMix.calls) are timed together, on their heads
+        pieces = [tuple((firsts[i], made.heads[i]) for i in call) for call in made.calls]
+        parts[spec] = [
+            (variant(made.groups[c[0]]), p if own else ((0, _count(p)),)) for c, p in zip(made.calls, pieces)
+        ]
+    rows = {}  # (label, share) -> bench row
     with tempfile.TemporaryDirectory(prefix="subquad-inputs-") as folder:
-        for share in sorted({s for groups in parts.values() for _, s in groups} | {(0, heads)}):
+        for share in sorted({s for groups in parts.values() for _, s in groups} | {whole}):
             timed = dict.fromkeys(v for g in parts.values() for v, s in g if s == share)
-            variants, count = [v for v in timed if v != BASELINE], share[1]
+            variants, count = [v for v in timed if v != BASELINE], _count(share)
             kv_heads = count // group if count % group == 0 and group > 1 else None  # a mix splits along the groups
             shape: dict[str, Any] = {"lengths": (context,), "heads": count, "kv_heads": kv_heads, "head_dim": head_dim}
+            named = ",".join(f"{a}-{a + n - 1}" for a, n in share)
             if inputs is not None:
-                shape = {"inputs": os.path.join(folder, f"heads-{share[0]}-{count}.safetensors")}
-                inputs.heads(*share).save(shape["inputs"])
+                shape = {"inputs": os.path.join(folder, f"heads-{named}.safetensors")}
+                inputs.heads(share).save(shape["inputs"])
             settings = BenchSettings(variants=variants, **shape, causal=(causal,), backward=(False,), repeats=5,
                                      warmup_seconds=1.0, max_seconds=3.0, device=device.type, dtype=dtype)  # fmt: skip
-            shown = progress and functools.partial(_cell_progress, progress, f"heads {share[0]}-{sum(share) - 1}")
+            shown = progress and functools.partial(_cell_progress, progress, f"heads {named}")
             rows.update({(r["mechanism"], share): r for r in run_bench(settings, shown)})
     full = {share: row.get("time_s", math.nan) for (label, share), row in rows.items() if label == "full"}
-    out = {"original": _cell([(rows.get(("full", (0, heads)), {}), (0, heads))], full, (0, heads))}
+    out = {"original": _cell([(rows.get(("full", whole), {}), whole)], full, whole)}
     for spec, groups in parts.items():
-        out[spec] = _cell([(rows.get((v.label, s), {}), s) for v, s in groups], full, (0, heads))
+        out[spec] = _cell([(rows.get((v.label, s), {}), s) for v, s in groups], full, whole)
     return out
+
+
+def _count(share: Share) -> int:
+    return sum(n for _, n in share)
 
 
 def _cell_progress(progress: Any, heads: str, done: int, total: int, label: str) -> None:
@@ -109,7 +122,7 @@ def own_inputs(model: nn.Module, ids: torch.Tensor, count: int) -> Recorded | No
 def _cell(rows: list[tuple[dict[str, Any], Share]], full: dict[Share, float], whole: Share) -> dict[str, Any]:
     """One spec's time (its groups' summed), ratio to exact attention's on the ``whole`` layer's heads
     (each group's paired ratio to exact attention on its heads, weighted by that one's time) and
-    peak MB. A ``Share`` is a group's first query head and head count."""
+    peak MB. A ``Share`` is a call's query heads, as runs of (first head, count)."""
     time_s = sum(r.get("time_s", math.nan) for r, _ in rows)
     ratio = sum((r.get("ratio") or math.nan) * full.get(s, math.nan) for r, s in rows) / full.get(whole, math.nan)
     peaks = [r["peak_bytes"] / 2**20 for r, _ in rows if r.get("peak_bytes")]
