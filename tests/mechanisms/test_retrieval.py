@@ -722,3 +722,37 @@ def test_in_place_rows_give_the_keys_and_values_their_gradients_when_the_queries
     weight = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
     for got, want in zip(*(torch.autograd.grad((x * weight).sum(), (k, v)) for x in (out, expected))):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_the_largest_bounds_by_rounds_of_max_are_topk_s_and_the_oracle_s_blocks(monkeypatch):
+    """``far_blocks.largest``: for a few of at most 128 in many rows, k rounds of max; the same
+    values and index sets as ``torch.topk``, of equal values the lower index, and where fewer are
+    finite the rest −inf. Retrieval on enough query rows to take that path equals the oracle."""
+    from subquad.ops import far_blocks
+
+    calls = []
+    rounds = far_blocks.largest
+
+    def spy(scores, k):
+        calls.append((scores.numel() // scores.shape[-1], k))
+        return rounds(scores, k)
+
+    scores = torch.randn(4, 300, 50, generator=torch.Generator().manual_seed(0))
+    scores[0, 0, 10:14] = 7.0  # a tie: the lower indices first
+    scores[1, 1, 2:] = float("-inf")  # two finite
+    values, indices = rounds(scores.clone(), 3)
+    top = scores.topk(3, dim=-1)
+    assert torch.equal(values.sort(-1, descending=True).values, top.values)
+    assert indices[0, 0].tolist() == [10, 11, 12]
+    assert torch.isfinite(values[1, 1]).tolist() == [True, True, False]
+    plain = torch.isfinite(top.values).all(-1)
+    plain[0, 0] = False  # no tie, all finite: topk's index set
+    assert torch.equal(indices.sort(-1).values[plain], top.indices.sort(-1).values[plain])
+    monkeypatch.setattr(far_blocks, "largest", spy)
+    q, k, v = qkv(2, 2, 80, 80, 4, 3, seed=4)
+    config = RetrievalConfig(window=6, sinks=1, blocks=3, block=4)
+    out = retrieval_attention(q, k, v, is_causal=True, config=config)
+    assert calls and all(rows >= 256 for rows, _ in calls)  # the rounds of max ran
+    mask = visible(q, k, None, True, config)
+    expected = full_attention(q, k, v, attn_mask=mask).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    assert (out - expected).abs().max() <= 1e-10

@@ -12,8 +12,9 @@ Query i, at key position p = i + S − L (bottom-right alignment), sees:
   outside i's window (causal: before it) and it holds a real key that is not a sink. Each eligible
   block gets Quest's bound ``Σ_d max(q_d·min_d, q_d·max_d)`` over the elementwise minimum and
   maximum of its real non-sink keys (= relu(q)·max − relu(−q)·min: two matmuls), an upper bound
-  on q·k for every key of the block. The ``blocks`` highest (fewer where fewer are eligible; equal
-  bounds as ``torch.topk`` orders them) join the query's keys, less sinks and padding. With
+  on q·k for every key of the block. The ``blocks`` highest (fewer where fewer are eligible; of
+  exactly equal bounds either may be taken: ``ops.far_blocks.largest``, ``torch.topk`` in
+  decoding's step) join the query's keys, less sinks and padding. With
   ``shared = G``, each group of G consecutive query heads ranks blocks by its heads' bounds
   summed and all its heads take the group's blocks (NSA's group-shared selection, Yuan et al.
   2025): set to the query heads per key/value head, a group gathers each block once.

@@ -339,8 +339,27 @@ def _chosen(
     bound = quest_bound(q.detach(), torch.cat([high, low], -1))
     if config.shared > 1:  # a group ranks blocks by its heads' bounds summed
         bound = bound.view(bound.shape[0], -1, config.shared, *bound.shape[2:]).sum(2)
-    top, index = bound.masked_fill(~eligible, float("-inf")).topk(min(config.blocks, n), dim=-1, sorted=False)
+    top, index = largest(bound.masked_fill(~eligible, float("-inf")), min(config.blocks, n))
     return index, torch.isfinite(top)
+
+
+def largest(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest of ``scores`` along the last dim and their indices, in no set order
+    (``torch.topk(sorted=False)``'s): on the CPU, for a few (``k`` ≤ 4) of at most 128 in many
+    rows, by ``k`` rounds of max, each setting its pick to −inf in ``scores`` (overwritten; of equal
+    values the lower index first, as ``torch.max``), where ``topk`` took twice the time or more
+    (docs/performance.md); else ``topk``. Where fewer than ``k`` are finite, the −inf ones taken
+    may repeat an index."""
+    rows = scores.numel() // max(1, scores.shape[-1])
+    if not (scores.is_cpu and k <= 4 and scores.shape[-1] <= 128 and rows >= 256):
+        return scores.topk(k, dim=-1, sorted=False)
+    values, indices = [], []
+    for _ in range(k):
+        value, index = scores.max(-1, keepdim=True)
+        values.append(value)
+        indices.append(index)
+        scores.scatter_(-1, index, float("-inf"))
+    return torch.cat(values, -1), torch.cat(indices, -1)
 
 
 def quest_bound(q: Tensor, bounds: Tensor) -> Tensor:
