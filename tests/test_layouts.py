@@ -172,9 +172,8 @@ def test_the_sinks_part_reads_views_where_its_blocks_are_whole_and_equals_its_ga
     import dataclasses
 
     from subquad.kernels.band import window_layout
-    from subquad.kernels.blocksparse import block_sparse_attention
 
-    from .conftest import padding, qkv, randn
+    from .conftest import padding, qkv
 
     H, Hkv = heads
     q, _, _ = qkv(2, H, L, S, 8, seed=1)
@@ -184,14 +183,23 @@ def test_the_sinks_part_reads_views_where_its_blocks_are_whole_and_equals_its_ga
     assert len(parts) == 2  # the band, then the sinks its windows leave out
     (sinks,) = parts[1]
     assert (sinks.views is not None and sinks.views.writes) == (L % block == 0)
-    gathered = [parts[0], [dataclasses.replace(sinks, views=None)]]
+    _same_outputs_and_gradients(q, k, v, kpm, kernel, parts, [parts[0], [dataclasses.replace(sinks, views=None)]])
+
+
+def _same_outputs_and_gradients(q, k, v, kpm, kernel, *layouts):
+    """The engine's outputs and gradients under each layout, equal to 1e-12; those of the first."""
+    from subquad.kernels.blocksparse import block_sparse_attention
+
+    from .conftest import randn
+
     results = []
-    for layout in (parts, gathered):
+    for layout in layouts:
         inputs = [x.clone().requires_grad_(True) for x in (q, k, v)]
         out = block_sparse_attention(*inputs, layout, kpm, 8**-0.5, kernel)
         results.append((out, *torch.autograd.grad(out, inputs, randn(*out.shape, seed=4))))
     for a, b in zip(*results, strict=True):
         assert (a - b).abs().max() <= 1e-12
+    return results[0]
 
 
 @pytest.mark.parametrize("kernel", ["fused", "eager"])
@@ -207,9 +215,8 @@ def test_the_sinks_part_in_one_product_equals_it_block_by_block(kernel, L, S, he
     import dataclasses
 
     from subquad.kernels.band import window_layout
-    from subquad.kernels.blocksparse import block_sparse_attention
 
-    from .conftest import qkv, randn
+    from .conftest import qkv
 
     H, Hkv = heads
     q, _, _ = qkv(2, H, L, S, 8, seed=1)
@@ -222,12 +229,6 @@ def test_the_sinks_part_in_one_product_equals_it_block_by_block(kernel, L, S, he
     (sinks,) = parts[1]
     assert sinks.leading is not None
     by_block = [parts[0], [dataclasses.replace(sinks, leading=None)]]
-    results = []
-    for layout in (parts, by_block):
-        inputs = [x.clone().requires_grad_(True) for x in (q, k, v)]
-        out = block_sparse_attention(*inputs, layout, kpm, 8**-0.5, kernel)
-        results.append((out, *torch.autograd.grad(out, inputs, randn(*out.shape, seed=4))))
-    for a, b in zip(*results, strict=True):
-        assert (a - b).abs().max() <= 1e-12
+    out, *_ = _same_outputs_and_gradients(q, k, v, kpm, kernel, parts, by_block)
     if padded and is_causal:
-        assert results[0][0][1, :, : 20 - (S - L)].abs().max() == 0  # queries before any real key
+        assert out[1, :, : 20 - (S - L)].abs().max() == 0  # queries before any real key
