@@ -91,6 +91,15 @@ def check_attention_inputs(
     Returns:
         The sizes of the call and the resolved scale.
     """
+    return _checked(q, k, v, key_padding_mask, is_causal, scale, False)
+
+
+def _checked(
+    q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, is_causal: bool, scale: float | None,
+    grouped: bool,
+) -> AttentionShape:  # fmt: skip
+    """``check_attention_inputs``; with ``grouped``, k and v hold a divisor of q's heads (``check_gqa``
+    passed), and the sizes are those of the H heads they serve."""
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(
@@ -106,7 +115,7 @@ def check_attention_inputs(
     (B, H, L, D), (Bk, Hk, S, Dk), (Bv, Hv, Sv, Dv) = q.shape, k.shape, v.shape
     if not (B == Bk == Bv):
         raise ValueError(f"batch sizes differ: q has B={B}, k has B={Bk}, v has B={Bv}")
-    if not (H == Hk == Hv):
+    if not grouped and not (H == Hk == Hv):
         raise ValueError(
             f"head counts differ: q has H={H}, k has H={Hk}, v has H={Hv}; for grouped-query attention "
             "pass enable_gqa=True (H must be a multiple of the key/value heads)"
@@ -128,10 +137,8 @@ def check_grouped_inputs(
 ) -> AttentionShape:  # fmt: skip
     """``check_attention_inputs`` for a mechanism that reads grouped-query keys and values in place:
     with ``enable_gqa``, k and v may have a divisor of q's heads; they are checked as the H heads
-    they serve (through views: nothing is copied)."""
-    if enable_gqa and check_gqa(q, k, v) > 1:
-        k, v = (x[:, :1].expand(-1, q.shape[1], -1, -1) for x in (k, v))
-    return check_attention_inputs(q, k, v, key_padding_mask, is_causal, scale)
+    they serve (nothing is copied, no view made)."""
+    return _checked(q, k, v, key_padding_mask, is_causal, scale, enable_gqa and check_gqa(q, k, v) > 1)
 
 
 def check_gqa(q: Tensor, k: Tensor, v: Tensor) -> int:

@@ -407,6 +407,44 @@ def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share
         torch.testing.assert_close(torch.cat(outs, dim=2), expected, rtol=0, atol=1e-12)
 
 
+def test_a_step_gathers_every_row_s_and_head_s_blocks_in_one_call_from_a_cache_kept_in_whole_blocks():
+    """``RetrievalCache`` grows its keys in whole blocks, so a step's chosen blocks of all rows and
+    key/value heads are rows of one matrix over the storage: one ``index_select`` each for keys and
+    values, where keys not so held (a view starting mid-block, a capacity of no whole blocks) are
+    gathered head by head; both give the same blocks, and the step the parallel pass's last query."""
+    from unittest import mock
+
+    import subquad.ops.far_step as far_step
+    from subquad.mechanisms.retrieval import RetrievalCache
+
+    config = RetrievalConfig(window=4, sinks=2, blocks=2, block=4)
+    q, k, v = qkv(2, 4, 41, 41, 8, 8, seed=3)
+    k, v = k[:, :2], v[:, :2]
+    decoder = RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
+    decoder.absorb(q[:, :, :-3], k[:, :, :-3], v[:, :, :-3])
+    selects, select = [], torch.index_select
+    with (
+        tuned(retrieval_step_dense=1, retrieval_step_in_place=1),
+        mock.patch.object(far_step.torch, "index_select", lambda *a, **kw: selects.append(1) or select(*a, **kw)),
+    ):
+        outs = [decoder.step(*(x[:, :, t : t + 1] for x in (q, k, v))) for t in (38, 39, 40)]
+    assert decoder.keys.shape[2] % 4 == 0 and len(selects) == 2 * 3  # keys and values, one call each a step
+    expected = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -3:]
+    torch.testing.assert_close(torch.cat(outs, dim=2), expected, rtol=0, atol=1e-12)
+
+    index = torch.tensor([[[0, 5], [3, 1], [2, 2], [6, 0]], [[1, 1], [0, 4], [5, 3], [2, 6]]])  # (B, U, chosen)
+    held = torch.randn(2, 2, 32, 8, dtype=torch.float64)  # 8 blocks of 4 keys a head
+    for x, calls in ((held[:, :, :29], 1), (held[:, :, 2:], 4), (held[:, :, :30].contiguous(), 4)):
+        selects.clear()
+        with mock.patch.object(far_step.torch, "index_select", lambda *a, **kw: selects.append(1) or select(*a, **kw)):
+            got = far_step._gathered(x, index, 2, 4, "test.blocks").clone()
+        assert len(selects) == calls
+        for b in range(2):
+            for u in range(4):
+                want = torch.cat([x[b, u // 2, 4 * i : 4 * i + 4] for i in index[b, u].tolist()])
+                assert torch.equal(got[b, u], want)
+
+
 @pytest.mark.parametrize("knobs", [dict(retrieval_step_dense=9, retrieval_step_in_place=1),
                                    dict(retrieval_step_dense=1, retrieval_step_in_place=144)])  # fmt: skip
 @pytest.mark.parametrize("S, gathers", [(144, False), (145, True), (200, True)])

@@ -7,6 +7,7 @@ gathered, whole rows of each key/value head's keys.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,9 +62,12 @@ def one_query(
         far = [_gathered(x, index, g, size, name).to(work) for x, name in named]  # (B, U, chosen · size, ·)
         scores.append(torch.matmul(mine.view(B, units, shared, D), far[0].transpose(-1, -2)).view(B, H, 1, -1))
         sinks = None
-        if s % size:  # the first block holds sinks, which the window part has counted
-            sinks = (index[..., None] * size + torch.arange(size, device=q.device)).flatten(2) < s  # (B, U, n)
-            scores[1] = scores[1].masked_fill(sinks.repeat_interleave(shared, dim=1)[:, :, None], float("-inf"))
+        if s % size:  # block s // size holds sinks, which the window part has counted: hidden where chosen
+            first, taken = s // size, index == s // size  # (B, U, chosen)
+            part = scores[1].view(B, units, shared, -1, size)[..., : s - first * size]
+            part.masked_fill_(taken[:, :, None, :, None], float("-inf"))
+            if kernel is not None:
+                sinks = (taken[..., None] & (torch.arange(size, device=q.device) < s - first * size)).flatten(2)
         if kernel is not None:  # the chosen keys and values by query head, and which count (not sinks)
             counted = None if sinks is None else ~sinks
             chosen = tuple(None if x is None else x.repeat_interleave(shared, dim=1) for x in (*far, counted))
@@ -79,20 +83,39 @@ def one_query(
 
 def _gathered(x: Tensor, index: Tensor, g: int, size: int, name: str) -> Tensor:
     """Each unit's chosen blocks ``index`` ``(B, U, chosen)`` of ``x`` ``(B, Hk, S, ·)``, ``(B, U,
-    chosen · size, ·)`` (g: units per key/value head), read as whole rows of its head's blocks
-    straight into ``kernels.memory.kept_buffer(name, …)`` (``index_select`` with ``out``; on the CPU
-    the thread's kept buffer, elsewhere or past ``TUNING.kept_buffer`` a fresh tensor): a fresh
+    chosen · size, ·)`` (g: units per key/value head), read as whole rows of its head's blocks (of
+    all rows and heads in one call where every head's keys start on a block of their storage, as
+    ``RetrievalCache`` keeps them; else head by head) straight into
+    ``kernels.memory.kept_buffer(name, …)`` (``index_select`` with ``out``; on the CPU the thread's
+    kept buffer, elsewhere or past ``TUNING.kept_buffer`` a fresh tensor): a fresh
     output of a few megabytes faults its pages in again at the steps where the heap has given them
     back (SmolLM2 at 8,192 tokens: 230 minor faults a token, 18 with the kept buffers)."""
     (B, units, chosen), Hk = index.shape, x.shape[1]
     out = kept_buffer(name, B * units * chosen * size * x.shape[-1], x.dtype, x.device)
     out = out.view(B, units, chosen * size, x.shape[-1])
-    for b in range(B):
+    row = size * x.shape[-1]  # elements of a block
+    sB, sH, sS, sF = x.stride()
+    if sF == 1 and sS == x.shape[-1] and sB % row == 0 and sH % row == 0 and x.storage_offset() % row == 0:
+        # every row's and head's blocks are rows of one matrix over the storage: one index_select for all
+        held = x.untyped_storage().nbytes() // x.element_size() // row
+        blocks = x.as_strided((held, row), (row, 1), 0)
+        first = _block_rows(B, units, g, sB // row, sH // row, x.storage_offset() // row, x.device)  # (B, U, 1)
+        torch.index_select(blocks, 0, (index + first).view(-1), out=out.view(-1, row))
+        return out
+    for b in range(B):  # else block by block of each row and key/value head
         for h in range(Hk):
             blocks = x[b, h, : x.shape[2] // size * size].reshape(-1, size * x.shape[-1])
             rows = out[b, h * g : h * g + g].view(g * chosen, -1)
             torch.index_select(blocks, 0, index[b, h * g : h * g + g].flatten(), out=rows)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _block_rows(B: int, units: int, g: int, row_stride: int, head_stride: int, offset: int, device) -> Tensor:
+    """``_gathered``'s first block row of each row's units ``(B, U, 1)`` (unit u reads key/value
+    head u // g), in blocks of the storage."""
+    rows = torch.arange(B, device=device)[:, None] * row_stride
+    return (rows + torch.arange(units, device=device)[None] // g * head_stride + offset)[..., None]
 
 
 def _step_blocks(q: Tensor, bounds: Tensor, config: Config, e: int) -> tuple[Tensor, int] | None:
