@@ -364,9 +364,9 @@ def largest(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def quest_bound(q: Tensor, bounds: Tensor) -> Tensor:
     """Quest's bound ``Σ_d max(q_d·min_d, q_d·max_d)`` of queries ``(…, c, D)`` on blocks of bounds
-    ``[max, min]`` ``(…, n, 2D)``, ``(…, c, n)``: ``relu(q)·max + min(q, 0)·min``, one product of
-    ``[relu(q), min(q, 0)]`` with the bounds as they are held (each d adds exactly the larger of
-    its two terms; the parallel pass and decoding's step, whose cache holds the bounds so)."""
-    work = work_dtype(q.dtype)  # in fp32 for half inputs: else near ties flip with the call's shape
-    q = q.to(work)
-    return torch.matmul(torch.cat([q.clamp_min(0), q.clamp_max(0)], dim=-1), bounds.to(work).transpose(-1, -2))
+    ``[max, min]`` ``(…, n, 2D)``, ``(…, c, n)``: relu(q)·max − relu(−q)·min, that is
+    ``q·min + relu(q)·(max − min)``, two products over the queries with one temporary of their size
+    (the parallel pass and decoding's step, whose cache holds the bounds so)."""
+    work, D = work_dtype(q.dtype), q.shape[-1]  # in fp32 for half inputs: else near ties flip with the call's shape
+    q, high, low = q.to(work), bounds[..., :D].to(work), bounds[..., D:].to(work)
+    return torch.matmul(q, low.transpose(-1, -2)).add_(torch.matmul(q.clamp_min(0), (high - low).transpose(-1, -2)))
