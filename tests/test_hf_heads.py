@@ -111,6 +111,36 @@ def test_each_layer_s_top_key_value_heads_take_the_far_spec_as_a_plan_of_head_mi
     assert saved == {**SCORES.to_dict(), "scores": SCORES.scores.tolist()} and saved["kv_heads"] == 3
 
 
+def test_several_far_specs_go_to_bands_of_consecutive_layers_the_first_to_the_earliest():
+    # chosen, one per layer: layer 0 kv 1, layer 1 kv 0, layer 2 kv 0, layer 3 kv 2
+    near, a, b, c = "local:window=4,sinks=1", "retrieval:blocks=4,block=4", "retrieval:blocks=3,block=4", "local"
+    lines = SCORES.plan((a, b), near, 1).splitlines()
+    assert lines[0].startswith("# subquad heads: per layer, the 1 key/value head(s) that fetch most take the far spec "
+                               "of their band (2 bands of consecutive layers, the earliest first)")  # fmt: skip
+    assert lines[1:] == [
+        "", "[[layers]]", "layers = [0]", f'attention = "{near}*2+{a}*2+{near}*2"',
+        "", "[[layers]]", "layers = [1]", f'attention = "{a}*2+{near}*4"',
+        "", "[[layers]]", "layers = [2]", f'attention = "{b}*2+{near}*4"',
+        "", "[[layers]]", "layers = [3]", f'attention = "{near}*4+{b}*2"',
+    ]  # fmt: skip
+    three = SCORES.plan([a, b, c], near, 2).splitlines()[1:]  # 4 layers in 3 bands: 0-1, 2, 3
+    assert three == [
+        "", "[[layers]]", "layers = [0]", f'attention = "{a}*4+{near}*2"',
+        "", "[[layers]]", "layers = [1]", f'attention = "{a}*2+{near}*2+{a}*2"',
+        "", "[[layers]]", "layers = [2]", f'attention = "{b}*4+{near}*2"',
+        "", "[[layers]]", "layers = [3]", f'attention = "{c}*2+{near}*2+{c}*2"',
+    ]  # fmt: skip
+    assert SCORES.plan((a,), near, 1) == SCORES.plan(a, near, 1)  # one spec: every layer's
+    assert HeadsConfig("m", "d", "o", far=a).far == (a,)
+    for far, match in (
+        ((a,) * 5, r"5 far specs for 4 layers: give at most one a layer"),
+        ((), "no far spec: give one, or one for each band of consecutive layers"),
+        ((a, "retrieval:blok=2"), r"unknown option\(s\) \['blok'\] for retrieval"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SCORES.plan(far, near, 1)
+
+
 def test_a_total_takes_the_key_value_heads_of_highest_score_in_any_layer():
     # summed: layer 0 (0.1, 0.4, 0.0), 1 (0.6, 0.0, 0.3), 2 all 0, 3 (0.1, 0, 0.3): 0.3 twice, the earlier layer first
     assert SCORES.chosen(total=3) == [[1], [0, 2], [], []]
@@ -184,6 +214,12 @@ def test_the_command_writes_the_scores_and_a_plan_the_model_takes(saved_llama, t
     assert main([*argv, "--per-layer", "2"]) == 0  # the same cases: a new plan from the saved scores
     assert "scores of the same cases from" in capsys.readouterr().out
     assert plan_layers(model, read_plan(out / "plan.toml")) == [("retrieval:window=8,blocks=2,block=4", [0, 1])]
+    bands = ["--far", "retrieval:window=8,blocks=2,block=4", "retrieval:window=8,blocks=1,block=4"]
+    assert main([*argv, *bands, "--per-layer", "2"]) == 0  # one far spec for each layer (2 bands of 1)
+    assert plan_layers(model, read_plan(out / "plan.toml")) == [
+        ("retrieval:window=8,blocks=2,block=4", [0]), ("retrieval:window=8,blocks=1,block=4", [1])
+    ]  # fmt: skip
+    capsys.readouterr()
     assert main([*argv, "--total", "1"]) == 0  # one key/value head in all: where the saved scores are highest
     best = torch.tensor(saved["scores"]).view(2, 2, 2).sum(-1).flatten().argmax().item()
     layers = plan_layers(model, read_plan(out / "plan.toml"))

@@ -24,6 +24,13 @@ highest sums wherever they lie (DuoAttention's global choice: a layer may get no
 ``far`` on their query heads, and the other heads ``near``: a head mix (``mixes``), key/value heads never split. Layers
 with the same mix share a table of the TOML layer plan (``plans``) that ``subquad.hf.use``,
 ``convert``, ``subquad approx --mechanisms`` and ``subquad distill --mechanism`` read.
+
+**Far specs by depth.** ``far`` may be several specs: the layers are cut into as many bands of
+consecutive layers (as equal as they divide), the first band, the earliest layers, taking the
+first spec. Early layers spread the answer's attention over the whole context and late ones
+narrow it to a few blocks (docs/performance.md), so far blocks taken from the late layers and
+given to the early ones (``blocks=4`` / ``3`` / ``2`` by thirds against ``3`` everywhere, the same
+far keys in all) find more passkeys at the same cost.
 """
 
 from __future__ import annotations
@@ -95,16 +102,25 @@ class HeadScores:
         order = torch.argsort(-groups, dim=1, stable=True)[:, :per_layer]
         return [sorted(row) for row in order.tolist()]
 
-    def plan(self, far: str = FAR, near: str = NEAR, per_layer: int | None = None, total: int | None = None) -> str:
+    def plan(
+        self, far: str | Sequence[str] = FAR, near: str = NEAR, per_layer: int | None = None, total: int | None = None
+    ) -> str:
         """The TOML layer plan (module docstring): ``far`` on the chosen key/value heads' query heads
-        (``chosen``), ``near`` on the others."""
-        check_specs(far, near)
+        (``chosen``), ``near`` on the others; several ``far`` specs, one to each band of
+        consecutive layers, the first to the earliest."""
+        fars = (far,) if isinstance(far, str) else tuple(far)
+        check_specs(fars, near)
+        if len(fars) > len(self.layers):
+            raise ValueError(
+                f"{len(fars)} far specs for {len(self.layers)} layers: give at most one a layer (each takes a band "
+                "of consecutive layers)"
+            )
         per = self.scores.shape[1] // self.kv_heads
         tables: dict[str, list[int]] = {}
-        for layer, picked in zip(self.layers, self.chosen(per_layer, total)):
+        for i, (layer, picked) in enumerate(zip(self.layers, self.chosen(per_layer, total))):
             runs: list[list[Any]] = []  # [spec, query heads] of consecutive key/value heads alike
             for head in range(self.kv_heads):
-                spec = far if head in picked else near
+                spec = fars[i * len(fars) // len(self.layers)] if head in picked else near
                 if runs and runs[-1][0] == spec:
                     runs[-1][1] += per
                 else:
@@ -113,7 +129,10 @@ class HeadScores:
             tables.setdefault(text, []).append(layer)
         which = (f"the {total} key/value head(s) across all layers" if total is not None
                  else f"per layer, the {1 if per_layer is None else per_layer} key/value head(s)")  # fmt: skip
-        lines = [f"# subquad heads: {which} that fetch most take the far spec "
+        bands = (
+            "" if len(fars) == 1 else f" of their band ({len(fars)} bands of consecutive layers, the earliest first)"
+        )
+        lines = [f"# subquad heads: {which} that fetch most take the far spec{bands} "
                  f"({self.cases} needle cases of {self.length} tokens)"]  # fmt: skip
         for text, layers in tables.items():
             lines += ["", "[[layers]]", f"layers = {layers}", f"attention = {json.dumps(text)}"]
@@ -127,9 +146,13 @@ class HeadScores:
         write_atomic(path, json.dumps(self.to_dict(), indent=1))
 
 
-def check_specs(far: str, near: str) -> None:
-    """Refuse a ``far`` or ``near`` that is not one mechanism's spec with options it takes."""
-    for name, spec in (("far", far), ("near", near)):
+def check_specs(far: str | Sequence[str], near: str) -> None:
+    """Refuse a ``far`` (one spec or several) or ``near`` that is not one mechanism's spec with
+    options it takes."""
+    fars = (far,) if isinstance(far, str) else tuple(far)
+    if not fars:
+        raise ValueError("no far spec: give one, or one for each band of consecutive layers")
+    for name, spec in [*(("far", f) for f in fars), ("near", near)]:
         mix = f" (the {name} spec); give one mechanism's spec: the plan mixes them"
         mechanism, options = one_mechanism(spec, {}, mix)
         make_config(mechanism, **options)
@@ -187,7 +210,10 @@ class HeadsConfig:
     depths: tuple[float, ...] = setting(DEPTHS, "where the needle sits in the text (0-1)", metavar="D")
     samples: int = setting(1, "needle cases at each depth")
     seed: int = setting(0, "the cases' passage order, words and numbers")
-    far: str = setting(FAR, "the spec of the heads that fetch")
+    far: tuple[str, ...] = setting(
+        (FAR,), "the spec of the heads that fetch; several: the layers cut into as many bands of consecutive layers, "
+        "the first spec the earliest band's", metavar="SPEC",
+    )  # fmt: skip
     near: str = setting(NEAR, "the spec of the other heads")
     per_layer: int | None = setting(
         None, "key/value heads per layer that take --far (not with --total)", shown_default="1, without --total"
@@ -198,6 +224,8 @@ class HeadsConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        if isinstance(self.far, str):  # one spec, as the Python API may give it
+            object.__setattr__(self, "far", (self.far,))
         counts = [x for x in (self.per_layer, self.total) if x is not None]
         if self.length < 1 or self.samples < 1 or any(x < 0 for x in counts):
             raise ValueError(
