@@ -312,7 +312,7 @@ _LIBC = _load_libc()
 def _memory_method(device: torch.device) -> str:
     if device.type == "cuda":
         return "cuda-max-allocated"
-    return "rss-high-water" if _can_reset_high_water() else "ru_maxrss"
+    return "rss-high-water" if reset_high_water() else "ru_maxrss"
 
 
 def _memory_probe(device: torch.device) -> Callable[[], int]:
@@ -322,27 +322,30 @@ def _memory_probe(device: torch.device) -> Callable[[], int]:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         return lambda: torch.cuda.max_memory_allocated(device) - base
-    if _can_reset_high_water():
-        base = _status_kib("VmRSS")
+    if reset_high_water():
+        base = status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current resident size
-        return lambda: max(0, _status_kib("VmHWM") - base) * 1024
+        return lambda: max(0, status_kib("VmHWM") - base) * 1024
     # No /proc (e.g. macOS): the growth of the lifetime peak is a lower bound.
     scale = 1 if sys.platform == "darwin" else 1024
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return lambda: max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * scale
 
 
-def _can_reset_high_water() -> bool:
+def reset_high_water() -> bool:
+    """Reset the process's peak resident size (VmHWM) to its current one; False where the system
+    cannot (no ``/proc/self/clear_refs``)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        return _status_kib("VmHWM") > 0
+        return status_kib("VmHWM") > 0
     except OSError:
         return False
 
 
-def _status_kib(key: str) -> int:
+def status_kib(key: str) -> int:
+    """A size line of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in KiB; 0 where it has none."""
     with open(_STATUS) as f:
         for line in f:
             if line.startswith(key + ":"):
