@@ -320,6 +320,11 @@ def test_approx_settings_name_the_flag_of_a_bad_value():
     for field, flag in (("tokens", "--window-tokens"), ("samples", "--windows"), ("batch", "--windows-per-forward")):
         with pytest.raises(ValueError, match=rf"{flag} must be >= 1, got 0"):
             ApproxConfig("m", "d", "o", **{field: 0})
+    with pytest.raises(
+        ValueError,
+        match=r"--windows must be >= 2 \(an encoder's measures compare windows; every run takes two\), got 1",
+    ):
+        ApproxConfig("m", "d", "o", samples=1)
     with pytest.raises(ValueError, match="--calibration must be >= 0, got -1"):
         ApproxConfig("m", "d", "o", calibration=-1)
     with pytest.raises(ValueError, match="--context must be >= 1, got 0"):

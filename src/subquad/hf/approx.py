@@ -154,6 +154,11 @@ class ApproxConfig:
         for name, flag in flags.items():
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
+        if self.samples < 2:  # before any model loads: the run needs two windows whatever the text
+            raise ValueError(
+                f"--windows must be >= 2 (an encoder's measures compare windows; every run takes two), "
+                f"got {self.samples}"
+            )
         if self.calibration < 0:
             raise ValueError(f"--calibration must be >= 0, got {self.calibration}")
         if self.speed_layers < 0:
