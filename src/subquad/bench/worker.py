@@ -322,10 +322,8 @@ def _memory_probe(device: torch.device) -> Callable[[], int]:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         return lambda: torch.cuda.max_memory_allocated(device) - base
-    if reset_high_water():
+    if reset_high_water():  # VmHWM is now the current resident size
         base = status_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current resident size
         return lambda: max(0, status_kib("VmHWM") - base) * 1024
     # No /proc (e.g. macOS): the growth of the lifetime peak is a lower bound.
     scale = 1 if sys.platform == "darwin" else 1024
