@@ -762,6 +762,58 @@ def test_in_place_rows_give_the_keys_and_values_their_gradients_when_the_queries
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
 
+def test_the_largest_bounds_of_rows_padded_for_torch_s_partial_sort_are_topk_s_and_the_oracle_s_blocks(monkeypatch):
+    """``far_blocks.largest`` on rows of 3/8 · 64·k to 64·k entries: padded with −inf to 64·k
+    (where torch's top-k sorts partially); the same values and index sets as ``torch.topk``, and
+    where fewer than k are finite the rest −inf at indices inside the row. Rows of 64·k or more,
+    and too few rows, go to ``topk`` as they are. Retrieval whose rows take that path equals the
+    oracle."""
+    from subquad.ops import far_blocks
+
+    scores = torch.randn(2, 150, 150, generator=torch.Generator().manual_seed(0))
+    scores[1, 1, 3:] = float("-inf")  # three finite
+    pads = []
+    plain_pad = torch.nn.functional.pad
+
+    def spy_pad(x, widths, *args, **kwargs):
+        pads.append((x.shape[-1], widths))
+        return plain_pad(x, widths, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "pad", spy_pad)
+    values, indices = far_blocks.largest(scores.clone(), 4)
+    assert pads == [(150, (0, 106))]
+    top = scores.topk(4, dim=-1)
+    assert torch.equal(values.sort(-1, descending=True).values, top.values)
+    plain = torch.isfinite(top.values).all(-1)
+    assert torch.equal(indices.sort(-1).values[plain], top.indices.sort(-1).values[plain])
+    assert torch.isfinite(values[1, 1]).sum() == 3 and int(indices.max()) < 150
+    assert set(indices[1, 1][torch.isfinite(values[1, 1])].tolist()) == {0, 1, 2}
+    for rows, n in ((300, 96), (300, 255)):  # the path's ends
+        pads.clear()
+        far_blocks.largest(torch.randn(rows, n), 4)
+        assert pads == [(n, (0, 256 - n))]
+    for rows, n in ((300, 95), (300, 256), (100, 150)):  # rounds of max, or topk as they are
+        pads.clear()
+        far_blocks.largest(torch.randn(rows, n), 4)
+        assert pads == []
+    monkeypatch.setattr(torch.nn.functional, "pad", plain_pad)
+    calls = []
+    chosen = far_blocks.largest
+
+    def spy(scores, k):
+        calls.append((scores.numel() // scores.shape[-1], scores.shape[-1], k))
+        return chosen(scores, k)
+
+    monkeypatch.setattr(far_blocks, "largest", spy)
+    q, k, v = qkv(2, 2, 240, 240, 4, 3, seed=5)
+    config = RetrievalConfig(window=6, sinks=1, blocks=4, block=2)
+    out = retrieval_attention(q, k, v, config=config)
+    assert calls and all(rows >= 256 and 96 <= n < 256 for rows, n, _ in calls)  # the padded path ran
+    mask = visible(q, k, None, False, config)
+    expected = full_attention(q, k, v, attn_mask=mask).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    assert (out - expected).abs().max() <= 1e-10
+
+
 def test_the_largest_bounds_by_rounds_of_max_are_topk_s_and_the_oracle_s_blocks(monkeypatch):
     """``far_blocks.largest``: for a few of at most 128 in many rows, k rounds of max; the same
     values and index sets as ``torch.topk``, of equal values the lower index, and where fewer are

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["attend_rows", "block_bounds", "dense_rows", "kernel_inputs", "lola", "quest_bound", "retrieval_chunk"]
 
 _CHUNK = 64  # positions per chunk of the kernel part's causal product (linear's default)
+_SORTED_ROWS = 256  # rows from which ``largest`` picks its method by the row's length (fewer: topk)
 
 
 def block_bounds(kb: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
@@ -345,13 +346,22 @@ def _chosen(
 
 def largest(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` largest of ``scores`` along the last dim and their indices, in no set order
-    (``torch.topk(sorted=False)``'s): on the CPU, for a few (``k`` ≤ 4) of at most 128 in many
-    rows, by ``k`` rounds of max, each setting its pick to −inf in ``scores`` (overwritten; of equal
-    values the lower index first, as ``torch.max``), where ``topk`` took twice the time or more
-    (docs/performance.md); else ``topk``. Where fewer than ``k`` are finite, the −inf ones taken
-    may repeat an index."""
-    rows = scores.numel() // max(1, scores.shape[-1])
-    if not (scores.is_cpu and k <= 4 and scores.shape[-1] <= 128 and rows >= 256):
+    (``torch.topk(sorted=False)``'s). On the CPU, in many rows (``_SORTED_ROWS``): torch's top-k
+    runs a partial sort from ``64·k`` entries a row on, and below that a selection over the whole
+    row, about three times slower an entry (docs/performance.md), so a row of ``3/8 · 64·k`` entries
+    or more, with ``k`` ≥ 2, is padded to ``64·k`` with −inf first (an index picked in the padding,
+    where fewer than ``k`` are finite, is clamped to the row's last); a few (``k`` ≤ 4) of at most
+    128 otherwise by ``k`` rounds of max, each setting its pick to −inf in ``scores`` (overwritten;
+    of equal values the lower index first, as ``torch.max``), where ``topk`` took twice the time
+    or more; else ``topk``. Where fewer than ``k`` are finite, the −inf ones taken may repeat an
+    index."""
+    n = scores.shape[-1]
+    many = scores.is_cpu and scores.numel() // max(1, n) >= _SORTED_ROWS
+    if many and k >= 2 and 3 * 64 * k <= 8 * n < 8 * 64 * k:
+        padded = torch.nn.functional.pad(scores, (0, 64 * k - n), value=float("-inf"))
+        values, indices = padded.topk(k, dim=-1, sorted=False)
+        return values, indices.clamp_(max=n - 1)
+    if not (many and k <= 4 and n <= 128):
         return scores.topk(k, dim=-1, sorted=False)
     values, indices = [], []
     for _ in range(k):
