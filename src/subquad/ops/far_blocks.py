@@ -340,7 +340,7 @@ def _chosen(
     bound = quest_bound(q.detach(), torch.cat([high, low], -1))
     if config.shared > 1:  # a group ranks blocks by its heads' bounds summed
         bound = bound.view(bound.shape[0], -1, config.shared, *bound.shape[2:]).sum(2)
-    top, index = largest(bound.masked_fill(~eligible, float("-inf")), min(config.blocks, n))
+    top, index = largest(bound.masked_fill_(~eligible, float("-inf")), min(config.blocks, n))  # bound: this call's
     return index, torch.isfinite(top)
 
 
