@@ -155,7 +155,7 @@ def test_the_cache_s_layers_follow_the_layers_mechanisms_and_hold_what_the_mecha
     assert cache_bytes(cache) == cache.nbytes == sizes[1][0] + 2 * cache.layers[1].keys.nbytes
 
 
-def test_retrieval_s_cache_keeps_grouped_keys_unrepeated_with_an_eighth_of_room_in_whole_blocks():
+def test_retrieval_s_cache_keeps_grouped_keys_unrepeated_with_an_eighth_of_room():
     model = hf.use(llama(), "retrieval", window=3, sinks=1, blocks=2, block=4)
     cache = SubquadCache(model)
     logits = model(tokens(1, 40), cache=cache).logits
@@ -163,7 +163,7 @@ def test_retrieval_s_cache_keeps_grouped_keys_unrepeated_with_an_eighth_of_room_
     decoder = cache.layers[0].decoder
     heads = model.config.num_key_value_heads
     assert heads < model.config.num_attention_heads
-    assert decoder.keys.shape[:3] == (1, heads, 60) and decoder.known.tolist() == [10]  # 41 + 16, to blocks of 4
+    assert decoder.keys.shape[:3] == (1, heads, 41 + 16) and decoder.known.tolist() == [10]
     with pytest.raises(ValueError, match=f"the cache holds keys of {heads} key/value heads, got 4; start a new"):
         q = torch.zeros(1, 4, 1, decoder.keys.shape[-1])
         decoder.step(q, q, q)

@@ -407,11 +407,12 @@ def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share
         torch.testing.assert_close(torch.cat(outs, dim=2), expected, rtol=0, atol=1e-12)
 
 
-def test_a_step_gathers_every_row_s_and_head_s_blocks_in_one_call_from_a_cache_kept_in_whole_blocks():
-    """``RetrievalCache`` grows its keys in whole blocks, so a step's chosen blocks of all rows and
-    key/value heads are rows of one matrix over the storage: one ``index_select`` each for keys and
-    values, where keys not so held (a view starting mid-block, a capacity of no whole blocks) are
-    gathered head by head; both give the same blocks, and the step the parallel pass's last query."""
+def test_a_step_gathers_every_row_s_and_unit_s_keys_in_one_call_a_tensor():
+    """A gathered step reads each unit's sinks, window and chosen blocks, of all rows and units, with
+    one ``index_select`` for keys and one for values over the cache's storage, and equals the
+    parallel pass's last query. ``_gathered`` reads any view whose tokens are rows of its storage
+    (one starting mid-block, a length of no whole blocks) in place and copies other layouts
+    (tokens not rows of F from the storage's start) first; all give each unit its key/value head's tokens."""
     from unittest import mock
 
     import subquad.ops.far_step as far_step
@@ -428,21 +429,23 @@ def test_a_step_gathers_every_row_s_and_head_s_blocks_in_one_call_from_a_cache_k
         mock.patch.object(far_step.torch, "index_select", lambda *a, **kw: selects.append(1) or select(*a, **kw)),
     ):
         outs = [decoder.step(*(x[:, :, t : t + 1] for x in (q, k, v))) for t in (38, 39, 40)]
-    assert decoder.keys.shape[2] % 4 == 0 and len(selects) == 2 * 3  # keys and values, one call each a step
+    assert len(selects) == 2 * 3  # keys and values, one call each a step
     expected = retrieval_attention(q, k, v, is_causal=True, config=config, enable_gqa=True)[:, :, -3:]
     torch.testing.assert_close(torch.cat(outs, dim=2), expected, rtol=0, atol=1e-12)
 
-    index = torch.tensor([[[0, 5], [3, 1], [2, 2], [6, 0]], [[1, 1], [0, 4], [5, 3], [2, 6]]])  # (B, U, chosen)
-    held = torch.randn(2, 2, 32, 8, dtype=torch.float64)  # 8 blocks of 4 keys a head
-    for x, calls in ((held[:, :, :29], 1), (held[:, :, 2:], 4), (held[:, :, :30].contiguous(), 4)):
-        selects.clear()
-        with mock.patch.object(far_step.torch, "index_select", lambda *a, **kw: selects.append(1) or select(*a, **kw)):
-            got = far_step._gathered(x, index, 2, 4, "test.blocks").clone()
-        assert len(selects) == calls
+    tokens = torch.tensor([[[0, 5, 9], [3, 1, 1], [2, 27, 8], [6, 0, 4]], [[1, 1, 0], [0, 4, 7], [5, 3, 2], [2, 6, 9]]])
+    held = torch.randn(2, 2, 32, 8, dtype=torch.float64)
+    copies, clone = [], torch.Tensor.clone
+    shifted = torch.randn(held.numel() + 3, dtype=torch.float64)[3:].view(held.shape)  # rows start mid-row
+    for x, copied in ((held[:, :, :29], False), (held[:, :, 2:], False),
+                      (held.transpose(2, 3).contiguous().transpose(2, 3), True), (shifted, True)):  # fmt: skip
+        copies.clear()
+        with mock.patch.object(torch.Tensor, "clone", lambda t, **kw: copies.append(1) or clone(t, **kw)):
+            got = clone(far_step._gathered(x, tokens, 2, "test.tokens"))
+        assert bool(copies) == copied
         for b in range(2):
             for u in range(4):
-                want = torch.cat([x[b, u // 2, 4 * i : 4 * i + 4] for i in index[b, u].tolist()])
-                assert torch.equal(got[b, u], want)
+                assert torch.equal(got[b, u], x[b, u // 2, tokens[b, u]])
 
 
 @pytest.mark.parametrize("knobs", [dict(retrieval_step_dense=9, retrieval_step_in_place=1),

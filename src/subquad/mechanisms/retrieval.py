@@ -212,8 +212,8 @@ class RetrievalCache(Decoder):
                              "start a new cache for a new batch")  # fmt: skip
         even = self.held is not None  # every row holds as many tokens (counted on the host: no sync)
         needed = (self.held if even else int(self.filled.max())) + T
-        if needed > self.keys.shape[2]:  # an eighth more room, in whole blocks (one_query gathers them in one call)
-            grow = -(-room_for(needed) // self.config.block) * self.config.block - self.keys.shape[2]
+        if needed > self.keys.shape[2]:  # an eighth more room (a copy per eighth: O(1) per token, amortised)
+            grow = room_for(needed) - self.keys.shape[2]
             self.keys, self.values = (torch.nn.functional.pad(x, (0, 0, 0, grow)) for x in (self.keys, self.values))
         at = None if even else self.filled[:, None, None, None] + torch.arange(T, device=q.device)[:, None]
         for held, new in ((self.keys, k), (self.values, v)):  # all rows at one slice, else each row after its own

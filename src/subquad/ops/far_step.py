@@ -1,8 +1,8 @@
 """Decoding's step for ``retrieval`` (``mechanisms.retrieval``'s ``RetrievalCache``): one new query
 per row over its cached keys, the same choice of far blocks and the same softmax as the parallel
 pass (``ops.far_blocks``), on a few dozen operations. Where the cache is short, every key is read
-in place under the mask of those the query sees (one sdpa call); else the chosen blocks are
-gathered, whole rows of each key/value head's keys.
+in place under the mask of those the query sees (one sdpa call); else each unit's sinks, window and
+chosen blocks are gathered in one call a tensor.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ def one_query(
     """Decoding's step: the output ``(B, H, 1, Dv)`` of each row's last query (at p = S − 1) over its
     keys ``k``, ``v`` ``(B, Hk, S, ·)`` (no padding), given the bounds ``[high, low]`` ``(B, Hk,
     S // block, 2D)`` of its whole blocks: ``retrieval_chunk``'s choice of blocks (the eligible ones
-    of highest bound) and its softmax over the sinks, the window and those blocks. The window's keys
-    are read by each key/value head's query heads together and the chosen blocks' once per unit, in
-    one softmax over both parts' scores: nothing is repeated to the query heads or concatenated but
-    the scores. ``kernel`` (a feature map): hedgehog's state or None, and the sums ``Σ φ(k) [v, 1]ᵀ``
+    of highest bound) and its softmax over the sinks, the window and those blocks. Each unit's keys
+    (the sinks, the window, then its chosen blocks) are gathered in one call a tensor for all rows
+    and units (``_gathered``) and read by the unit's query heads together in one softmax: a
+    handful of operations a step, whose fixed cost is what a step costs at these sizes.
+    ``kernel`` (a feature map): hedgehog's state or None, and the sums ``Σ φ(k) [v, 1]ᵀ``
     ``(B, H, F, Dv + 1)`` over the keys beyond the window, less sinks; the chosen blocks' share is
     taken out (``lola``)."""
     B, H, _, D = q.shape
@@ -51,71 +52,64 @@ def one_query(
     picked = _step_blocks(q, bounds, config, lo // size)
     if picked is not None and kernel is None and _in_place(Hk, S, picked[0][0].numel() * size):
         return _one_query_dense(q, k, v, *picked, scale, (w, s, size)).to(q.dtype)
-    mine = q.to(work) * (D**-0.5 if scale is None else scale)
-    near = [torch.cat([x[:, :, : min(s, lo)], x[:, :, lo:]], dim=2).to(work) for x in (k, v)]  # (B, Hk, m, ·)
-    scores = [torch.matmul(mine.view(B, Hk, per, D), near[0].transpose(-1, -2)).view(B, H, 1, -1)]
-    far, chosen, shared = None, None, 1
-    if picked is not None:
-        index, shared = picked
-        units, g = H // shared, per // shared  # g: units per key/value head
-        named = ((k, "retrieval.keys"), (v, "retrieval.values"))  # the thread's kept buffers they are gathered into
-        far = [_gathered(x, index, g, size, name).to(work) for x, name in named]  # (B, U, chosen · size, ·)
-        scores.append(torch.matmul(mine.view(B, units, shared, D), far[0].transpose(-1, -2)).view(B, H, 1, -1))
-        sinks = None
-        if s % size:  # block s // size holds sinks, which the window part has counted: hidden where chosen
-            first, taken = s // size, index == s // size  # (B, U, chosen)
-            part = scores[1].view(B, units, shared, -1, size)[..., : s - first * size]
-            part.masked_fill_(taken[:, :, None, :, None], float("-inf"))
-            if kernel is not None:
-                sinks = (taken[..., None] & (torch.arange(size, device=q.device) < s - first * size)).flatten(2)
-        if kernel is not None:  # the chosen keys and values by query head, and which count (not sinks)
-            counted = None if sinks is None else ~sinks
-            chosen = tuple(None if x is None else x.repeat_interleave(shared, dim=1) for x in (*far, counted))
-    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)  # (B, H, 1, m + chosen · size)
-    m = near[0].shape[2]
-    out = torch.matmul(weights[..., :m].reshape(B, Hk, per, m), near[1]).view(B, H, 1, -1)
-    if far is not None:
-        out = out + torch.matmul(weights[..., m:].reshape(B, H // shared, shared, -1), far[1]).view(B, H, 1, -1)
+    index, shared = picked if picked is not None else (None, per)  # no far block: a unit per key/value head
+    units, m = H // shared, S - lo + min(s, lo)
+    tokens = torch.arange(lo - min(s, lo), S, device=q.device)  # the sinks, then the window: m keys
+    if min(s, lo):
+        tokens[: min(s, lo)] = torch.arange(min(s, lo), device=q.device)
+    tokens = tokens.expand(B, units, m)
+    if index is not None:  # then each unit's chosen blocks
+        tokens = torch.cat([tokens, (index[..., None] * size + _offsets(size, q.device)).view(B, units, -1)], -1)
+    named = ((k, "retrieval.keys"), (v, "retrieval.values"))  # the thread's kept buffers they are gathered into
+    keys, values = (_gathered(x, tokens, per // shared, name).to(work) for x, name in named)  # (B, U, M, ·)
+    mine = q.to(work).view(B, units, shared, D) * (D**-0.5 if scale is None else scale)
+    scores = torch.matmul(mine, keys.transpose(-1, -2))  # (B, U, shared, M): one softmax over both parts
+    chosen, sinks = None, None
+    if index is not None and s % size:  # block s // size holds sinks, which the window part has counted
+        first, taken = s // size, index == s // size  # (B, U, chosen): hidden where chosen
+        part = scores[..., m:].view(B, units, shared, -1, size)[..., : s - first * size]
+        part.masked_fill_(taken[:, :, None, :, None], float("-inf"))
+        if kernel is not None:
+            sinks = (taken[..., None] & (torch.arange(size, device=q.device) < s - first * size)).flatten(2)
+    if index is not None and kernel is not None:  # the chosen keys and values by query head, and which count
+        far = (keys[:, :, m:], values[:, :, m:], None if sinks is None else ~sinks)
+        chosen = tuple(None if x is None else x.repeat_interleave(shared, dim=1) for x in far)
+    out = torch.matmul(torch.softmax(scores, dim=-1), values).view(B, H, 1, -1)
     if kernel is not None:
         out = _one_query_kernel(q, out, chosen, config.feature_map, *kernel, max(0, S - w - s))
     return out.to(q.dtype)
 
 
-def _gathered(x: Tensor, index: Tensor, g: int, size: int, name: str) -> Tensor:
-    """Each unit's chosen blocks ``index`` ``(B, U, chosen)`` of ``x`` ``(B, Hk, S, ·)``, ``(B, U,
-    chosen · size, ·)`` (g: units per key/value head), read as whole rows of its head's blocks (of
-    all rows and heads in one call where every head's keys start on a block of their storage, as
-    ``RetrievalCache`` keeps them; else head by head) straight into
-    ``kernels.memory.kept_buffer(name, …)`` (``index_select`` with ``out``; on the CPU the thread's
-    kept buffer, elsewhere or past ``TUNING.kept_buffer`` a fresh tensor): a fresh
-    output of a few megabytes faults its pages in again at the steps where the heap has given them
-    back (SmolLM2 at 8,192 tokens: 230 minor faults a token, 18 with the kept buffers)."""
-    (B, units, chosen), Hk = index.shape, x.shape[1]
-    out = kept_buffer(name, B * units * chosen * size * x.shape[-1], x.dtype, x.device)
-    out = out.view(B, units, chosen * size, x.shape[-1])
-    row = size * x.shape[-1]  # elements of a block
-    sB, sH, sS, sF = x.stride()
-    if sF == 1 and sS == x.shape[-1] and sB % row == 0 and sH % row == 0 and x.storage_offset() % row == 0:
-        # every row's and head's blocks are rows of one matrix over the storage: one index_select for all
-        held = x.untyped_storage().nbytes() // x.element_size() // row
-        blocks = x.as_strided((held, row), (row, 1), 0)
-        first = _block_rows(B, units, g, sB // row, sH // row, x.storage_offset() // row, x.device)  # (B, U, 1)
-        torch.index_select(blocks, 0, (index + first).view(-1), out=out.view(-1, row))
-        return out
-    for b in range(B):  # else block by block of each row and key/value head
-        for h in range(Hk):
-            blocks = x[b, h, : x.shape[2] // size * size].reshape(-1, size * x.shape[-1])
-            rows = out[b, h * g : h * g + g].view(g * chosen, -1)
-            torch.index_select(blocks, 0, index[b, h * g : h * g + g].flatten(), out=rows)
-    return out
+def _gathered(x: Tensor, tokens: Tensor, g: int, name: str) -> Tensor:
+    """Each unit's keys ``tokens`` ``(B, U, M)`` (positions) of ``x`` ``(B, Hk, S, F)``, ``(B, U, M, F)``
+    (g: units per key/value head): the sinks, the window and the chosen blocks of all rows and
+    units in one ``index_select`` over the storage of ``x`` read as rows of ``F`` (copied contiguous
+    first where its tokens are not such rows), straight into ``kernels.memory.kept_buffer(name, …)``
+    (on the CPU the thread's kept buffer, elsewhere or past ``TUNING.kept_buffer`` a fresh tensor):
+    a fresh output of a few megabytes faults its pages in again at the steps where the heap has
+    given them back (SmolLM2 at 8,192 tokens: 230 minor faults a token, 18 with the kept buffers)."""
+    (B, units, M), F = tokens.shape, x.shape[-1]
+    if not (x.stride(3) == 1 and x.stride(2) == F and all(n % F == 0 for n in (*x.stride()[:2], x.storage_offset()))):
+        x = x.clone(memory_format=torch.contiguous_format)  # its own storage, from row 0
+    rows = x.as_strided((x.untyped_storage().nbytes() // x.element_size() // F, F), (F, 1), 0)
+    first = _first_rows(B, units, g, x.stride(0) // F, x.stride(1) // F, x.storage_offset() // F, x.device)
+    out = kept_buffer(name, B * units * M * F, x.dtype, x.device).view(-1, F)
+    torch.index_select(rows, 0, (tokens + first).view(-1), out=out)
+    return out.view(B, units, M, F)
 
 
 @functools.lru_cache(maxsize=64)
-def _block_rows(B: int, units: int, g: int, row_stride: int, head_stride: int, offset: int, device) -> Tensor:
-    """``_gathered``'s first block row of each row's units ``(B, U, 1)`` (unit u reads key/value
-    head u // g), in blocks of the storage."""
+def _first_rows(B: int, units: int, g: int, row_stride: int, head_stride: int, offset: int, device) -> Tensor:
+    """``_gathered``'s storage row of each row's units' key 0 ``(B, U, 1)`` (unit u reads key/value
+    head u // g), in rows of the storage."""
     rows = torch.arange(B, device=device)[:, None] * row_stride
     return (rows + torch.arange(units, device=device)[None] // g * head_stride + offset)[..., None]
+
+
+@functools.lru_cache(maxsize=16)
+def _offsets(size: int, device) -> Tensor:
+    """``0 … size − 1``: the positions within a block."""
+    return torch.arange(size, device=device)
 
 
 def _step_blocks(q: Tensor, bounds: Tensor, config: Config, e: int) -> tuple[Tensor, int] | None:
