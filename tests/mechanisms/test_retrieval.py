@@ -275,12 +275,21 @@ def test_retrieval_is_registered_with_its_options():
         RetrievalConfig(blocks=0)
 
 
-def test_decoding_computes_only_new_blocks_bounds_and_returns_what_a_fresh_call_returns(monkeypatch):
+@pytest.mark.parametrize("gather", [False, True])
+def test_decoding_computes_only_new_blocks_bounds_and_returns_what_a_fresh_call_returns(monkeypatch, gather):
     """A step reads the bounds of the blocks whole at the last step from the cache and computes
     only those completed since (and, for several tokens, the partial last block): its output is the
     mechanism's called afresh on the row's real keys (a step of one token is one sdpa call: the
-    same up to rounding), a left-padded row included, in steps of 1 and 3."""
+    same up to rounding), a left-padded row included, in steps of 1 and 3; with every key read in
+    place, and with each row's keys gathered (rows of uneven lengths step one by one, from views
+    that start at their row's storage)."""
+    import contextlib
+
     import subquad.mechanisms.retrieval as retrieval
+    import subquad.ops.far_step as far_step
+
+    def knobs():
+        return tuned(retrieval_step_dense=1, retrieval_step_in_place=1) if gather else contextlib.nullcontext()
 
     config = RetrievalConfig(window=5, sinks=2, blocks=2, block=4)
     q, k, v = qkv(2, 2, 40, 40, 8, 3, seed=7)
@@ -289,13 +298,16 @@ def test_decoding_computes_only_new_blocks_bounds_and_returns_what_a_fresh_call_
     rows = [(k[b : b + 1, :, kpm[b]], v[b : b + 1, :, kpm[b]]) for b in range(2)]  # each row's real tokens
     decoder = retrieval.RetrievalCache(subquad.get_mechanism("retrieval"), config, None)
     decoder.absorb(q[:, :, :17], k[:, :, :17], v[:, :, :17], key_padding_mask=kpm[:, :17])
-    counted, real = [], kpm[:, :17].sum(1).tolist()
+    counted, real, gathers = [], kpm[:, :17].sum(1).tolist(), []
     monkeypatch.setattr(retrieval, "block_bounds", lambda kb, c: counted.append(kb.shape[2]) or block_bounds(kb, c))
+    gathered = far_step._gathered
+    monkeypatch.setattr(far_step, "_gathered", lambda *a: gathers.append(a[0].storage_offset()) or gathered(*a))
     t = 17
     for T in (1, 1, 3, 1, 1, 1, 3, 1, 3, 1, 1, 1, 3, 1, 1):
         counted.clear()
         before = decoder.known.tolist()  # none at the first step: the prefill computed no bounds
-        out = decoder.step(q[:, :, t : t + T], k[:, :, t : t + T], v[:, :, t : t + T])
+        with knobs():
+            out = decoder.step(q[:, :, t : t + T], k[:, :, t : t + T], v[:, :, t : t + T])
         new = [(n + T) // 4 - w + 1 for n, w in zip(real, before)]  # each row's blocks completed, and its partial one
         assert sum(counted) <= sum(new), (t, counted, new)
         for b in range(2):
@@ -306,6 +318,7 @@ def test_decoding_computes_only_new_blocks_bounds_and_returns_what_a_fresh_call_
             real[b] = n
         t += T
     assert decoder.known.tolist() == [n // 4 for n in real]
+    assert bool(gathers) == gather and (not gather or max(gathers) > 0)  # row 1's view starts past row 0's
     for b in range(2):
         keys = rows[b][0][:, :, : real[b] // 4 * 4]
         held = torch.arange(keys.shape[2]).view(1, -1, 4) >= config.sinks
@@ -369,8 +382,11 @@ def test_a_one_token_step_is_the_parallel_pass_s_last_query(S, window, sinks, bl
     assert decoder.keys.shape[1] == kv
 
 
+@pytest.mark.parametrize("shared", [1, 2])
 @pytest.mark.parametrize("feature_map", ["none", "elu"])
-def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share_the_thread_s_buffers(feature_map):
+def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share_the_thread_s_buffers(
+    feature_map, shared
+):
     """The chosen blocks of a step are gathered into the thread's kept buffers: two caches (batches
     of 2, of different lengths) stepping in turn, each step's gather overwriting the other's, still
     give each step the parallel pass's last query, with and without a kernel part over the rest,
@@ -382,7 +398,7 @@ def test_decoders_stepping_in_turn_keep_their_outputs_though_their_gathers_share
     import subquad.ops.far_step as far_step
     from subquad.mechanisms.retrieval import RetrievalCache
 
-    config = RetrievalConfig(window=4, sinks=1, blocks=2, block=4, feature_map=feature_map)
+    config = RetrievalConfig(window=4, sinks=1, blocks=2, block=4, feature_map=feature_map, shared=shared)
     runs = []
     for S, seed in ((40, 1), (57, 2)):
         q, k, v = qkv(2, 4, S, S, 8, 8, seed=seed)

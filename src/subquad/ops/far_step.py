@@ -131,7 +131,8 @@ def _step_blocks(q: Tensor, bounds: Tensor, config: Config, e: int) -> tuple[Ten
 
 def _in_place(Hk: int, S: int, gathered: int) -> bool:
     """Whether a step reads all its ``S`` keys per key/value head in place rather than gathering
-    its chosen blocks (``gathered`` keys for all units of a row): for a short cache
+    each unit's sinks, window and chosen blocks (``gathered``: the chosen blocks' keys of all units
+    of a row, the part that grows with ``blocks``): for a short cache
     (``TUNING.retrieval_step_in_place``: a gather's fixed cost), or where the keys of all key/value
     heads number at most ``TUNING.retrieval_step_dense`` times those gathered (SmolLM2's steps in
     docs/performance.md)."""
