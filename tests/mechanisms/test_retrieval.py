@@ -464,14 +464,15 @@ def test_a_step_gathers_every_row_s_and_unit_s_keys_in_one_call_a_tensor():
                 assert torch.equal(got[b, u], x[b, u // 2, tokens[b, u]])
 
 
-@pytest.mark.parametrize("knobs", [dict(retrieval_step_dense=9, retrieval_step_in_place=1),
+@pytest.mark.parametrize("knobs", [dict(retrieval_step_dense=4, retrieval_step_in_place=1),
                                    dict(retrieval_step_dense=1, retrieval_step_in_place=144)])  # fmt: skip
 @pytest.mark.parametrize("S, gathers", [(144, False), (145, True), (200, True)])
 def test_a_step_reads_a_short_cache_or_few_keys_per_chosen_key_in_place_then_gathers(knobs, S, gathers):
     """The step's crossover: 2 key/value heads × S keys read in place while S is at most
-    ``retrieval_step_in_place`` or 2 · S at most ``retrieval_step_dense`` × 4 heads × 2 chosen
-    blocks × 4 keys (here each term alone puts it at S = 144); past it the blocks are gathered.
-    Either way the output is the parallel pass's last query."""
+    ``retrieval_step_in_place`` or 2 · S at most ``retrieval_step_dense`` times the keys a gather
+    reads, 4 units × (2 sinks + a window of 8 + 2 chosen blocks × 4 keys) (here each term alone puts
+    it at S = 144); past it they are gathered. Either way the output is the parallel pass's last
+    query."""
     from unittest import mock
 
     import subquad.ops.far_step as far_step

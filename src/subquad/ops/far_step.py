@@ -50,10 +50,11 @@ def one_query(
         if taken is not None:
             return taken.to(q.dtype)
     picked = _step_blocks(q, bounds, config, lo // size)
-    if picked is not None and kernel is None and _in_place(Hk, S, picked[0][0].numel() * size):
+    m = S - lo + min(s, lo)  # the sinks' and the window's keys
+    if picked is not None and kernel is None and _in_place(Hk, S, picked[0].shape[1] * (m + picked[0].shape[2] * size)):
         return _one_query_dense(q, k, v, *picked, scale, (w, s, size)).to(q.dtype)
     index, shared = picked if picked is not None else (None, per)  # no far block: a unit per key/value head
-    units, m = H // shared, S - lo + min(s, lo)
+    units = H // shared
     tokens = torch.arange(lo - min(s, lo), S, device=q.device)  # the sinks, then the window: m keys
     if min(s, lo):
         tokens[: min(s, lo)] = torch.arange(min(s, lo), device=q.device)
@@ -131,11 +132,10 @@ def _step_blocks(q: Tensor, bounds: Tensor, config: Config, e: int) -> tuple[Ten
 
 def _in_place(Hk: int, S: int, gathered: int) -> bool:
     """Whether a step reads all its ``S`` keys per key/value head in place rather than gathering
-    each unit's sinks, window and chosen blocks (``gathered``: the chosen blocks' keys of all units
-    of a row, the part that grows with ``blocks``): for a short cache
-    (``TUNING.retrieval_step_in_place``: a gather's fixed cost), or where the keys of all key/value
-    heads number at most ``TUNING.retrieval_step_dense`` times those gathered (SmolLM2's steps in
-    docs/performance.md)."""
+    each unit's sinks, window and chosen blocks (``gathered``: their keys for all units of a row):
+    for a short cache (``TUNING.retrieval_step_in_place``: a gather's fixed cost), or where the keys
+    of all key/value heads number at most ``TUNING.retrieval_step_dense`` times those gathered
+    (SmolLM2's steps in docs/performance.md)."""
     return S <= TUNING.retrieval_step_in_place or Hk * S <= TUNING.retrieval_step_dense * gathered
 
 
