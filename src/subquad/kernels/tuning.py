@@ -108,9 +108,8 @@ class Tuning:
     retrieval_rows: int = _knob(64, "retrieval: query rows scored together against one far block (a segment)")
     retrieval_window_block: int = _knob(64, "retrieval with gradients: queries scored together against their window")
     retrieval_step_dense: int = _knob(
-        1, "retrieval's decoding step reads every key in place under a mask (one sdpa call) where the keys of all "
-        "key/value heads number at most this many times the keys it would gather (each unit's sinks, window and "
-        "chosen blocks); else it gathers them",
+        1, "retrieval's decoding step reads every key in place under a mask (one sdpa call) where they number at most "
+        "this many times those it would gather (each unit's sinks, window and chosen blocks); else it gathers them",
     )  # fmt: skip
     retrieval_step_in_place: int = _knob(1024, "retrieval's decoding step reads a cache of up to this many "
                                          "keys in place whatever it chose (a gather's fixed cost)")  # fmt: skip
